@@ -1,0 +1,88 @@
+"""nbaccel: run an ordinary PyTorch training function on every device from a notebook.
+
+Importing this package is cheap and side-effect free: it does not import torch,
+initialise CUDA, start threads or configure logging. Public names are resolved
+lazily on first access.
+
+Example:
+    >>> from nbaccel import Accelerator, notebook_launcher  # doctest: +SKIP
+    >>> def train():
+    ...     accelerator = Accelerator()
+    ...     ...
+    >>> notebook_launcher(train, num_processes=2)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> submodule that defines it (one source of truth for lazy loading)
+_EXPORTS: dict[str, str] = {
+    "Accelerator": "accelerator",
+    "notebook_launcher": "launcher",
+    "debug_launcher": "launcher",
+    "LaunchHandle": "launcher",
+    "DistributedType": "state",
+    "ProcessState": "state",
+    "LaunchConfig": "config",
+    "AutocastKwargs": "options",
+    "DataLoaderConfiguration": "options",
+    "DistributedDataParallelKwargs": "options",
+    "GradScalerKwargs": "options",
+    "InitProcessGroupKwargs": "options",
+    "ProjectConfiguration": "options",
+    "set_seed": "rng",
+    "skip_first_batches": "data",
+    "load_checkpoint_in_model": "checkpoint",
+    "tqdm": "progress",
+    "GeneralTracker": "trackers",
+    "NbaccelError": "errors",
+    "ConfigError": "errors",
+    "LaunchError": "errors",
+    "CUDAInitializedError": "errors",
+    "WorkerError": "errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .accelerator import Accelerator
+    from .checkpoint import load_checkpoint_in_model
+    from .config import LaunchConfig
+    from .data import skip_first_batches
+    from .errors import (
+        ConfigError,
+        CUDAInitializedError,
+        LaunchError,
+        NbaccelError,
+        WorkerError,
+    )
+    from .launcher import LaunchHandle, debug_launcher, notebook_launcher
+    from .options import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ProjectConfiguration,
+    )
+    from .progress import tqdm
+    from .rng import set_seed
+    from .state import DistributedType, ProcessState
+    from .trackers import GeneralTracker
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

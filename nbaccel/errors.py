@@ -1,0 +1,83 @@
+"""Exception types raised by nbaccel.
+
+Misuse raises ``ValueError``/``TypeError`` subclasses; a bad environment raises
+``RuntimeError`` subclasses. Every message names the offending value and the fix.
+
+Example:
+    >>> from nbaccel.errors import ConfigError
+    >>> try:
+    ...     raise ConfigError("num_processes=0 is invalid: pass an int >= 1")
+    ... except ValueError as err:
+    ...     print(type(err).__name__)
+    ConfigError
+"""
+
+from __future__ import annotations
+
+
+class NbaccelError(Exception):
+    """Base class of every error nbaccel raises on purpose."""
+
+
+class ConfigError(NbaccelError, ValueError):
+    """A configuration value (argument, environment variable or YAML key) is invalid."""
+
+
+class LaunchError(NbaccelError, RuntimeError):
+    """Workers could not be started, could not rendezvous, or were lost."""
+
+
+class CUDAInitializedError(LaunchError):
+    """CUDA was initialised in this process before a fork-based launch.
+
+    Forking a process whose CUDA driver is initialised gives children a broken
+    CUDA context, so the launcher refuses *before* forking.
+    """
+
+
+class WorkerError(LaunchError):
+    """A worker process failed; carries the remote rank, pid and traceback.
+
+    Args:
+        rank: global rank of the failing worker.
+        pid: its process id.
+        exc_type: qualified name of the remote exception type.
+        message: ``str()`` of the remote exception.
+        remote_traceback: the formatted traceback text from the worker.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        pid: int | None,
+        exc_type: str,
+        message: str,
+        remote_traceback: str = "",
+    ) -> None:
+        self.rank = rank
+        self.pid = pid
+        self.exc_type = exc_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        head = f"rank {self.rank} (pid {self.pid}) failed with {self.exc_type}: {self.message}"
+        if self.remote_traceback:
+            return f"{head}\n\nRemote traceback (rank {self.rank}):\n{self.remote_traceback}"
+        return head
+
+    def __reduce__(self):  # keep picklable across process boundaries
+        return (
+            type(self),
+            (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback),
+        )
+
+
+__all__ = [
+    "CUDAInitializedError",
+    "ConfigError",
+    "LaunchError",
+    "NbaccelError",
+    "WorkerError",
+]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv with a CPU torch and nbaccel (editable) plus the notebook and test extras.
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# torch is pinned for the dev/test environment only: 2.13.0 is the local CPU build here;
+# an unpinned torch would pull several GB of CUDA packages. nbaccel itself accepts torch>=2.4.
+TORCH_SPEC=${NBACCEL_TORCH_SPEC:-torch==2.13.0}
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q "$TORCH_SPEC"
+.venv/bin/python -m pip install -q -e ".[notebook,test]"

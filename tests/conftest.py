@@ -1,0 +1,61 @@
+"""Fixtures shared by the whole suite.
+
+Autouse fixtures restore the environment and working directory, destroy any
+process group a test left behind, and fail a test that leaks child processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+
+def _children() -> dict[int, str]:
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            out[child.pid] = " ".join(child.cmdline()[:4])
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state():
+    env = dict(os.environ)
+    cwd = os.getcwd()
+    before = set(_children())
+    yield
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        import sys
+
+        if "torch.distributed" in sys.modules:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+    except Exception:
+        pass
+    # Workers get a short grace period to exit; anything still alive is a leak.
+    deadline = time.monotonic() + 5
+    leaked = {}
+    while time.monotonic() < deadline:
+        leaked = {pid: cmd for pid, cmd in _children().items() if pid not in before}
+        if not leaked:
+            break
+        time.sleep(0.1)
+    if leaked:
+        for pid in leaked:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        pytest.fail(f"test left child processes running: {leaked}")
