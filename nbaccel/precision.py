@@ -52,6 +52,10 @@ class Precision(Protocol):
         """Restore what :meth:`state_dict` returned."""
         ...
 
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Adapt ``model`` for this precision before wrapping (identity except fp8)."""
+        ...
+
 
 class FullPrecision:
     """fp32: plain autocast-free forward, plain backward and step."""
@@ -78,6 +82,9 @@ class FullPrecision:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
 
 
 def make_precision(
