@@ -1,0 +1,485 @@
+"""Drive a real IPython kernel from tests, notebooks checks and benchmarks.
+
+The kernel is an ordinary ``ipykernel`` process started through
+``jupyter_client`` exactly as Jupyter starts one: its own session (process
+group), signal-mode interrupts (SIGINT to the whole group, like the notebook's
+interrupt button), ZMQ channels. It runs ``python`` (by default the interpreter
+running the caller, i.e. ``.venv/bin/python``), so the kernel sees the same
+installed nbaccel.
+
+API:
+    :class:`KernelSession` -- start/stop one kernel (a context manager).
+        ``execute(code, timeout)`` runs a cell and returns a :class:`CellResult`;
+        ``submit(code)`` + ``collect(msg_id, timeout)`` split that in two so a
+        test can ``interrupt()`` a running cell; ``evaluate(expr)`` /
+        ``evaluate_json(expr)`` read a value back; ``descendants()``,
+        ``wait_for_no_descendants()``, ``assert_no_descendants()`` and
+        ``listening_sockets()`` inspect the kernel's live child processes.
+        ``stop()`` shuts the kernel down and kills anything it left behind.
+    :class:`CellResult` -- status, per-name stream text, MIME bundles of
+        display_data / execute_result messages, and the :class:`CellError`.
+    :class:`CellTimeout` -- a cell did not finish in time (carries the partial
+        :class:`CellResult`).
+
+Example:
+    >>> from kernel_harness import KernelSession  # doctest: +SKIP
+    >>> with KernelSession() as kernel:  # doctest: +SKIP
+    ...     kernel.execute("x = 20").raise_for_error()
+    ...     cell = kernel.execute("print(x + 1); x * 2")
+    ...     cell.stdout, cell.text
+    ('21\\n', '40')
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+_KERNEL_NAME = "nbaccel-test-python"
+
+
+def strip_ansi(text: str) -> str:
+    """Remove terminal colour codes (IPython colours tracebacks)."""
+    return _ANSI.sub("", text)
+
+
+@dataclass
+class CellError:
+    """The ``error`` output of a cell: exception name, value and traceback lines."""
+
+    ename: str
+    evalue: str
+    traceback: list[str]
+
+    @property
+    def text(self) -> str:
+        """The whole traceback as plain text (ANSI codes removed)."""
+        return strip_ansi("\n".join(self.traceback))
+
+
+@dataclass
+class CellResult:
+    """Everything one executed cell produced, in arrival order.
+
+    Attributes:
+        code: the cell source.
+        status: ``"ok"``, ``"error"`` or ``"aborted"`` (from the execute_reply).
+        streams: stream name (``"stdout"``/``"stderr"``) -> concatenated text.
+        stream_chunks: ``(name, text)`` for every stream message, in order.
+        outputs: display_data / update_display_data / execute_result /
+            clear_output messages as ``{"msg_type", "data", "metadata", ...}``.
+        error: the error output, if the cell raised.
+        elapsed: seconds from submission to the kernel going idle.
+        reply: the raw execute_reply content (``user_expressions`` etc.).
+    """
+
+    code: str
+    status: str = "unknown"
+    streams: dict[str, str] = field(default_factory=dict)
+    stream_chunks: list[tuple[str, str]] = field(default_factory=list)
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    error: CellError | None = None
+    elapsed: float = 0.0
+    reply: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stdout(self) -> str:
+        return self.streams.get("stdout", "")
+
+    @property
+    def stderr(self) -> str:
+        return self.streams.get("stderr", "")
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        """The MIME bundle of the cell's ``execute_result`` (its last expression), if any."""
+        for out in self.outputs:
+            if out["msg_type"] == "execute_result":
+                return dict(out["data"])
+        return None
+
+    @property
+    def text(self) -> str | None:
+        """``text/plain`` of the execute_result, if any."""
+        bundle = self.result
+        return None if bundle is None else bundle.get("text/plain")
+
+    def displays(self, mime: str | None = None) -> list[dict[str, Any]]:
+        """MIME bundles of display_data/update_display_data outputs (optionally having ``mime``)."""
+        return [
+            dict(out["data"])
+            for out in self.outputs
+            if out["msg_type"] in ("display_data", "update_display_data")
+            and (mime is None or mime in out["data"])
+        ]
+
+    def raise_for_error(self) -> CellResult:
+        """Raise ``AssertionError`` with the cell's output if it did not succeed; else return self."""
+        if self.status != "ok" or self.error is not None:
+            raise AssertionError(f"cell failed ({self.status}):\n{self.describe()}")
+        return self
+
+    def describe(self) -> str:
+        """A readable dump of the cell (source, streams, error) for assertion messages."""
+        parts = [f"--- code ---\n{self.code}"]
+        for name, text in self.streams.items():
+            parts.append(f"--- {name} ---\n{text}")
+        if self.error is not None:
+            parts.append(
+                f"--- error {self.error.ename}: {self.error.evalue} ---\n{self.error.text}"
+            )
+        return "\n".join(parts)
+
+
+class CellTimeout(AssertionError):
+    """A cell did not finish within its time bound; ``.partial`` holds what arrived."""
+
+    def __init__(self, timeout: float, partial: CellResult) -> None:
+        self.partial = partial
+        super().__init__(f"cell did not finish within {timeout}s\n{partial.describe()}")
+
+
+def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.Error:
+            continue
+    return out
+
+
+def describe_processes(procs: list[psutil.Process]) -> str:
+    """``pid: cmdline`` lines for assertion messages."""
+    lines = []
+    for proc in procs:
+        try:
+            lines.append(f"{proc.pid}: {' '.join(proc.cmdline()[:6])} ({proc.status()})")
+        except psutil.Error:
+            lines.append(f"{proc.pid}: <gone>")
+    return "\n".join(lines)
+
+
+class KernelSession:
+    """One real IPython kernel, started with ``python -m ipykernel_launcher``.
+
+    Args:
+        python: interpreter that runs the kernel (default: ``sys.executable``).
+        cwd: working directory of the kernel (default: the caller's).
+        env: environment overrides; a value of ``None`` removes the variable.
+        startup_timeout: seconds to wait for the kernel to answer.
+    """
+
+    def __init__(
+        self,
+        python: str | os.PathLike[str] | None = None,
+        *,
+        cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str | None] | None = None,
+        startup_timeout: float = 60.0,
+    ) -> None:
+        self.python = str(python or sys.executable)
+        self.cwd = str(cwd or os.getcwd())
+        self.env_overrides = dict(env or {})
+        self.startup_timeout = startup_timeout
+        self._km: KernelManager | None = None
+        self._kc: Any = None
+        self._spec_dir: str | None = None
+        self._pending: dict[str, CellResult] = {}
+        self._started_at: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> KernelSession:
+        """Start the kernel and wait until it answers a ``kernel_info`` request."""
+        if self._km is not None:
+            return self
+        self._spec_dir = tempfile.mkdtemp(prefix="nbaccel-kernelspec-")
+        spec_path = Path(self._spec_dir, _KERNEL_NAME)
+        spec_path.mkdir()
+        spec = {
+            "argv": [self.python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "nbaccel test kernel",
+            "language": "python",
+            "interrupt_mode": "signal",
+            "metadata": {"debugger": False},
+        }
+        (spec_path / "kernel.json").write_text(json.dumps(spec))
+        env = dict(os.environ)
+        # debugpy warns about frozen modules on every start; it is noise in stderr.
+        env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        for key, value in self.env_overrides.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        self._km = KernelManager(
+            kernel_name=_KERNEL_NAME,
+            kernel_spec_manager=KernelSpecManager(kernel_dirs=[self._spec_dir]),
+        )
+        self._km.shutdown_wait_time = 4.0
+        try:
+            self._km.start_kernel(cwd=self.cwd, env=env)
+            self._kc = self._km.client()
+            self._kc.start_channels()
+            self._kc.wait_for_ready(timeout=self.startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> list[str]:
+        """Shut the kernel down; kill any descendant it left alive.
+
+        Returns:
+            ``"pid: cmdline"`` of the descendants that had to be killed (empty
+            when the kernel exited cleanly with no leftovers).
+        """
+        leftovers: list[str] = []
+        km, kc = self._km, self._kc
+        self._km = self._kc = None
+        if km is not None:
+            tracked = self.descendants(_km=km)
+            if kc is not None:
+                with contextlib.suppress(Exception):
+                    kc.stop_channels()
+            try:
+                if km.has_kernel:
+                    km.shutdown_kernel(now=False)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    km.shutdown_kernel(now=True)
+            alive = _live(tracked)
+            if alive:
+                leftovers = describe_processes(alive).splitlines()
+                for proc in alive:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+                psutil.wait_procs(alive, timeout=5)
+        if self._spec_dir is not None:
+            shutil.rmtree(self._spec_dir, ignore_errors=True)
+            self._spec_dir = None
+        return leftovers
+
+    def __enter__(self) -> KernelSession:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int:
+        """Process id of the kernel."""
+        km = self._require()
+        provisioner = km.provisioner
+        assert provisioner is not None and provisioner.process is not None
+        return int(provisioner.process.pid)
+
+    def is_alive(self) -> bool:
+        return self._km is not None and bool(self._km.is_alive())
+
+    # ----------------------------------------------------------------- execution
+    def submit(self, code: str, *, user_expressions: Mapping[str, str] | None = None) -> str:
+        """Send ``code`` for execution without waiting; returns the request's msg_id."""
+        self._require()
+        msg_id = self._kc.execute(
+            code, user_expressions=dict(user_expressions or {}), stop_on_error=False
+        )
+        self._pending[msg_id] = CellResult(code=code)
+        self._started_at[msg_id] = time.monotonic()
+        return str(msg_id)
+
+    def collect(self, msg_id: str, timeout: float = 60.0) -> CellResult:
+        """Wait (at most ``timeout`` s) for the cell ``msg_id`` to finish and return its output.
+
+        Raises:
+            CellTimeout: the kernel did not go idle for this cell in time.
+        """
+        result = self._pending[msg_id]
+        deadline = time.monotonic() + timeout
+        idle = False
+        while not idle:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CellTimeout(timeout, result)
+            try:
+                msg = self._kc.get_iopub_msg(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                if not self.is_alive():
+                    raise AssertionError(f"kernel died\n{result.describe()}") from None
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            idle = self._record(result, msg)
+        # The reply may arrive on the shell channel slightly before or after idle.
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CellTimeout(timeout, result)
+            try:
+                reply = self._kc.get_shell_msg(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        result.reply = dict(reply["content"])
+        result.status = str(result.reply.get("status", "unknown"))
+        result.elapsed = time.monotonic() - self._started_at.pop(msg_id)
+        del self._pending[msg_id]
+        return result
+
+    def execute(
+        self,
+        code: str,
+        timeout: float = 60.0,
+        *,
+        user_expressions: Mapping[str, str] | None = None,
+    ) -> CellResult:
+        """Run one cell and return its :class:`CellResult` (the cell may have failed)."""
+        return self.collect(self.submit(code, user_expressions=user_expressions), timeout)
+
+    def run(self, code: str, timeout: float = 60.0) -> CellResult:
+        """Like :meth:`execute` but raise ``AssertionError`` if the cell did not succeed."""
+        return self.execute(code, timeout).raise_for_error()
+
+    def evaluate(self, expression: str, timeout: float = 30.0) -> str:
+        """Return the ``text/plain`` repr of ``expression`` evaluated in the kernel."""
+        cell = self.execute("", timeout, user_expressions={"value": expression})
+        value = cell.reply.get("user_expressions", {}).get("value", {})
+        if value.get("status") != "ok":
+            raise AssertionError(
+                f"evaluating {expression!r} failed: {value.get('ename')}: {value.get('evalue')}"
+            )
+        return str(value["data"]["text/plain"])
+
+    def evaluate_json(self, expression: str, timeout: float = 30.0) -> Any:
+        """Evaluate ``expression`` in the kernel and return it decoded from JSON."""
+        text = self.evaluate(f"__import__('json').dumps({expression})", timeout)
+        return json.loads(ast.literal_eval(text))
+
+    def interrupt(self) -> None:
+        """Press the interrupt button: SIGINT to the kernel's process group."""
+        self._require().interrupt_kernel()
+
+    # ----------------------------------------------------------------- processes
+    def descendants(self, *, _km: KernelManager | None = None) -> list[psutil.Process]:
+        """The kernel's live (non-zombie) descendant processes, recursively."""
+        km = _km or self._km
+        if km is None or km.provisioner is None or km.provisioner.process is None:
+            return []
+        try:
+            kernel = psutil.Process(km.provisioner.process.pid)
+            return _live(kernel.children(recursive=True))
+        except psutil.Error:
+            return []
+
+    def wait_for_no_descendants(self, timeout: float = 5.0) -> list[psutil.Process]:
+        """Poll until the kernel has no live descendants; return those still alive at the end."""
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = self.descendants()
+            if not alive or time.monotonic() >= deadline:
+                return alive
+            time.sleep(0.05)
+
+    def assert_no_descendants(self, timeout: float = 5.0) -> None:
+        """Fail (``AssertionError``) if the kernel still has live child processes after ``timeout``."""
+        alive = self.wait_for_no_descendants(timeout)
+        if alive:
+            raise AssertionError(
+                f"kernel {self.pid} still has child processes after {timeout}s:\n"
+                + describe_processes(alive)
+            )
+
+    def wait_for_descendants(self, count: int, timeout: float = 30.0) -> list[psutil.Process]:
+        """Poll until the kernel has at least ``count`` live descendants; return them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = self.descendants()
+            if len(alive) >= count:
+                return alive
+            if time.monotonic() >= deadline:
+                raise AssertionError(
+                    f"expected {count} child processes of the kernel within {timeout}s, "
+                    f"saw:\n{describe_processes(alive)}"
+                )
+            time.sleep(0.05)
+
+    def listening_sockets(self, include_kernel: bool = False) -> list[tuple[int, str, int]]:
+        """``(pid, ip, port)`` of every TCP socket in LISTEN state held by the kernel's descendants.
+
+        The kernel itself (its ZMQ ports) is left out unless ``include_kernel``.
+        """
+        procs = self.descendants()
+        if include_kernel:
+            procs = [psutil.Process(self.pid), *procs]
+        found = []
+        for proc in procs:
+            try:
+                conns = proc.net_connections(kind="tcp")
+            except psutil.Error:
+                continue
+            for conn in conns:
+                if conn.status == psutil.CONN_LISTEN and conn.laddr:
+                    found.append((proc.pid, conn.laddr.ip, conn.laddr.port))
+        return found
+
+    # ----------------------------------------------------------------- internals
+    def _require(self) -> KernelManager:
+        if self._km is None:
+            raise RuntimeError("the kernel is not running: call start() first")
+        return self._km
+
+    @staticmethod
+    def _record(result: CellResult, msg: dict[str, Any]) -> bool:
+        kind = msg["msg_type"]
+        content = msg["content"]
+        if kind == "status":
+            return content.get("execution_state") == "idle"
+        if kind == "stream":
+            name, text = content["name"], content["text"]
+            result.stream_chunks.append((name, text))
+            result.streams[name] = result.streams.get(name, "") + text
+        elif kind in ("display_data", "update_display_data", "execute_result"):
+            result.outputs.append(
+                {
+                    "msg_type": kind,
+                    "data": content.get("data", {}),
+                    "metadata": content.get("metadata", {}),
+                    "transient": content.get("transient", {}),
+                }
+            )
+        elif kind == "clear_output":
+            result.outputs.append({"msg_type": kind, "data": {}, "wait": content.get("wait")})
+        elif kind == "error":
+            result.error = CellError(
+                content.get("ename", ""), content.get("evalue", ""), list(content["traceback"])
+            )
+        return False
+
+
+__all__ = [
+    "CellError",
+    "CellResult",
+    "CellTimeout",
+    "KernelSession",
+    "describe_processes",
+    "strip_ansi",
+]
