@@ -1,0 +1,142 @@
+"""Precision modes: unit tests of nbaccel.precision, then Accelerator-level training.
+
+The Accelerator-level tests run real 1- and 2-process gloo groups on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbaccel.errors import ConfigError
+from nbaccel.precision import FullPrecision, make_precision
+
+CPU = torch.device("cpu")
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"), [(None, "no"), ("no", "no"), ("fp32", "no"), ("BF16", "bf16")]
+)
+def test_mode_names(mode, expected):
+    assert make_precision(mode, CPU).mode == expected
+
+
+def test_full_precision_is_plain():
+    p = make_precision("no", CPU)
+    assert isinstance(p, FullPrecision) and p.scaler is None and p.state_dict() == {}
+    model, _ = _tiny()
+    assert p.prepare_model(model) is model
+    with p.autocast():
+        assert model(torch.ones(1, 4)).dtype == torch.float32
+
+
+def test_bf16_autocast_on_cpu():
+    p = make_precision("bf16", CPU)
+    model, _ = _tiny()
+    with p.autocast():
+        assert model(torch.ones(1, 4)).dtype == torch.bfloat16
+    assert model(torch.ones(1, 4)).dtype == torch.float32  # only inside the context
+    assert p.scaler is None and p.prepare_model(model) is model
+
+
+def test_autocast_can_be_disabled_by_kwargs():
+    p = make_precision("bf16", CPU, autocast_kwargs={"enabled": False, "cache_enabled": None})
+    model, _ = _tiny()
+    with p.autocast():
+        assert model(torch.ones(1, 4)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp64", 16])
+def test_unknown_mode_is_a_config_error(mode):
+    with pytest.raises(ConfigError, match="mixed_precision"):
+        make_precision(mode, CPU)
+
+
+def test_bad_autocast_kwargs_are_a_config_error():
+    with pytest.raises(ConfigError, match="autocast_kwargs"):
+        make_precision("bf16", CPU, autocast_kwargs={"colour": "blue"})
+
+
+def test_fp8_without_cuda_explains_why_and_what_to_do():
+    with pytest.raises(ConfigError) as info:
+        make_precision("fp8", CPU)
+    message = str(info.value)
+    assert "CUDA GPU" in message and "bf16" in message
+
+
+def test_fp16_backward_scales_and_step_unscales():
+    p = make_precision("fp16", CPU, scaler_kwargs={"init_scale": 1024.0})
+    model, opt = _tiny()
+    reference = torch.nn.Linear(4, 2)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 4)
+    with p.autocast():
+        out = model(x)
+    assert out.dtype == torch.float16
+    p.backward(out.float().pow(2).mean())
+    reference(x).pow(2).mean().backward()
+    # the stored gradient is scaled by init_scale until unscale_
+    torch.testing.assert_close(
+        model.weight.grad / 1024.0, reference.weight.grad, rtol=2e-2, atol=1e-3
+    )
+    p.unscale_(opt)
+    p.unscale_(opt)  # idempotent within one step (clip then step both ask for it)
+    torch.testing.assert_close(model.weight.grad, reference.weight.grad, rtol=2e-2, atol=1e-3)
+    before = model.weight.detach().clone()
+    assert p.step(opt) is True
+    assert not torch.equal(before, model.weight)
+
+
+def test_fp16_inf_gradient_skips_the_step_and_backs_off():
+    p = make_precision("fp16", CPU, scaler_kwargs={"init_scale": 256.0})
+    model, opt = _tiny()
+    p.backward(model(torch.ones(2, 4)).sum())
+    model.weight.grad[0, 0] = float("inf")
+    before = model.weight.detach().clone()
+    assert p.step(opt) is False
+    assert torch.equal(before, model.weight)
+    assert p.scaler.get_scale() == 128.0
+    # the next clean step goes through (unscale state was reset by the skipped step)
+    opt.zero_grad()
+    p.backward(model(torch.ones(2, 4)).sum())
+    p.unscale_(opt)
+    assert p.step(opt) is True
+    assert not torch.equal(before, model.weight)
+
+
+def test_fp16_nan_gradient_skips_the_step():
+    p = make_precision("fp16", CPU)
+    model, opt = _tiny()
+    p.backward(model(torch.ones(2, 4)).sum())
+    model.bias.grad[0] = float("nan")
+    assert p.step(opt) is False
+
+
+def test_fp16_scaler_state_roundtrip():
+    p = make_precision("fp16", CPU, scaler_kwargs={"init_scale": 64.0, "growth_interval": 7})
+    model, opt = _tiny()
+    p.backward(model(torch.ones(2, 4)).sum())
+    model.weight.grad.fill_(float("inf"))
+    p.step(opt)
+    state = p.state_dict()
+    assert state["scale"] == 32.0 and state["growth_interval"] == 7
+    q = make_precision("fp16", CPU)
+    q.load_state_dict(state)
+    assert q.scaler.get_scale() == 32.0
+    q.load_state_dict({})  # a checkpoint from a run without fp16 leaves the scaler alone
+    assert q.scaler.get_scale() == 32.0
+
+
+def test_fp16_disabled_scaler_steps_plainly():
+    p = make_precision("fp16", CPU, scaler_kwargs={"enabled": False})
+    model, opt = _tiny()
+    p.backward(model(torch.ones(2, 4)).sum())
+    before = model.weight.detach().clone()
+    assert p.step(opt) is True
+    assert not torch.equal(before, model.weight)
