@@ -1,8 +1,16 @@
-"""The one launch configuration: choices, validation and (later) YAML storage.
+"""The one launch configuration: choices, validation, precedence and YAML storage.
 
 Every choice (precision modes, start methods, compute devices) is defined here
 once; the launcher, the CLI and the widget panel derive their options from these
-tuples so they can never drift apart.
+tuples and from the :class:`LaunchConfig` fields so they can never drift apart.
+
+Where a setting comes from (highest wins), see :func:`resolve_launch_config`:
+
+1. explicit arguments (``notebook_launcher(num_processes=...)``, CLI flags, the panel);
+2. ``NBACCEL_*`` environment variables (``NBACCEL_MIXED_PRECISION``, ``NBACCEL_USE_CPU``, ...);
+3. the YAML config file (``$NBACCEL_CONFIG_FILE``, else ``$XDG_CACHE_HOME/nbaccel/
+   default_config.yaml``, else ``~/.cache/nbaccel/default_config.yaml``);
+4. the defaults of :class:`LaunchConfig` (``num_processes=None``: one per detected device).
 
 Example:
     >>> from nbaccel.config import LaunchConfig
@@ -14,9 +22,23 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from pathlib import Path
+from typing import Any, Literal, Union, get_args
 
+from .config_file import (
+    CONFIG_VERSION,
+    default_config_path,
+    load_config,
+    save_config,
+    values_from_file,
+    write_basic_config,
+)
 from .errors import ConfigError
 
 PrecisionType = Literal["no", "fp16", "bf16", "fp8"]
@@ -157,13 +179,179 @@ class LaunchConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+# --------------------------------------------------------------------------- field types
+def field_names() -> tuple[str, ...]:
+    """The :class:`LaunchConfig` field names, in declaration order (CLI/widget derive from it)."""
+    return tuple(f.name for f in dataclasses.fields(LaunchConfig))
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(LaunchConfig)
+
+
+def _split_optional(hint: Any) -> tuple[Any, bool]:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        return (args[0] if len(args) == 1 else hint), len(args) < len(get_args(hint))
+    return hint, False
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _coerce(name: str, value: Any, source: str, *, from_text: bool = False) -> Any:
+    """Check (and for environment text, parse) one field value; errors name key and source."""
+    hint, optional = _split_optional(_field_types()[name])
+    if value is None or (from_text and value.strip().lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{name} in {source} must not be empty/null.")
+    if typing.get_origin(hint) is Literal:
+        choices = get_args(hint)
+        if name == "mixed_precision":
+            # YAML 1.1 reads a bare `no` as False; that is what the user meant by "no".
+            return normalize_precision(
+                "no" if value is False else value, argument=f"{name} in {source}"
+            )
+        if isinstance(value, str) and value.strip().lower() in choices:
+            return value.strip().lower()
+        raise ConfigError(
+            f"{name}={value!r} in {source} is unknown; use one of {', '.join(choices)}."
+        )
+    if from_text:
+        text = value.strip()
+        try:
+            if hint is bool:
+                if text.lower() not in _TRUE + _FALSE:
+                    raise ValueError(text)
+                return text.lower() in _TRUE
+            if hint is int:
+                return int(text)
+            if hint is float:
+                return float(text)
+        except ValueError:
+            raise ConfigError(
+                f"{name}={value!r} in {source} is not a valid {hint.__name__}."
+            ) from None
+        return text
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str) or (name == "gpu_ids" and isinstance(value, int)),
+    }.get(hint, True)
+    if not ok:
+        kind = getattr(hint, "__name__", str(hint)) + (" or null" if optional else "")
+        raise ConfigError(
+            f"{name}={value!r} in {source} has the wrong type "
+            f"({type(value).__name__}); expected {kind}."
+        )
+    return str(value) if hint is str else value
+
+
+# ------------------------------------------------------------------ environment variables
+def _env_var(name: str) -> str:
+    return "NBACCEL_DEBUG_MODE" if name == "debug" else f"NBACCEL_{name.upper()}"
+
+
+#: environment variable -> LaunchConfig field (derived from the fields), plus NBACCEL_USE_CPU.
+ENV_VARS: dict[str, str] = {_env_var(f.name): f.name for f in dataclasses.fields(LaunchConfig)}
+
+
+def _from_environment(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    out: dict[str, tuple[Any, str]] = {}
+    for var, name in ENV_VARS.items():
+        raw = environ.get(var)
+        if raw is not None and raw.strip() != "":
+            out[name] = (_coerce(name, raw, f"environment variable {var}", from_text=True), var)
+    use_cpu = environ.get("NBACCEL_USE_CPU", "").strip().lower()
+    if use_cpu in _TRUE:
+        if out.get("compute_device", ("cpu",))[0] != "cpu":
+            raise ConfigError(
+                "NBACCEL_USE_CPU=1 contradicts NBACCEL_COMPUTE_DEVICE="
+                f"{out['compute_device'][0]!r}; unset one of them."
+            )
+        out["compute_device"] = ("cpu", "NBACCEL_USE_CPU")
+    elif use_cpu not in (*_FALSE, ""):
+        raise ConfigError(f"NBACCEL_USE_CPU={use_cpu!r} must be 1 or 0.")
+    return out
+
+
+# ----------------------------------------------------------------------- precedence
+def _annotate(err: ConfigError, sources: Mapping[str, str]) -> ConfigError:
+    named = [n for n in re.findall(r"\b([a-z_]+)=", str(err)) if n in sources]
+    where = "; ".join(f"{n} came from {sources[n]}" for n in dict.fromkeys(named))
+    return ConfigError(f"{err} ({where})") if where else err
+
+
+def resolve_launch_config(
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | Literal[False] | None = None,
+) -> LaunchConfig:
+    """Merge every source of settings into one validated :class:`LaunchConfig`.
+
+    Precedence (highest first): ``overrides`` (explicit arguments; keys whose value is
+    ``None`` are ignored) > ``NBACCEL_*`` environment variables > the YAML config file
+    > the :class:`LaunchConfig` defaults.
+
+    Args:
+        overrides: ``{field: value}`` from explicit arguments.
+        environ: environment to read (default ``os.environ``).
+        config_file: a YAML path (must exist), ``None`` for the default path (used
+            only if it exists), or ``False`` to ignore config files.
+
+    Raises:
+        ConfigError: unknown override key, bad environment value, bad file, or an
+            invalid combination; the message says where the offending value came from.
+
+    Example:
+        >>> env = {"NBACCEL_MIXED_PRECISION": "bf16", "NBACCEL_NUM_PROCESSES": "4"}
+        >>> cfg = resolve_launch_config({"num_processes": 2}, environ=env, config_file=False)
+        >>> (cfg.num_processes, cfg.mixed_precision)
+        (2, 'bf16')
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if config_file is not False:
+        path = default_config_path(env) if config_file is None else Path(config_file)
+        if config_file is not None or path.exists():
+            for key, value in values_from_file(path).items():
+                values[key], sources[key] = value, f"config file {path}"
+    for key, (value, var) in _from_environment(env).items():
+        values[key], sources[key] = value, f"environment variable {var}"
+    names = field_names()
+    for key, value in (overrides or {}).items():
+        if key not in names:
+            raise ConfigError(
+                f"unknown launch setting {key!r}; valid settings: {', '.join(names)}."
+            )
+        if value is not None:
+            values[key], sources[key] = value, "the arguments"
+    try:
+        return LaunchConfig(**values)
+    except ConfigError as err:
+        raise _annotate(err, sources) from None
+
+
 __all__ = [
     "COMPUTE_DEVICES",
+    "CONFIG_VERSION",
+    "ENV_VARS",
     "PRECISIONS",
     "START_METHODS",
     "ComputeDeviceType",
     "LaunchConfig",
     "PrecisionType",
     "StartMethodType",
+    "default_config_path",
+    "field_names",
+    "load_config",
     "normalize_precision",
+    "resolve_launch_config",
+    "save_config",
+    "write_basic_config",
 ]

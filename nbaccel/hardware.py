@@ -1,0 +1,117 @@
+"""Detect the local accelerator hardware without initialising CUDA.
+
+Used by ``write_basic_config``, ``nbaccel env``, ``nbaccel config`` and the
+widget panel's hardware summary. Nothing here creates a CUDA context: the GPU
+count comes from ``torch.cuda.device_count()`` (NVML-based, fork-safe) and GPU
+names from ``nvidia-smi`` in a subprocess, so a later fork-based launch is safe.
+
+Example:
+    >>> from nbaccel.hardware import detect_hardware
+    >>> hw = detect_hardware()
+    >>> hw.kind in ("cpu", "gpu", "tpu")
+    True
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What this machine offers.
+
+    Args:
+        kind: "gpu", "tpu" or "cpu" (the device "auto" would pick).
+        device_count: accelerators visible to this process (CPU cores for "cpu").
+        device_names: accelerator names when known without initialising them.
+        cpu_count: CPU cores this process may use.
+    """
+
+    kind: str
+    device_count: int
+    device_names: tuple[str, ...]
+    cpu_count: int
+
+    def summary(self) -> str:
+        """One line for people, e.g. ``"2 x GPU (NVIDIA H200), 16 CPU cores"``.
+
+        Example:
+            >>> Hardware("cpu", 4, (), 4).summary()
+            'CPU only, 4 CPU cores'
+        """
+        if self.kind == "cpu":
+            return f"CPU only, {self.cpu_count} CPU cores"
+        names = f" ({', '.join(sorted(set(self.device_names)))})" if self.device_names else ""
+        return f"{self.device_count} x {self.kind.upper()}{names}, {self.cpu_count} CPU cores"
+
+
+def cpu_count() -> int:
+    """CPU cores available to this process (respects affinity masks / cgroups pinning)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA GPUs, counted without creating a CUDA context (0 without torch/CUDA)."""
+    if importlib.util.find_spec("torch") is None:
+        return 0
+    import torch
+
+    if not torch.cuda._is_compiled():
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # a broken driver means "no usable GPU", not a crash in `nbaccel env`
+        return 0
+
+
+def _gpu_names(count: int) -> tuple[str, ...]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None or count == 0:
+        return ()
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple(line.strip() for line in out.splitlines() if line.strip())[:count]
+
+
+def tpu_device_count() -> int:
+    """TPU chips when torch_xla is installed and a TPU is attached (0 otherwise)."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return 0
+    if os.environ.get("PJRT_DEVICE", "").upper() not in ("", "TPU"):
+        return 0
+    chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+    if chips:
+        return len(chips)
+    return 8 if os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR") else 0
+
+
+def detect_hardware() -> Hardware:
+    """Return the :class:`Hardware` of this machine (GPUs first, then TPU, then CPU)."""
+    cores = cpu_count()
+    gpus = cuda_device_count()
+    if gpus:
+        return Hardware("gpu", gpus, _gpu_names(gpus), cores)
+    tpus = tpu_device_count()
+    if tpus:
+        return Hardware("tpu", tpus, (), cores)
+    return Hardware("cpu", cores, (), cores)
+
+
+__all__ = ["Hardware", "cpu_count", "cuda_device_count", "detect_hardware", "tpu_device_count"]
