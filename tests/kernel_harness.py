@@ -11,15 +11,19 @@ API:
     :class:`KernelSession` -- start/stop one kernel (a context manager).
         ``execute(code, timeout)`` runs a cell and returns a :class:`CellResult`;
         ``submit(code)`` + ``collect(msg_id, timeout)`` split that in two so a
-        test can ``interrupt()`` a running cell; ``evaluate(expr)`` /
+        test can ``wait_for_output(msg_id, regex)`` and ``interrupt()`` a
+        running cell; ``run(code)`` fails unless the cell succeeded; ``evaluate(expr)`` /
         ``evaluate_json(expr)`` read a value back; ``descendants()``,
         ``wait_for_no_descendants()``, ``assert_no_descendants()`` and
         ``listening_sockets()`` inspect the kernel's live child processes.
-        ``stop()`` shuts the kernel down and kills anything it left behind.
+        ``stop()`` shuts the kernel down and kills anything it left behind;
+        ``restart()`` gives a fresh kernel (e.g. after a :class:`CellTimeout`, see ``busy``).
     :class:`CellResult` -- status, per-name stream text, MIME bundles of
         display_data / execute_result messages, and the :class:`CellError`.
     :class:`CellTimeout` -- a cell did not finish in time (carries the partial
         :class:`CellResult`).
+    :func:`wait_gone` -- wait until given processes (e.g. recorded workers) are gone,
+        orphans included; :func:`describe_processes` formats them for messages.
 
 Example:
     >>> from kernel_harness import KernelSession  # doctest: +SKIP
@@ -167,6 +171,20 @@ def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
+def wait_gone(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.Process]:
+    """Poll until none of ``procs`` is alive (pid reuse is detected); return the survivors.
+
+    Works for any process, not only children: use it to catch workers that were
+    re-parented (orphaned) instead of exiting.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = _live(procs)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def describe_processes(procs: list[psutil.Process]) -> str:
     """``pid: cmdline`` lines for assertion messages."""
     lines = []
@@ -205,6 +223,8 @@ class KernelSession:
         self._spec_dir: str | None = None
         self._pending: dict[str, CellResult] = {}
         self._started_at: dict[str, float] = {}
+        self._idle: set[str] = set()
+        self._replies: dict[str, dict[str, Any]] = {}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> KernelSession:
@@ -276,6 +296,16 @@ class KernelSession:
         if self._spec_dir is not None:
             shutil.rmtree(self._spec_dir, ignore_errors=True)
             self._spec_dir = None
+        self._pending.clear()
+        self._started_at.clear()
+        self._idle.clear()
+        self._replies.clear()
+        return leftovers
+
+    def restart(self) -> list[str]:
+        """Stop (see :meth:`stop`) and start a fresh kernel; returns what ``stop`` had to kill."""
+        leftovers = self.stop()
+        self.start()
         return leftovers
 
     def __enter__(self) -> KernelSession:
@@ -306,6 +336,53 @@ class KernelSession:
         self._started_at[msg_id] = time.monotonic()
         return str(msg_id)
 
+    @property
+    def busy(self) -> bool:
+        """True while a submitted cell has not been collected (e.g. after a :class:`CellTimeout`)."""
+        return bool(self._pending)
+
+    def _pump(self, deadline: float, done: Any, waiting_for: CellResult, timeout: float) -> None:
+        # Route iopub messages to their pending cells until ``done()`` or the deadline.
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CellTimeout(timeout, waiting_for)
+            try:
+                msg = self._kc.get_iopub_msg(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                if not self.is_alive():
+                    raise AssertionError(f"kernel died\n{waiting_for.describe()}") from None
+                continue
+            parent = msg["parent_header"].get("msg_id")
+            if parent in self._pending and self._record(self._pending[parent], msg):
+                self._idle.add(parent)
+
+    def wait_for_output(
+        self, msg_id: str, pattern: str, *, count: int = 1, timeout: float = 30.0
+    ) -> CellResult:
+        """Wait until the running cell ``msg_id`` printed ``count`` lines matching regex ``pattern``.
+
+        Looks at stdout and stderr together; returns the (partial) :class:`CellResult`.
+
+        Raises:
+            CellTimeout: not enough matching output in time (or the cell finished first).
+        """
+        result = self._pending[msg_id]
+        regex = re.compile(pattern, re.MULTILINE)
+
+        def enough() -> bool:
+            text = "".join(chunk for _, chunk in result.stream_chunks)
+            if len(regex.findall(text)) >= count:
+                return True
+            if msg_id in self._idle:
+                raise AssertionError(
+                    f"cell finished before printing {count} x {pattern!r}\n{result.describe()}"
+                )
+            return False
+
+        self._pump(time.monotonic() + timeout, enough, result, timeout)
+        return result
+
     def collect(self, msg_id: str, timeout: float = 60.0) -> CellResult:
         """Wait (at most ``timeout`` s) for the cell ``msg_id`` to finish and return its output.
 
@@ -314,22 +391,9 @@ class KernelSession:
         """
         result = self._pending[msg_id]
         deadline = time.monotonic() + timeout
-        idle = False
-        while not idle:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CellTimeout(timeout, result)
-            try:
-                msg = self._kc.get_iopub_msg(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                if not self.is_alive():
-                    raise AssertionError(f"kernel died\n{result.describe()}") from None
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            idle = self._record(result, msg)
+        self._pump(deadline, lambda: msg_id in self._idle, result, timeout)
         # The reply may arrive on the shell channel slightly before or after idle.
-        while True:
+        while msg_id not in self._replies:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CellTimeout(timeout, result)
@@ -337,11 +401,11 @@ class KernelSession:
                 reply = self._kc.get_shell_msg(timeout=min(remaining, 0.5))
             except queue.Empty:
                 continue
-            if reply["parent_header"].get("msg_id") == msg_id:
-                break
-        result.reply = dict(reply["content"])
+            self._replies[reply["parent_header"].get("msg_id")] = dict(reply["content"])
+        result.reply = self._replies.pop(msg_id)
         result.status = str(result.reply.get("status", "unknown"))
         result.elapsed = time.monotonic() - self._started_at.pop(msg_id)
+        self._idle.discard(msg_id)
         del self._pending[msg_id]
         return result
 
@@ -482,4 +546,5 @@ __all__ = [
     "KernelSession",
     "describe_processes",
     "strip_ansi",
+    "wait_gone",
 ]
