@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -209,12 +210,11 @@ def _coerce(name: str, value: Any, source: str, *, from_text: bool = False) -> A
         raise ConfigError(f"{name} in {source} must not be empty/null.")
     if typing.get_origin(hint) is Literal:
         choices = get_args(hint)
-        if name == "mixed_precision":
+        if name == "mixed_precision" and (value is False or isinstance(value, str)):
             # YAML 1.1 reads a bare `no` as False; that is what the user meant by "no".
-            return normalize_precision(
-                "no" if value is False else value, argument=f"{name} in {source}"
-            )
-        if isinstance(value, str) and value.strip().lower() in choices:
+            with contextlib.suppress(ConfigError):
+                return normalize_precision("no" if value is False else value)
+        elif isinstance(value, str) and value.strip().lower() in choices:
             return value.strip().lower()
         raise ConfigError(
             f"{name}={value!r} in {source} is unknown; use one of {', '.join(choices)}."
