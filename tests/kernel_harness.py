@@ -14,7 +14,8 @@ API:
         test can ``wait_for_output(msg_id, regex)`` and ``interrupt()`` a
         running cell; ``run(code)`` fails unless the cell succeeded; ``evaluate(expr)`` /
         ``evaluate_json(expr)`` read a value back; ``descendants()``,
-        ``wait_for_no_descendants()``, ``assert_no_descendants()`` and
+        ``wait_for_no_descendants()``, ``assert_no_descendants()``,
+        ``watch_descendants()`` (every child seen during a block) and
         ``listening_sockets()`` inspect the kernel's live child processes.
         ``stop()`` shuts the kernel down and kills anything it left behind;
         ``restart()`` gives a fresh kernel (e.g. after a :class:`CellTimeout`, see ``busy``).
@@ -45,8 +46,9 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -485,6 +487,33 @@ class KernelSession:
                     f"saw:\n{describe_processes(alive)}"
                 )
             time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def watch_descendants(self, interval: float = 0.05) -> Iterator[dict[int, psutil.Process]]:
+        """Record every descendant of the kernel seen while the block runs (polled in a thread).
+
+        Yields a dict ``pid -> psutil.Process`` that fills up as processes appear;
+        pass its values to :func:`wait_gone` afterwards to prove they all exited
+        (a re-parented orphan is no longer a descendant, but is still caught).
+        Very short-lived processes can slip between two polls.
+        """
+        seen: dict[int, psutil.Process] = {}
+        stop = threading.Event()
+
+        def poll() -> None:
+            while True:
+                for proc in self.descendants():
+                    seen.setdefault(proc.pid, proc)
+                if stop.wait(interval):
+                    return
+
+        thread = threading.Thread(target=poll, name="kernel-descendant-watch", daemon=True)
+        thread.start()
+        try:
+            yield seen
+        finally:
+            stop.set()
+            thread.join()
 
     def listening_sockets(self, include_kernel: bool = False) -> list[tuple[int, str, int]]:
         """``(pid, ip, port)`` of every TCP socket in LISTEN state held by the kernel's descendants.
