@@ -23,6 +23,7 @@ API:
         display_data / execute_result messages, and the :class:`CellError`.
     :class:`CellTimeout` -- a cell did not finish in time (carries the partial
         :class:`CellResult`).
+    :func:`isolated_env` -- env overrides for a hermetic kernel (no NBACCEL_*, no user config).
     :func:`wait_gone` -- wait until given processes (e.g. recorded workers) are gone,
         orphans included; :func:`describe_processes` formats them for messages.
 
@@ -185,6 +186,17 @@ def wait_gone(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.05)
+
+
+def isolated_env(cache_dir: str | os.PathLike[str]) -> dict[str, str | None]:
+    """``env`` overrides for a hermetic test kernel (pass to :class:`KernelSession`).
+
+    Drops every ``NBACCEL_*`` variable of the caller and points ``XDG_CACHE_HOME``
+    at ``cache_dir`` so that a developer's saved nbaccel config file is not read.
+    """
+    env: dict[str, str | None] = {key: None for key in os.environ if key.startswith("NBACCEL_")}
+    env["XDG_CACHE_HOME"] = os.fspath(cache_dir)
+    return env
 
 
 def describe_processes(procs: list[psutil.Process]) -> str:
@@ -574,6 +586,7 @@ __all__ = [
     "CellTimeout",
     "KernelSession",
     "describe_processes",
+    "isolated_env",
     "strip_ansi",
     "wait_gone",
 ]
