@@ -47,8 +47,6 @@ RENAMED_KEYS: dict[str, str] = {
     "main_process_ip": "master_addr",
     "main_process_port": "master_port",
     "debug_mode": "debug",
-    "start_method_name": "start_method",
-    "max_restart": "max_restarts",
 }
 
 

@@ -1,0 +1,88 @@
+"""``nbaccel test``: a short distributed self-check with the configured settings.
+
+Starts the configured number of processes (at least 2 on a CPU-only setup) with
+the same machinery as ``nbaccel launch``; each checks data sharding, gather and
+a few training steps. Prints PASS or FAIL and exits 0 or 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..config import resolve_launch_config
+from ..errors import ConfigError
+from ._options import overrides_from_args
+from .launch import (
+    add_launch_arguments,
+    processes_per_node,
+    run_single,
+    run_torchrun,
+    worker_environment,
+)
+
+EPILOG = """\
+examples:
+  nbaccel test                          # configured settings (2 CPU processes if no GPU)
+  nbaccel test --num_processes 4 --cpu  # 4 CPU processes over gloo
+  nbaccel test --mixed_precision bf16
+  nbaccel test --config_file ./cluster.yaml
+"""
+
+_SELF_CHECK = Path(__file__).with_name("_selfcheck.py")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "test",
+        help="run a short distributed self-check and say whether the setup works",
+        description=__doc__.replace("``", ""),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_launch_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = resolve_launch_config(overrides_from_args(args), config_file=args.config_file)
+    except ConfigError as err:
+        print(f"nbaccel test: FAIL: the configuration is invalid: {err}", file=sys.stderr)
+        return 1
+    # A hang must end the check, not the user's patience.
+    cfg = cfg.replace(timeout=cfg.timeout or 120.0)
+    nproc = processes_per_node(cfg)
+    if args.num_processes is None and nproc < 2 and cfg.compute_device in ("auto", "cpu"):
+        from ..hardware import cuda_device_count
+
+        if cfg.compute_device == "cpu" or cuda_device_count() == 0:
+            nproc = 2  # a distributed check needs at least two processes
+    print(
+        f"nbaccel test: {nproc} process(es) per node x {cfg.num_nodes} node(s), "
+        f"device {cfg.compute_device}, precision {cfg.mixed_precision}",
+        flush=True,
+    )
+    env = worker_environment(cfg, nproc, os.environ, args.config_file)
+    started = time.monotonic()
+    command = [str(_SELF_CHECK)]
+    if nproc * cfg.num_nodes == 1:
+        code = run_single(["-u", *command], env)
+    else:
+        code = run_torchrun(cfg, nproc, command, env)
+    seconds = time.monotonic() - started
+    if code == 0:
+        print(f"nbaccel test: PASS ({seconds:.1f}s): distributed training works with this setup.")
+        return 0
+    print(
+        f"nbaccel test: FAIL (exit code {code}, {seconds:.1f}s): see the messages above; "
+        "`nbaccel env` shows the versions and devices to include in a bug report.",
+        file=sys.stderr,
+    )
+    return 1
+
+
+__all__ = ["register", "run"]
