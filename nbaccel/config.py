@@ -74,6 +74,18 @@ def normalize_precision(value: object, *, argument: str = "mixed_precision") -> 
     return lowered
 
 
+#: smallest valid value of each int field (the widget's lower bounds come from here too)
+INT_MINIMUMS: dict[str, int] = {
+    "num_processes": 1,
+    "gradient_accumulation_steps": 1,
+    "num_nodes": 1,
+    "node_rank": 0,
+    "master_port": 1,
+    "max_restarts": 0,
+}
+MAX_PORT = 65535
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     # bool is an int subclass; True as a process count is always a mistake.
     if isinstance(value, bool) or not isinstance(value, int):
@@ -129,12 +141,16 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         _check_choice("compute_device", self.compute_device, COMPUTE_DEVICES)
         if self.num_processes is not None:
-            _check_int("num_processes", self.num_processes, 1)
+            _check_int("num_processes", self.num_processes, INT_MINIMUMS["num_processes"])
         # Normalise aliases ("fp32", None, "BF16") in place; frozen needs object.__setattr__.
         object.__setattr__(self, "mixed_precision", normalize_precision(self.mixed_precision))
-        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
-        _check_int("num_nodes", self.num_nodes, 1)
-        _check_int("node_rank", self.node_rank, 0)
+        _check_int(
+            "gradient_accumulation_steps",
+            self.gradient_accumulation_steps,
+            INT_MINIMUMS["gradient_accumulation_steps"],
+        )
+        _check_int("num_nodes", self.num_nodes, INT_MINIMUMS["num_nodes"])
+        _check_int("node_rank", self.node_rank, INT_MINIMUMS["node_rank"])
         if self.node_rank >= self.num_nodes:
             raise ConfigError(
                 f"node_rank={self.node_rank} must be < num_nodes={self.num_nodes}; "
@@ -143,9 +159,9 @@ class LaunchConfig:
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise ConfigError(f"master_addr={self.master_addr!r} must be a host name or IP.")
         if self.master_port is not None:
-            _check_int("master_port", self.master_port, 1)
-            if self.master_port > 65535:
-                raise ConfigError(f"master_port={self.master_port} must be <= 65535.")
+            _check_int("master_port", self.master_port, INT_MINIMUMS["master_port"])
+            if self.master_port > MAX_PORT:
+                raise ConfigError(f"master_port={self.master_port} must be <= {MAX_PORT}.")
         if self.num_nodes > 1 and self.master_port is None:
             raise ConfigError(
                 "master_port=None with num_nodes > 1: every node must agree on one port; "
@@ -154,7 +170,7 @@ class LaunchConfig:
         _check_choice("start_method", self.start_method, START_METHODS)
         if self.gpu_ids is not None and not isinstance(self.gpu_ids, str):
             raise ConfigError(f"gpu_ids={self.gpu_ids!r} must be a string such as '0,1' or 'all'.")
-        _check_int("max_restarts", self.max_restarts, 0)
+        _check_int("max_restarts", self.max_restarts, INT_MINIMUMS["max_restarts"])
         if self.timeout is not None and (
             isinstance(self.timeout, bool)
             or not isinstance(self.timeout, int | float)
@@ -184,6 +200,30 @@ class LaunchConfig:
 def field_names() -> tuple[str, ...]:
     """The :class:`LaunchConfig` field names, in declaration order (CLI/widget derive from it)."""
     return tuple(f.name for f in dataclasses.fields(LaunchConfig))
+
+
+def field_help() -> dict[str, str]:
+    """``{field: one-line description}`` parsed from the ``Args:`` section of LaunchConfig."""
+    doc = LaunchConfig.__doc__ or ""
+    section = doc.split("Args:", 1)[-1].split("Example:", 1)[0]
+    out: dict[str, str] = {}
+    current = None
+    for line in section.splitlines():
+        match = re.match(r"\s{8}(\w+): (.*)", line)
+        if match and match.group(1) in field_names():
+            current = match.group(1)
+            out[current] = match.group(2).strip().replace("``", "")
+        elif current and line.strip():
+            out[current] += " " + line.strip().replace("``", "")
+    return out
+
+
+def field_kind(name: str) -> tuple[Any, tuple[str, ...] | None]:
+    """``(python type, choices or None)`` of a LaunchConfig field."""
+    hint, _ = _split_optional(typing.get_type_hints(LaunchConfig)[name])
+    if typing.get_origin(hint) is Literal:
+        return str, tuple(get_args(hint))
+    return hint, None
 
 
 def _field_types() -> dict[str, Any]:
@@ -341,6 +381,8 @@ __all__ = [
     "COMPUTE_DEVICES",
     "CONFIG_VERSION",
     "ENV_VARS",
+    "INT_MINIMUMS",
+    "MAX_PORT",
     "PRECISIONS",
     "START_METHODS",
     "ComputeDeviceType",
@@ -348,6 +390,8 @@ __all__ = [
     "PrecisionType",
     "StartMethodType",
     "default_config_path",
+    "field_help",
+    "field_kind",
     "field_names",
     "load_config",
     "normalize_precision",

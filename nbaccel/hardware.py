@@ -114,4 +114,26 @@ def detect_hardware() -> Hardware:
     return Hardware("cpu", cores, (), cores)
 
 
-__all__ = ["Hardware", "cpu_count", "cuda_device_count", "detect_hardware", "tpu_device_count"]
+def default_num_processes(compute_device: str, gpu_ids: str | None = None) -> int:
+    """Processes per node when none is configured: one per usable GPU, else 1.
+
+    Example:
+        >>> default_num_processes("cpu")
+        1
+    """
+    if compute_device in ("cpu", "tpu"):
+        return 1  # TPU: torch_xla's runtime starts one process per chip by itself
+    gpus = cuda_device_count()
+    if gpu_ids and gpu_ids.strip().lower() != "all":
+        gpus = min(gpus, len([g for g in gpu_ids.split(",") if g.strip()]))
+    return max(gpus, 1)
+
+
+__all__ = [
+    "Hardware",
+    "cpu_count",
+    "cuda_device_count",
+    "default_num_processes",
+    "detect_hardware",
+    "tpu_device_count",
+]

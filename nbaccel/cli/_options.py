@@ -10,36 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
-import typing
-from typing import Any, Literal, get_args
+from typing import Any
 
-from ..config import LaunchConfig, _split_optional, field_names
+from ..config import LaunchConfig, field_help, field_kind, field_names
 from ..config_file import RENAMED_KEYS
-
-
-def field_help() -> dict[str, str]:
-    """``{field: one-line description}`` parsed from the ``Args:`` section of LaunchConfig."""
-    doc = LaunchConfig.__doc__ or ""
-    section = doc.split("Args:", 1)[-1].split("Example:", 1)[0]
-    out: dict[str, str] = {}
-    current = None
-    for line in section.splitlines():
-        match = re.match(r"\s{8}(\w+): (.*)", line)
-        if match and match.group(1) in field_names():
-            current = match.group(1)
-            out[current] = match.group(2).strip().replace("``", "")
-        elif current and line.strip():
-            out[current] += " " + line.strip().replace("``", "")
-    return out
-
-
-def field_kind(name: str) -> tuple[Any, tuple[str, ...] | None]:
-    """``(python type, choices or None)`` of a LaunchConfig field."""
-    hint, _ = _split_optional(typing.get_type_hints(LaunchConfig)[name])
-    if typing.get_origin(hint) is Literal:
-        return str, tuple(get_args(hint))
-    return hint, None
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
@@ -86,4 +60,4 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name, None) for name in field_names()}
 
 
-__all__ = ["add_config_arguments", "field_help", "field_kind", "overrides_from_args"]
+__all__ = ["add_config_arguments", "overrides_from_args"]

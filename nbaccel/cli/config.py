@@ -19,12 +19,13 @@ from ..config import (
     LaunchConfig,
     _coerce,
     default_config_path,
+    field_help,
+    field_kind,
     load_config,
     save_config,
     write_basic_config,
 )
 from ..errors import ConfigError
-from ._options import field_help, field_kind
 
 EPILOG = """\
 examples:

@@ -62,17 +62,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def processes_per_node(cfg: LaunchConfig) -> int:
-    """``cfg.num_processes``, else one per usable GPU (or TPU host process), else 1."""
+    """``cfg.num_processes``, else one per usable GPU, else 1."""
+    from ..hardware import default_num_processes
+
     if cfg.num_processes is not None:
         return cfg.num_processes
-    if cfg.compute_device in ("cpu", "tpu"):
-        return 1
-    from ..hardware import cuda_device_count
-
-    gpus = cuda_device_count()
-    if cfg.gpu_ids and cfg.gpu_ids.strip().lower() != "all":
-        gpus = min(gpus, len([g for g in cfg.gpu_ids.split(",") if g.strip()]))
-    return max(gpus, 1)
+    return default_num_processes(cfg.compute_device, cfg.gpu_ids)
 
 
 def worker_environment(
