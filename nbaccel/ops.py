@@ -70,6 +70,19 @@ def _rebuild(data: Any, values: Sequence[Any]) -> Any:
     return recursively_apply(lambda _t: next(it), data)
 
 
+def is_tensor_tree(data: Any) -> bool:
+    """True if ``data`` is a tensor or a (nested) list/tuple/dict of tensors, none empty."""
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, list | tuple):
+        return bool(data) and all(is_tensor_tree(v) for v in data)
+    if isinstance(data, Mapping):
+        return bool(data) and all(is_tensor_tree(v) for v in data.values())
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        return all(is_tensor_tree(getattr(data, f.name)) for f in dataclasses.fields(data))
+    return False
+
+
 def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
     """Move every tensor in ``data`` to ``device``; objects with a ``.to`` method move too.
 
@@ -366,6 +379,7 @@ __all__ = [
     "broadcast_object_list",
     "gather",
     "gather_object",
+    "is_tensor_tree",
     "pad_across_processes",
     "process_index",
     "recursively_apply",

@@ -149,7 +149,92 @@ class ProjectConfiguration:
             self.logging_dir = self.project_dir
 
 
+# Keywords of the best-known peer that nbaccel accepts only as None (clear error otherwise).
+PEER_ONLY_KEYWORDS: tuple[str, ...] = (
+    "deepspeed_plugin",
+    "deepspeed_plugins",
+    "fsdp_plugin",
+    "megatron_lm_plugin",
+    "torch_tp_plugin",
+    "gradient_accumulation_plugin",
+    "dynamo_backend",
+    "dynamo_plugin",
+    "parallelism_config",
+)
+
+HANDLER_TYPES: tuple[type[KwargsHandler], ...] = (
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    AutocastKwargs,
+    InitProcessGroupKwargs,
+)
+
+
+def check_unexpected_keywords(owner: str, unexpected: dict[str, Any], valid: list[str]) -> None:
+    """Raise ``TypeError`` for an unknown keyword (listing ``valid``), ``ConfigError`` for a
+    peer-only keyword (``fsdp_plugin``, ...) given a value other than ``None``."""
+    for name, value in unexpected.items():
+        if name not in PEER_ONLY_KEYWORDS:
+            raise TypeError(
+                f"{owner}() got an unexpected keyword argument {name!r}; valid keywords: "
+                f"{', '.join(sorted(valid))}."
+            )
+        if value is not None:
+            raise ConfigError(
+                f"{owner}({name}=...) is not supported by nbaccel; remove it (FSDP, DeepSpeed, "
+                "Megatron, tensor-parallel and dynamo plugins are not part of nbaccel)."
+            )
+
+
+def parse_kwargs_handlers(handlers: Any) -> dict[type, Any]:
+    """``kwargs_handlers=[...]`` as ``{handler type: handler}``; one of each type at most.
+
+    Example:
+        >>> list(parse_kwargs_handlers([GradScalerKwargs(init_scale=2.0)]))
+        [<class 'nbaccel.options.GradScalerKwargs'>]
+    """
+    found: dict[type, Any] = {}
+    for handler in handlers or ():
+        kind = next((k for k in HANDLER_TYPES if isinstance(handler, k)), None)
+        if kind is None:
+            raise TypeError(
+                f"kwargs_handlers got {handler!r}; pass instances of "
+                f"{', '.join(k.__name__ for k in HANDLER_TYPES)}."
+            )
+        if kind in found:
+            raise ConfigError(f"kwargs_handlers has two {kind.__name__} objects; pass one.")
+        found[kind] = handler
+    return found
+
+
+def resolve_dataloader_config(
+    config: DataLoaderConfiguration | None, split_batches: bool | None, even_batches: bool | None
+) -> DataLoaderConfiguration:
+    """Merge the plain ``split_batches``/``even_batches`` keywords with ``dataloader_config``.
+
+    Setting the same option in both places to different values is an error.
+
+    Example:
+        >>> resolve_dataloader_config(None, True, None).split_batches
+        True
+    """
+    if config is None:
+        return DataLoaderConfiguration(
+            split_batches=bool(split_batches),
+            even_batches=True if even_batches is None else bool(even_batches),
+        )
+    for name, value in (("split_batches", split_batches), ("even_batches", even_batches)):
+        if value is not None and value != getattr(config, name):
+            raise ConfigError(
+                f"{name}={value!r} conflicts with dataloader_config.{name}="
+                f"{getattr(config, name)!r}; set it in one place only."
+            )
+    return config
+
+
 __all__ = [
+    "HANDLER_TYPES",
+    "PEER_ONLY_KEYWORDS",
     "AutocastKwargs",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
@@ -157,4 +242,7 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "ProjectConfiguration",
+    "check_unexpected_keywords",
+    "parse_kwargs_handlers",
+    "resolve_dataloader_config",
 ]
