@@ -1,0 +1,320 @@
+"""What one worker does before and after the user's function.
+
+The launcher starts each worker either by forking the kernel (:func:`fork_main`)
+or as a fresh interpreter (:func:`spawn_main`, which reads its job from stdin).
+Both end in :func:`_run`: redirect fds 1/2 to the launcher's pipes, restore
+default signal handlers, arm faulthandler (stack dumps on ``SIGUSR1`` and on
+fatal signals), drop any process state inherited from the kernel, size the
+compute thread pool, call the function, and send the outcome back over the
+control pipe as length-prefixed pickle frames. Tensors are moved to the CPU
+and pickled as plain bytes (never torch's shared-memory reducers, whose
+segments would die with the worker).
+
+:func:`publish` is the worker-side event channel feeding ``LaunchHandle.status()``
+in the kernel; outside a launched worker it does nothing.
+
+Example:
+    >>> from nbaccel._bootstrap import publish
+    >>> publish("log", step=3, values={"loss": 0.5})  # no-op outside a worker
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import linecache
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._wire import HEADER, Channel, dumps
+
+STACK_SIGNAL = signal.SIGUSR1
+
+
+@dataclass
+class WorkerSpec:
+    """Everything one worker needs, minus the function (shipped separately for spawn)."""
+
+    rank: int
+    local_rank: int
+    env: dict[str, str]
+    fds: dict[str, int]  # write ends: "stdout", "stderr", "ctrl", "stack"
+    send_value: bool
+    threads: int | None
+    parent_pid: int
+    new_session: bool = False
+    die_with_parent: bool = True
+    close_fds: list[int] = field(default_factory=list)
+
+
+_channel: Channel | None = None
+
+
+def _plain(value: Any) -> Any:
+    """0-d tensors and numpy scalars -> Python numbers, so events stay small and picklable."""
+    item = getattr(value, "item", None)
+    if item is not None and getattr(value, "numel", lambda: getattr(value, "size", 2))() == 1:
+        try:
+            return item()
+        except Exception:
+            return value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def publish(kind: str, **data: Any) -> None:
+    """Send an event (``kind`` plus keyword data) to the launching kernel.
+
+    Conventions used by ``LaunchHandle.status()``: a ``step`` keyword sets the
+    rank's current step; a ``values`` dict (as from ``Accelerator.log``) updates
+    its latest scalars. Never raises; a no-op outside a launched worker.
+
+    Example:
+        >>> publish("progress", step=10, total=100)
+    """
+    channel = _channel
+    if channel is None:
+        return
+    try:
+        channel.send(("event", channel.rank, kind, _plain(data), time.time()))
+    except Exception:  # unpicklable data: keep the event, drop the payload
+        with contextlib.suppress(Exception):
+            channel.send(("event", channel.rank, kind, {"unpicklable": True}, time.time()))
+
+
+def _error_info(exc: BaseException) -> dict[str, Any]:
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_frame.f_code is _run.__code__:
+        tb = tb.tb_next  # hide the bootstrap frame: the traceback starts in the user's code
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<unprintable {type(exc).__name__}>"
+    try:
+        codec, pickled = dumps(exc)
+    except Exception:
+        codec, pickled = "", b""
+    return {
+        "type_module": type(exc).__module__,
+        "type_qualname": type(exc).__qualname__,
+        "message": message,
+        "traceback": text,
+        "time": time.time(),
+        "pickled": (codec, pickled) if codec else None,
+    }
+
+
+# ------------------------------------------------------------------ process set-up
+def _redirect_output(spec: WorkerSpec) -> None:
+    """fds 1/2 -> the launcher's pipes; fresh sys.stdout/sys.stderr on them."""
+    old_streams = (sys.stdout, sys.stderr)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for name, target in (("stdout", 1), ("stderr", 2)):
+        if spec.fds[name] != target:  # spawned workers get the pipes as fds 1/2 already
+            os.dup2(spec.fds[name], target)
+            os.close(spec.fds[name])
+    # These streams live as long as the process, hence no context managers.
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    out = open(1, "wb", buffering=0, closefd=False)  # noqa: SIM115
+    err = open(2, "wb", buffering=0, closefd=False)  # noqa: SIM115
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(out, line_buffering=True, write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        err, line_buffering=True, write_through=True, errors="backslashreplace"
+    )
+    # logging handlers created in the kernel still point at the kernel's stream objects
+    import logging
+
+    new = {id(old_streams[0]): sys.stdout, id(old_streams[1]): sys.stderr}
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            stream = getattr(handler, "stream", None)
+            if stream is not None and id(stream) in new:
+                handler.stream = new[id(stream)]
+
+
+def _reset_signals() -> None:
+    """Default handlers (SIGINT raises KeyboardInterrupt); no kernel wakeup fd."""
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            handler = signal.getsignal(sig)
+        except (ValueError, OSError):
+            continue
+        if sig == signal.SIGINT:
+            signal.signal(sig, signal.default_int_handler)
+        elif callable(handler):
+            signal.signal(sig, signal.SIG_DFL)
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGKILL when the launching kernel thread dies (no orphans)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _forget_channel() -> None:
+    """In grandchildren (e.g. forked DataLoader workers): the control pipe is not theirs."""
+    global _channel
+    if _channel is not None:
+        with contextlib.suppress(OSError):
+            os.close(_channel.fd)
+        _channel = None
+
+
+def _set_threads(threads: int | None) -> None:
+    torch = sys.modules.get("torch")
+    if threads and torch is not None:
+        with contextlib.suppress(Exception):
+            torch.set_num_threads(threads)
+
+
+def _drop_inherited_state() -> None:
+    state = sys.modules.get("nbaccel.state")
+    if state is not None:
+        state.reset_state()
+
+
+def _destroy_process_group() -> None:
+    if "torch.distributed" not in sys.modules:
+        return
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _setup(spec: WorkerSpec) -> None:
+    global _channel
+    if spec.new_session:
+        os.setsid()
+    if spec.die_with_parent:
+        _die_with_parent(spec.parent_pid)
+    for fd in spec.close_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _reset_signals()
+    _redirect_output(spec)
+    import faulthandler
+
+    stack_file = open(spec.fds["stack"], "w", closefd=False)  # noqa: SIM115
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
+    sys.modules[__name__].__dict__["_stack_file"] = stack_file  # keep it alive
+    os.environ.update(spec.env)
+    _channel = Channel(spec.fds["ctrl"], spec.rank)
+    os.register_at_fork(after_in_child=_forget_channel)
+    _drop_inherited_state()
+
+
+def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
+    """Run the function; report the outcome; return the exit code. Never raises."""
+    channel = _channel
+    assert channel is not None
+    channel.send(("hello", spec.rank, os.getpid(), time.time()))
+    code = 0
+    try:
+        _set_threads(spec.threads)
+        try:
+            value = function(*args)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+            value = None
+        if spec.send_value:
+            codec, data = dumps(value)
+        else:
+            codec, data = "none", b""
+        channel.send(("result", spec.rank, codec, data, time.time()))
+    except BaseException as exc:  # ship every failure, KeyboardInterrupt included
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        try:
+            channel.send(("error", spec.rank, _error_info(exc)))
+        except Exception:
+            traceback.print_exc()
+    finally:
+        _destroy_process_group()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    return code
+
+
+def fork_main(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> None:
+    """Body of a forked worker. Never returns into the kernel's code."""
+    code = 70
+    try:
+        import atexit
+
+        atexit._clear()  # the kernel's exit handlers are not ours to run
+        _setup(spec)
+        code = _run(spec, function, args)
+        atexit._run_exitfuncs()  # handlers the user's code registered in this worker
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks, remaining = [], size
+    while remaining:
+        chunk = os.read(fd, min(remaining, 1 << 20))
+        if not chunk:
+            raise EOFError("the launcher closed the job pipe early")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def spawn_main() -> None:
+    """Entry point of a spawned worker: ``python -c "...spawn_main()"``, job on stdin."""
+    job = pickle.loads(_read_exact(0, HEADER.unpack(_read_exact(0, HEADER.size))[0]))
+    payload = _read_exact(0, HEADER.unpack(_read_exact(0, HEADER.size))[0])
+    spec: WorkerSpec = job["spec"]
+    sys.path[:] = job["sys_path"]
+    linecache.cache.update(job["linecache"])  # notebook cells have no file on disk
+    _setup(spec)
+    try:
+        import dill
+
+        function, args = dill.loads(payload)
+    except BaseException as exc:
+        assert _channel is not None
+        _channel.send(("hello", spec.rank, os.getpid(), time.time()))
+        info = _error_info(exc)
+        info["message"] = f"could not load the function in the spawned worker: {info['message']}"
+        _channel.send(("error", spec.rank, info))
+        sys.stdout.flush()
+        os._exit(1)
+    code = _run(spec, function, args)
+    sys.exit(code)
+
+
+__all__ = ["STACK_SIGNAL", "WorkerSpec", "fork_main", "publish", "spawn_main"]

@@ -1,0 +1,312 @@
+"""``LaunchHandle``: a running (or finished) multi-process launch.
+
+``notebook_launcher(..., block=False)`` returns one at once; the workers are
+supervised by a background thread and the kernel stays responsive. With
+``block=True`` the same object is driven from the calling thread.
+
+Status model (``handle.status()``): one dict per global rank of this node with
+``"state"`` ("starting", "running", "finished", "failed", "killed", "stopped",
+"terminated"), ``"step"`` (the last ``step=`` a worker published), ``"scalars"``
+(latest values of ``publish(..., values={...})``, e.g. from ``Accelerator.log``),
+``"pid"`` and ``"last_event"``. Listeners added with :meth:`LaunchHandle.add_listener`
+are called as ``callback(rank, kind, data)`` on the supervising thread for every
+worker event and every state change (``kind == "state"``).
+
+Example:
+    >>> from nbaccel import notebook_launcher  # doctest: +SKIP
+    >>> handle = notebook_launcher(train, num_processes=2, block=False)  # doctest: +SKIP
+    >>> handle.status()[0]["state"]  # doctest: +SKIP
+    'running'
+    >>> handle.result()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ._bootstrap import WorkerSpec
+from ._output import LineForwarder
+from ._preflight import LaunchPlan
+from ._rendezvous import Rendezvous
+from ._spawn import start_workers
+from ._supervise import Stopped, Supervisor
+
+Listener = Callable[[int, str, dict], Any]
+_LIVE: weakref.WeakSet[LaunchHandle] = weakref.WeakSet()
+_TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
+_atexit_registered = False
+
+
+def _stop_live_handles() -> None:
+    for handle in list(_LIVE):
+        with contextlib.suppress(Exception):
+            handle.stop(timeout=5)
+
+
+class LaunchHandle:
+    """Control and observe a launch: ``wait``, ``result``, ``stop``, ``done``, ``status``."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self._plan = plan
+        nproc = plan.num_processes or 1
+        self.ranks: list[int] = [plan.global_rank(i) for i in range(nproc)]
+        self._want = set(self.ranks) if plan.return_all_ranks else {self.ranks[0]}
+        self._lock = threading.RLock()
+        self._status: dict[int, dict[str, Any]] = {
+            r: {"state": "starting", "step": None, "scalars": {}, "pid": None, "last_event": None}
+            for r in self.ranks
+        }
+        self._listeners: list[Listener] = []
+        self._done = threading.Event()
+        self._stopping = threading.Event()
+        self._outcome: tuple[bool, Any] | None = None
+        self._supervisor: Supervisor | None = None
+        self._rendezvous: Rendezvous | None = None
+        self._thread: threading.Thread | None = None
+        self.attempt = 0
+        if plan.output is None:
+            self._streams: tuple[Any, Any] = (sys.stdout, sys.stderr)
+        elif callable(plan.output):
+            self._streams = (None, None)
+        else:
+            self._streams = (plan.output, plan.output)
+
+    # ------------------------------------------------------------------ public API
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the run ended (or ``timeout`` seconds); True when it has ended."""
+        return self._done.wait(timeout)
+
+    def done(self) -> bool:
+        """True once every worker has exited and the outcome is known."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's return value (a list of every rank's with ``return_all_ranks=True``).
+
+        Raises the workers' failure (see ``notebook_launcher``) if the run failed, or
+        ``TimeoutError`` if it is still running after ``timeout`` seconds.
+        """
+        if not self.wait(timeout):
+            raise TimeoutError(
+                f"the run is still going after {timeout}s; wait longer or call .stop()."
+            )
+        assert self._outcome is not None
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        if self._plan.return_all_ranks:
+            return [value[r] for r in self.ranks]
+        return value[self.ranks[0]]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The failure of a finished run, or None when it succeeded."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"the run is still going after {timeout}s.")
+        assert self._outcome is not None
+        return None if self._outcome[0] else self._outcome[1]
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Terminate every worker (SIGTERM, then SIGKILL) and wait until they are gone."""
+        self._stopping.set()
+        supervisor = self._supervisor
+        if supervisor is not None:
+            supervisor.stop_requested.set()
+        self.wait(timeout)
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        """A snapshot of every rank's state, step and latest scalars."""
+        with self._lock:
+            return copy.deepcopy(self._status)
+
+    def add_listener(self, callback: Listener) -> Listener:
+        """Call ``callback(rank, kind, data)`` for every event; returns ``callback``."""
+        with self._lock:
+            self._listeners.append(callback)
+        return callback
+
+    def remove_listener(self, callback: Listener) -> None:
+        """Undo :meth:`add_listener`."""
+        with self._lock, contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
+
+    @property
+    def pids(self) -> dict[int, int | None]:
+        """Worker pids by rank (None before a worker has started)."""
+        with self._lock:
+            return {r: s["pid"] for r, s in self._status.items()}
+
+    def __repr__(self) -> str:
+        states = sorted({s["state"] for s in self.status().values()})
+        return f"<LaunchHandle ranks={self.ranks} state={'/'.join(states)}>"
+
+    # ------------------------------------------------------------------ events
+    def _on_event(self, rank: int, kind: str, data: dict) -> None:
+        with self._lock:
+            entry = self._status.setdefault(
+                rank, {"state": "starting", "step": None, "scalars": {}, "pid": None}
+            )
+            if kind == "state":
+                entry["state"] = data.get("state", entry["state"])
+                if data.get("pid"):
+                    entry["pid"] = data["pid"]
+            else:
+                entry["last_event"] = kind
+                step = data.get("step")
+                if isinstance(step, int) and not isinstance(step, bool):
+                    entry["step"] = step
+                values = data.get("values")
+                if isinstance(values, dict):
+                    entry["scalars"].update(
+                        {k: v for k, v in values.items() if isinstance(v, int | float)}
+                    )
+            listeners = list(self._listeners)
+        for callback in listeners:
+            with contextlib.suppress(Exception):  # a broken live view must not stop training
+                callback(rank, kind, data)
+
+    # ------------------------------------------------------------------ running
+    def _start_attempt(self) -> None:
+        plan, cfg = self._plan, self._plan.config
+        rdzv = Rendezvous.reserve(
+            cfg.master_addr, cfg.master_port, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank
+        )
+        self._rendezvous = rdzv
+        if cfg.node_rank != 0:
+            rdzv.start(cfg.timeout)  # reachability check, before any worker exists
+        nproc = len(self.ranks)
+        specs = []
+        for local_rank, rank in enumerate(self.ranks):
+            env = {
+                **plan.env,
+                **rdzv.worker_env(self.attempt),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(plan.world_size),
+                "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": str(cfg.node_rank),
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(plan.world_size),
+            }
+            on_main = threading.current_thread() is threading.main_thread()
+            specs.append(
+                WorkerSpec(
+                    rank,
+                    local_rank,
+                    env,
+                    {},
+                    rank in self._want,
+                    plan.threads,
+                    os.getpid(),
+                    new_session=not plan.block,
+                    die_with_parent=on_main,
+                )
+            )
+        listen_fd = rdzv.listen_fd()
+        procs = start_workers(
+            specs,
+            plan.method,
+            plan.function,
+            plan.args,
+            plan.payload,
+            close_in_children=(listen_fd,) if listen_fd is not None else (),
+        )
+        callback = plan.output if callable(plan.output) else None
+        info = {r: (lr, cfg.node_rank, plan.world_size) for lr, r in enumerate(self.ranks)}
+        forwarder = LineForwarder(*self._streams, plan.template, callback=callback, rank_info=info)
+        self._supervisor = Supervisor(
+            procs,
+            forwarder,
+            timeout=cfg.timeout,
+            interval=plan.monitor_interval,
+            want=self._want,
+            on_event=self._on_event,
+        )
+        if self._stopping.is_set():
+            self._supervisor.stop_requested.set()
+        if cfg.node_rank == 0:
+            try:
+                rdzv.start(cfg.timeout)  # after forking: no store thread is copied into workers
+            except BaseException:
+                self._supervisor.terminate()
+                self._supervisor.close()
+                raise
+
+    def _finish(self, ok: bool, value: Any) -> None:
+        final = "stopped" if isinstance(value, Stopped) else "terminated"
+        for rank, entry in self.status().items():
+            if entry["state"] not in _TERMINAL:
+                self._on_event(rank, "state", {"state": final})
+        self._outcome = (ok, value)
+        _LIVE.discard(self)
+        self._done.set()
+
+    def _run(self) -> None:
+        """Supervise attempts until success, failure or stop. Re-raises KeyboardInterrupt."""
+        try:
+            while True:
+                assert self._supervisor is not None
+                try:
+                    values = self._supervisor.run()
+                except Stopped as err:
+                    self._finish(False, err)
+                    return
+                except Exception as err:
+                    if self.attempt >= self._plan.config.max_restarts or self._stopping.is_set():
+                        self._finish(False, err)
+                        return
+                    self._close_rendezvous()
+                    self.attempt += 1
+                    self._announce_restart(err)
+                    self._start_attempt()
+                    continue
+                self._finish(True, values)
+                return
+        except BaseException as err:
+            if not self._done.is_set():
+                self._finish(False, err)
+            if isinstance(err, KeyboardInterrupt) or not self._plan.block:
+                raise
+        finally:
+            self._close_rendezvous()
+
+    def _announce_restart(self, err: BaseException) -> None:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        text = (
+            f"nbaccel: workers failed ({first}); restarting, attempt {self.attempt} of "
+            f"{self._plan.config.max_restarts}\n"
+        )
+        stream = self._streams[1]
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.write(text)
+
+    def _close_rendezvous(self) -> None:
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+
+    def _run_in_background(self) -> None:
+        global _atexit_registered
+        if not _atexit_registered:  # workers must not outlive the kernel (macOS has no PDEATHSIG)
+            atexit.register(_stop_live_handles)
+            _atexit_registered = True
+        _LIVE.add(self)
+        self._thread = threading.Thread(
+            target=self._background, name="nbaccel-supervisor", daemon=True
+        )
+        self._thread.start()
+
+    def _background(self) -> None:
+        with contextlib.suppress(BaseException):
+            self._run()
+
+
+__all__ = ["LaunchHandle"]

@@ -1,0 +1,158 @@
+"""Forward the workers' stdout/stderr into the launching cell, one whole line at a time.
+
+The kernel reads each worker's fd 1/2 from a pipe and hands the bytes to a
+:class:`LineForwarder`, which cuts them into lines and writes every line with a
+single ``write`` call, so lines of different ranks never interleave mid-line.
+Carriage-return updates (text progress bars) are forwarded as they arrive.
+
+Prefixing: with the default template, lines get ``"[rank{rank}] "`` as soon as a
+second process has printed anything (a run where only rank 0 prints reads like a
+plain script). An explicit ``log_line_prefix_template`` is always applied; ``""``
+disables prefixes. Templates use ``str.format`` fields ``{rank}``, ``{local_rank}``,
+``{node_rank}``, ``{world_size}`` or torchrun-style ``${rank}``/``${local_rank}``/
+``${role_name}``.
+
+Example:
+    >>> import io
+    >>> out = io.StringIO()
+    >>> fwd = LineForwarder(out, out)
+    >>> fwd.feed(0, "stdout", b"hello\\nwor")
+    >>> fwd.feed(1, "stdout", b"hi\\n")
+    >>> fwd.feed(0, "stdout", b"ld\\n")
+    >>> print(out.getvalue(), end="")
+    hello
+    [rank1] hi
+    [rank0] world
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import string
+import threading
+from collections.abc import Callable
+from typing import Any, TextIO
+
+DEFAULT_PREFIX = "[rank{rank}] "
+
+#: ``output=`` may be a callable receiving ``(rank, stream, line)``; ``line`` has no newline.
+LineCallback = Callable[[int, str, str], Any]
+
+
+def format_prefix(
+    template: str, rank: int, *, local_rank: int = 0, node_rank: int = 0, world_size: int = 1
+) -> str:
+    """Render a prefix template (``str.format`` or ``$``-style).
+
+    Example:
+        >>> format_prefix("[${role_name}${rank}]: ", 3)
+        '[default3]: '
+    """
+    fields = {
+        "rank": rank,
+        "local_rank": local_rank,
+        "node_rank": node_rank,
+        "world_size": world_size,
+        "role_name": "default",
+    }
+    if "$" in template:
+        return string.Template(template).safe_substitute(fields)
+    try:
+        return template.format(**fields)
+    except (KeyError, IndexError, ValueError):
+        return template
+
+
+class LineForwarder:
+    """Thread-safe line assembler and writer for every worker's stdout/stderr.
+
+    Args:
+        stdout: where stdout lines go (the cell's ``sys.stdout`` at launch time).
+        stderr: where stderr lines go.
+        template: prefix template; ``None`` = default with the "second printer" rule.
+        callback: instead of writing to streams, call ``callback(rank, stream, line)``.
+        rank_info: global rank -> (local_rank, node_rank, world_size) for templates.
+    """
+
+    def __init__(
+        self,
+        stdout: TextIO | None,
+        stderr: TextIO | None,
+        template: str | None = None,
+        *,
+        callback: LineCallback | None = None,
+        rank_info: dict[int, tuple[int, int, int]] | None = None,
+    ) -> None:
+        self._streams = {"stdout": stdout, "stderr": stderr}
+        self._always = template is not None
+        self._template = DEFAULT_PREFIX if template is None else template
+        self._callback = callback
+        self._rank_info = rank_info or {}
+        self._buffers: dict[tuple[int, str], str] = {}
+        self._decoders: dict[tuple[int, str], Any] = {}
+        self._printers: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _prefix(self, rank: int) -> str:
+        self._printers.add(rank)
+        if not self._template or not (self._always or len(self._printers) > 1):
+            return ""
+        local_rank, node_rank, world_size = self._rank_info.get(rank, (rank, 0, 1))
+        return format_prefix(
+            self._template,
+            rank,
+            local_rank=local_rank,
+            node_rank=node_rank,
+            world_size=world_size,
+        )
+
+    def _emit(self, rank: int, stream: str, text: str, end: str) -> None:
+        if self._callback is not None:
+            with contextlib.suppress(Exception):  # a broken display must not break the run
+                self._callback(rank, stream, text)
+            return
+        target = self._streams.get(stream)
+        if target is None:
+            return
+        try:
+            target.write(f"{self._prefix(rank)}{text}{end}")
+            if end == "\r":
+                target.flush()
+        except Exception:
+            pass
+
+    def feed(self, rank: int, stream: str, data: bytes) -> None:
+        """Add raw bytes read from ``rank``'s ``stream`` ("stdout" or "stderr")."""
+        key = (rank, stream)
+        with self._lock:
+            decoder = self._decoders.setdefault(
+                key, codecs.getincrementaldecoder("utf-8")(errors="replace")
+            )
+            buffer = self._buffers.get(key, "") + decoder.decode(data)
+            *lines, rest = buffer.split("\n")
+            for line in lines:
+                self._emit(rank, stream, line, "\n")
+            if "\r" in rest:  # progress bars redraw the line with "\r": show them live
+                done, rest = rest.rsplit("\r", 1)
+                for piece in done.split("\r"):
+                    if piece:
+                        self._emit(rank, stream, piece, "\r")
+            self._buffers[key] = rest
+
+    def close(self, rank: int, stream: str) -> None:
+        """End of ``rank``'s ``stream``: write any unterminated last line."""
+        key = (rank, stream)
+        with self._lock:
+            decoder = self._decoders.pop(key, None)
+            rest = self._buffers.pop(key, "") + (decoder.decode(b"", final=True) if decoder else "")
+            if rest:
+                self._emit(rank, stream, rest, "\n")
+        if self._callback is None:
+            target = self._streams.get(stream)
+            if target is not None:
+                with contextlib.suppress(Exception):
+                    target.flush()
+
+
+__all__ = ["DEFAULT_PREFIX", "LineCallback", "LineForwarder", "format_prefix"]

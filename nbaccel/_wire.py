@@ -1,0 +1,108 @@
+"""Bytes between a worker and the kernel: frames, and CPU-only pickling of results.
+
+A frame is an 8-byte big-endian length followed by a pickle. Workers write
+frames with :class:`Channel`; the kernel reassembles them with
+:class:`FrameReader`. Values are pickled with :func:`dumps`, which moves every
+tensor to the CPU first (the kernel must never initialise CUDA) and uses plain
+pickle bytes rather than torch's shared-memory reducers; dill is the fallback
+for values plain pickle cannot handle (lambdas, classes defined in a notebook).
+
+Example:
+    >>> from nbaccel._wire import FrameReader, dumps, loads, HEADER
+    >>> import pickle
+    >>> data = pickle.dumps(("hello", 0))
+    >>> FrameReader().feed(HEADER.pack(len(data)) + data)
+    [('hello', 0)]
+    >>> loads(*dumps([1, 2]))
+    [1, 2]
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import sys
+import threading
+from typing import Any
+
+HEADER = struct.Struct("!Q")
+
+
+class Channel:
+    """Frames written to the control pipe; a lock keeps concurrent publishers whole."""
+
+    def __init__(self, fd: int, rank: int) -> None:
+        self.fd, self.rank, self.lock = fd, rank, threading.Lock()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = memoryview(HEADER.pack(len(data)) + data)
+        with self.lock:
+            while frame:
+                frame = frame[os.write(self.fd, frame) :]
+
+
+class FrameReader:
+    """Reassembles frames from the bytes of one control pipe (kernel side)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        """Add bytes; return the messages completed by them (undecodable ones skipped)."""
+        self._buffer += data
+        out = []
+        while len(self._buffer) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self._buffer)
+            if len(self._buffer) < HEADER.size + size:
+                break
+            body = bytes(self._buffer[HEADER.size : HEADER.size + size])
+            del self._buffer[: HEADER.size + size]
+            try:
+                out.append(pickle.loads(body))
+            except Exception:
+                continue
+        return out
+
+
+def _to_cpu(tensor: Any) -> Any:
+    return tensor
+
+
+class _CPUPickler(pickle.Pickler):
+    """Moves tensors on any device to the CPU while pickling (no CUDA in the kernel)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            cpu = obj.detach().to("cpu")
+            if isinstance(obj, torch.nn.Parameter):
+                cpu = torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
+            return _to_cpu, (cpu,)
+        return NotImplemented
+
+
+def dumps(value: Any) -> tuple[str, bytes]:
+    """Pickle ``value`` for the kernel: ``("pickle", bytes)``, or ``("dill", bytes)``."""
+    buffer = io.BytesIO()
+    try:
+        _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        return "pickle", buffer.getvalue()
+    except Exception:
+        import dill
+
+        return "dill", dill.dumps(value, recurse=True)
+
+
+def loads(codec: str, data: bytes) -> Any:
+    """Inverse of :func:`dumps` (runs in the kernel)."""
+    if codec == "dill":
+        import dill
+
+        return dill.loads(data)
+    return pickle.loads(data)
+
+
+__all__ = ["HEADER", "Channel", "FrameReader", "dumps", "loads"]
