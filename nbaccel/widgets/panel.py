@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import html
 import re
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,6 +54,51 @@ def _label(name: str) -> str:
     return name.replace("_", " ")
 
 
+class OutputSink:
+    """A file-like object that shows what is written to it in an ``Output`` widget.
+
+    The launcher writes the workers' lines here (``output=`` of ``notebook_launcher``),
+    from its forwarding thread. Carriage returns redraw the last line, so text
+    progress bars update in place; only the last ``max_lines`` lines are kept.
+    """
+
+    def __init__(self, output: widgets.Output, max_lines: int = 1000) -> None:
+        self.output = output
+        self.max_lines = max_lines
+        self._lines: list[str] = [""]
+        self._return = False
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            for piece in re.split(r"(\r\n|\r|\n)", text):
+                if piece in ("\n", "\r\n"):
+                    self._lines.append("")
+                    self._return = False
+                elif piece == "\r":
+                    self._return = True  # the next text overwrites this line (a redraw)
+                elif piece:
+                    if self._return:
+                        self._lines[-1], self._return = "", False
+                    self._lines[-1] += piece
+            del self._lines[: -self.max_lines]
+            self.output.outputs = (
+                {"output_type": "stream", "name": "stdout", "text": "\n".join(self._lines)},
+            )
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        with self._lock:
+            self._lines, self._return = [""], False
+            self.output.outputs = ()
+
+    def getvalue(self) -> str:
+        return "\n".join(self._lines)
+
+
 class LaunchPanel(widgets.VBox):
     """A panel with a control per launch setting, Launch and Save-as-default buttons.
 
@@ -67,6 +113,8 @@ class LaunchPanel(widgets.VBox):
         controls: ``{field: widget}`` for every LaunchConfig field.
         messages: ``{field: HTML}`` where a field's problem is shown.
         output: the ``Output`` area where the run's per-rank output appears.
+        sink: the :class:`OutputSink` that writes the workers' lines into ``output``
+            (passed as ``output=`` to the launcher unless ``launcher_kwargs`` has one).
     """
 
     def __init__(
@@ -115,6 +163,7 @@ class LaunchPanel(widgets.VBox):
         self.output = widgets.Output(
             layout=widgets.Layout(border="1px solid #ddd", min_height="2em", padding="4px")
         )
+        self.sink = OutputSink(self.output)
         self.launch_button.on_click(lambda _button: self._on_launch_click())
         self.save_button.on_click(lambda _button: self._on_save_click())
         for control in self.controls.values():
@@ -138,7 +187,7 @@ class LaunchPanel(widgets.VBox):
         kind, choices = field_kind(name)
         common: dict[str, Any] = {
             "description": _label(name),
-            "description_tooltip": field_help().get(name, ""),
+            "tooltip": field_help().get(name, ""),
             "style": _STYLE,
             "layout": _ROW,
         }
@@ -233,14 +282,13 @@ class LaunchPanel(widgets.VBox):
 
         self.launch_button.disabled = True
         self.status.value = f"Running on {cfg.num_processes} process(es) per node&hellip;"
-        self.output.clear_output()
+        self.sink.clear()
+        options = {"output": self.sink, **self.launcher_kwargs, **kwargs}
         try:
+            # Output printed by the kernel itself (one-process runs, warnings) lands here too.
             with self.output:
                 self.result = launcher.notebook_launcher(
-                    self.training_function,
-                    self.args,
-                    config=cfg,
-                    **{**self.launcher_kwargs, **kwargs},
+                    self.training_function, self.args, config=cfg, **options
                 )
         except BaseException as err:
             self.status.value = (
@@ -256,8 +304,7 @@ class LaunchPanel(widgets.VBox):
         try:
             self.launch()
         except Exception as err:  # show it; an exception in a callback is lost in the browser
-            with self.output:
-                print("".join(traceback.format_exception_only(type(err), err)).rstrip())
+            self.sink.write("".join(traceback.format_exception_only(type(err), err)))
 
     def _on_save_click(self) -> None:
         try:
