@@ -117,12 +117,21 @@ class BatchSamplerShard(Sampler[list[int]]):
         n = len(self.batch_sampler)  # type: ignore[arg-type]
         p, r = self.num_processes, self.process_index
         if self.split_batches:
-            return n
+            return n - (0 if self.even_batches else self._short_last_piece(n))
         if self.drop_last:
             return n // p
         if self.even_batches:
             return math.ceil(n / p)
         return n // p + (1 if r < n % p else 0)
+
+    def _short_last_piece(self, n: int) -> int:
+        """1 if (split, uneven) this rank gets no slice of a short last batch, else 0."""
+        sampler = getattr(self.batch_sampler, "sampler", None)
+        if n == 0 or not self.batch_size or self.drop_last or not hasattr(sampler, "__len__"):
+            return 0
+        last = len(sampler) % self.batch_size or self.batch_size  # type: ignore[arg-type]
+        width = math.ceil(last / self.num_processes)
+        return 0 if self.process_index * width < last else 1
 
     def __iter__(self) -> Iterator[list[int]]:
         self.remainder = -1

@@ -351,6 +351,9 @@ def get_state(
         distributed_type=kind,
         debug=env.debug,
     )
+    cached = _CACHE.get("state")
+    if cached == state:
+        return cached  # keep the identity: the same facts, the same object
     _CACHE["state"] = state
     return state
 

@@ -1,0 +1,302 @@
+"""nbaccel.data: sharding any (batch) sampler, even batches, shuffles, resume; real 2-process runs."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+)
+
+from nbaccel.data import (
+    BatchSamplerShard,
+    IterableDatasetShard,
+    prepare_data_loader,
+    skip_first_batches,
+)
+from nbaccel.errors import ConfigError
+from nbaccel.testing import run_on_workers
+
+
+def _ranks(batch_sampler, p, **kw):
+    shards = [BatchSamplerShard(batch_sampler, p, r, **kw) for r in range(p)]
+    return [list(s) for s in shards], [len(s) for s in shards], shards
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("even", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batch_sampler_shard_grid(split, even, drop_last):
+    for n, bs, p in itertools.product((1, 5, 8, 13, 16), (2, 4), (2, 3)):
+        if split and bs % p:
+            continue
+        inner = BatchSampler(SequentialSampler(range(n)), bs, drop_last)
+        per_rank, lengths, shards = _ranks(inner, p, split_batches=split, even_batches=even)
+        case = (n, bs, p)
+        if even:  # same number of batches everywhere, equal batch sizes per round
+            assert len({len(b) for b in per_rank}) == 1, case
+        assert lengths == [len(b) for b in per_rank], case
+        seen = Counter(i for batches in per_rank for b in batches for i in b)
+        if drop_last:
+            assert all(v == 1 for v in seen.values()), case
+            continue
+        assert set(seen) == set(range(n)), case
+        if not even:
+            assert all(v == 1 for v in seen.values()), case
+        duplicated = sum(seen.values()) - n
+        remainder = shards[0].remainder
+        if duplicated:  # the real samples of the last round come first, in rank order
+            body = [i for batches in per_rank for b in batches[:-1] for i in b]
+            last_round = [i for batches in per_rank for i in batches[-1]]
+            assert sorted(body + last_round[:remainder]) == list(range(n)), case
+        else:
+            assert remainder == -1, case
+
+
+def test_even_batches_wrap_around_with_the_first_samples():
+    inner = BatchSampler(SequentialSampler(range(10)), 4, False)
+    per_rank, lengths, shards = _ranks(inner, 2)
+    assert per_rank == [[[0, 1, 2, 3], [8, 9, 0, 1]], [[4, 5, 6, 7], [2, 3, 4, 5]]]
+    assert shards[0].remainder == 2 and lengths == [2, 2]
+    split, _, shards = _ranks(inner, 2, split_batches=True)
+    assert split == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [0, 1]]]
+    assert shards[1].remainder == 2
+    with pytest.raises(ConfigError, match="multiple of the process count"):
+        BatchSamplerShard(BatchSampler(range(9), 3, False), 2, 0, split_batches=True)
+
+
+class VariableBatches(Sampler):
+    """A custom batch sampler without batch_size: bucketed sizes 3, 1, 2, 3, 1, ..."""
+
+    def __init__(self, n, shuffle=False):
+        self.n = n
+        self.sampler = RandomSampler(range(n)) if shuffle else SequentialSampler(range(n))
+
+    def __iter__(self):
+        order = list(self.sampler)
+        sizes = itertools.cycle([3, 1, 2])
+        while order:
+            size = next(sizes)
+            yield order[:size]
+            order = order[size:]
+
+    def __len__(self):
+        full, rest = divmod(self.n, 6)
+        return full * 3 + (0 if rest == 0 else 1 if rest <= 3 else 2 if rest <= 4 else 3)
+
+
+def test_custom_batch_sampler_without_batch_size():
+    per_rank, lengths, shards = _ranks(VariableBatches(10), 2)
+    assert per_rank[0] == [[0, 1, 2], [4, 5], [9]] and per_rank[1] == [[3], [6, 7, 8], [0, 1, 2]]
+    assert lengths == [3, 3] and shards[0].remainder == 1
+
+
+class Numbers(IterableDataset):
+    def __init__(self, n, sized=True):
+        self.n, self.sized = n, sized
+        self.epochs = []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self):
+        if not self.sized:
+            raise TypeError("unsized")
+        return self.n
+
+
+def test_iterable_dataset_shards():
+    for split in (False, True):
+        outs = []
+        for r in range(2):
+            loader = prepare_data_loader(
+                DataLoader(Numbers(11), batch_size=4 if split else 2),
+                num_processes=2,
+                process_index=r,
+                split_batches=split,
+            )
+            outs.append(([b.tolist() for b in loader], len(loader), loader.remainder))
+        assert outs[0][0] == [[0, 1], [4, 5], [8, 9]]
+        assert outs[1][0] == [[2, 3], [6, 7], [10, 0]]
+        assert outs[0][1] == outs[1][1] == 3 and outs[0][2] == 3
+    shard = IterableDatasetShard(Numbers(11), 2, drop_last=True, num_processes=2, process_index=1)
+    assert list(shard) == [2, 3, 6, 7] and len(shard) == 4
+    uneven = IterableDatasetShard(
+        Numbers(11), 2, num_processes=2, process_index=1, even_batches=False
+    )
+    assert list(uneven) == [2, 3, 6, 7, 10] and len(uneven) == 5
+    dataset = Numbers(4)
+    loader = prepare_data_loader(DataLoader(dataset, batch_size=2))
+    list(loader), list(loader)
+    assert dataset.epochs == [0, 1]  # set_epoch forwarded, advancing by itself
+
+
+def test_iterable_dataset_with_workers_does_not_duplicate():
+    loader = prepare_data_loader(
+        DataLoader(Numbers(11, sized=False), batch_size=2, num_workers=2),
+        num_processes=2,
+        process_index=0,
+    )
+    assert sorted(i for b in loader for i in b.tolist()) == [0, 1, 4, 5, 8, 9]
+
+
+def _prepared(shuffle=True, **kw):
+    torch.manual_seed(1234)  # the seed each rank agrees on
+    return prepare_data_loader(DataLoader(list(range(12)), batch_size=3, shuffle=shuffle), **kw)
+
+
+def test_shuffle_is_identical_on_every_rank_and_changes_per_epoch():
+    ranks = [_prepared(num_processes=2, process_index=r) for r in range(2)]
+    epochs = [[[b.tolist() for b in loader] for loader in ranks] for _ in range(2)]
+    for epoch in epochs:
+        flat = [i for rank in epoch for b in rank for i in b]
+        assert sorted(flat) == list(range(12))  # a true partition: same permutation on both
+    assert epochs[0] != epochs[1]
+    ranks[0].set_epoch(0)
+    assert [b.tolist() for b in ranks[0]] == epochs[0][0]  # set_epoch replays an epoch
+
+
+def test_state_dict_resumes_after_the_seen_batches():
+    full = _prepared()
+    first_epoch = [b.tolist() for b in full]
+    second_epoch = [b.tolist() for b in full]
+    loader = _prepared()
+    list(loader)
+    iterator = iter(loader)
+    seen = [next(iterator).tolist(), next(iterator).tolist()]
+    assert seen == second_epoch[:2]
+    state = loader.state_dict()
+    assert state["epoch"] == 1 and state["batches_yielded"] == 2
+    resumed = _prepared(shuffle=True)
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == second_epoch[2:]
+    assert resumed.state_dict()["epoch"] == 2 and resumed.state_dict()["batches_yielded"] == 0
+    assert [b.tolist() for b in resumed] != first_epoch  # and it keeps advancing epochs
+
+
+def test_skip_first_batches_prepared_and_plain():
+    loader = _prepared(shuffle=False)
+    view = skip_first_batches(loader, 3)
+    assert len(view) == 1 and [b.tolist() for b in view] == [[9, 10, 11]]
+    assert loader.state_dict() == {"epoch": 1, "batches_yielded": 0, "seed": loader.progress.seed}
+    loader.load_state_dict({"epoch": 1, "batches_yielded": 1})
+    assert [b.tolist() for b in skip_first_batches(loader, 2)] == [[6, 7, 8], [9, 10, 11]]
+    plain = skip_first_batches(DataLoader(range(6), batch_size=2), 1)
+    assert [b.tolist() for b in plain] == [[2, 3], [4, 5]] and len(plain) == 2
+    with pytest.raises(ValueError, match="num_batches=-1"):
+        skip_first_batches(loader, -1)
+
+
+def test_batch_size_none_and_device_placement_of_structures():
+    single = prepare_data_loader(
+        DataLoader(list(range(5)), batch_size=None), num_processes=2, process_index=1
+    )
+    assert list(single) == [1, 3, 0]
+    pairs = TensorDataset(torch.arange(4.0), torch.arange(4))
+    loader = prepare_data_loader(
+        DataLoader(
+            pairs,
+            batch_size=2,
+            collate_fn=lambda rows: {"x": torch.stack([r[0] for r in rows]), "n": [len(rows)]},
+        ),
+        device=torch.device("cpu"),
+    )
+    batch = next(iter(loader))
+    assert set(batch) == {"x", "n"} and batch["n"] == [2] and batch["x"].device.type == "cpu"
+
+
+def test_prepared_loader_with_workers_and_a_custom_sampler():
+    class Reverse(Sampler):
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            return iter(range(self.n - 1, -1, -1))
+
+        def __len__(self):
+            return self.n
+
+    loader = prepare_data_loader(
+        DataLoader(list(range(7)), batch_size=2, sampler=Reverse(7), num_workers=2),
+        num_processes=2,
+        process_index=1,
+    )
+    assert [b.tolist() for b in loader] == [[4, 3], [0, 6]]  # [2, 1, 0] + wrap [6]
+    assert loader.remainder == 3 and len(loader) == 2
+
+
+# ---------------------------------------------------------------- real 2-process groups
+
+CASES = [
+    # (n, batch_size, shuffle, split_batches, even_batches, drop_last, kind)
+    (13, 4, False, False, True, False, "plain"),
+    (13, 4, True, False, True, False, "plain"),
+    (13, 4, True, True, True, False, "plain"),
+    (13, 4, True, False, False, False, "plain"),
+    (13, 4, True, False, True, True, "plain"),
+    (11, None, True, False, True, False, "custom_batch_sampler"),
+    (9, 2, False, False, True, False, "custom_sampler"),
+]
+
+
+def _loader_for(n, bs, shuffle, drop_last, kind):
+    data = torch.arange(n)
+    if kind == "custom_batch_sampler":
+        return DataLoader(data, batch_sampler=VariableBatches(n, shuffle=shuffle))
+    if kind == "custom_sampler":
+        return DataLoader(data, batch_size=bs, sampler=[*range(n)][::-1])
+    return DataLoader(data, batch_size=bs, shuffle=shuffle, drop_last=drop_last)
+
+
+def _shard_everything():
+    from nbaccel import Accelerator
+    from nbaccel.state import reset_state
+
+    reset_state()
+    out = []
+    for n, bs, shuffle, split, even, drop_last, kind in CASES:
+        acc = Accelerator(split_batches=split, even_batches=even)
+        loader = acc.prepare(_loader_for(n, bs, shuffle, drop_last, kind))
+        epochs = []
+        for _epoch in range(2):
+            gathered, metrics, count = [], [], 0
+            for batch in loader:
+                count += 1
+                if even and kind != "custom_batch_sampler":  # equal shapes: plain gather works
+                    gathered.extend(acc.gather(batch).tolist())
+                metrics.extend(acc.gather_for_metrics(batch).tolist())
+            epochs.append((gathered, metrics, count, len(loader)))
+        out.append(epochs)
+    return out
+
+
+def test_sharding_over_two_processes_is_exact():
+    results = run_on_workers(_shard_everything, num_processes=2)
+    assert results[0] == results[1]  # every rank gathered the same thing
+    for case, epochs in zip(CASES, results[0], strict=True):
+        n, bs, shuffle, _split, even, drop_last, kind = case
+        for gathered, metrics, count, length in epochs:
+            assert count == length, case
+            if drop_last:
+                kept = n // (2 * bs) * 2 * bs
+                assert len(metrics) == kept and len(set(metrics)) == kept, case
+                continue
+            assert sorted(metrics) == list(range(n)), case  # exactly N, each once
+            if even and kind != "custom_batch_sampler":
+                assert set(gathered) == set(range(n)) and len(gathered) > n, case  # wrapped
+        if shuffle:
+            assert epochs[0][1] != epochs[1][1], case  # a new order each epoch
+        else:
+            assert epochs[0][1] == epochs[1][1], case
