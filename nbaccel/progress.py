@@ -39,7 +39,7 @@ def _rank() -> int:
     return read_environment().rank
 
 
-def _in_kernel_process() -> bool:
+def in_kernel_process() -> bool:
     """True in the IPython kernel process itself, not in a worker forked from it.
 
     A forked worker still sees the kernel's shell object, but the ZMQ sockets behind
@@ -60,7 +60,7 @@ def _in_kernel_process() -> bool:
 
 def _widget_class() -> type[_text_tqdm] | None:
     """``tqdm.notebook.tqdm`` if ipywidgets can draw it here, else None."""
-    if importlib.util.find_spec("ipywidgets") is None or not _in_kernel_process():
+    if importlib.util.find_spec("ipywidgets") is None or not in_kernel_process():
         return None
     try:
         notebook = importlib.import_module("tqdm.notebook")

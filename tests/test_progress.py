@@ -108,7 +108,7 @@ def test_kernel_bar_is_a_widget_and_forked_child_falls_back_to_text(tmp_path):
                 ctx = mp.get_context("fork")
                 q = ctx.SimpleQueue()
                 def child():
-                    q.put((progress._in_kernel_process(), type(progress.tqdm(range(1))).__name__))
+                    q.put((progress.in_kernel_process(), type(progress.tqdm(range(1))).__name__))
                 p = ctx.Process(target=child); p.start(); p.join()
                 print(q.get())
                 """

@@ -1,0 +1,261 @@
+"""The live view (nbaccel.monitor) and non-blocking launches (block=False).
+
+Unit tests drive a stand-in handle; integration tests follow real 2-process CPU
+launches, from this process and from a real IPython kernel: ``block=False``
+returns at once, the kernel runs another cell meanwhile, ``.result()`` returns
+rank 0's value and ``.stop()`` terminates every worker.
+"""
+
+from __future__ import annotations
+
+import io
+import textwrap
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from nbaccel.monitor import RunMonitor, watch
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+class FakeHandle:
+    """The part of LaunchHandle the monitor uses, fed by hand."""
+
+    def __init__(self, ranks=(0, 1)):
+        self._status = {
+            r: {"state": "starting", "step": None, "scalars": {}, "pid": None} for r in ranks
+        }
+        self.listeners = []
+
+    def status(self):
+        return {r: {**s, "scalars": dict(s["scalars"])} for r, s in self._status.items()}
+
+    def add_listener(self, callback):
+        self.listeners.append(callback)
+        return callback
+
+    def remove_listener(self, callback):
+        self.listeners.remove(callback)
+
+    def emit(self, rank, kind, **data):
+        entry = self._status[rank]
+        if kind == "state":
+            entry["state"] = data["state"]
+        else:
+            if "step" in data:
+                entry["step"] = data["step"]
+            entry["scalars"].update(data.get("values", {}))
+        for callback in list(self.listeners):
+            callback(rank, kind, data)
+
+
+def test_text_view_tracks_states_steps_scalars_and_progress():
+    handle = FakeHandle()
+    out = io.StringIO()
+    monitor = RunMonitor(handle, widget=False, stream=out, interval=0, text_interval=3600)
+    assert out.getvalue().splitlines()[1].split() == ["0", "starting"]  # first table at once
+    for rank in (0, 1):
+        handle.emit(rank, "state", state="running")
+        handle.emit(rank, "log", step=5, values={"loss": 0.123456, "acc": 0.5 + rank / 10})
+    handle.emit(0, "progress", n=3, total=10, desc="epoch", unit="it", rate=2.0, closed=False)
+    assert monitor.text().splitlines() == [
+        "rank  state    step  loss    acc",
+        "0     running  5     0.1235  0.5",
+        "1     running  5     0.1235  0.6",
+        "progress (rank 0): epoch: 3/10 (2 it/s)",
+    ]
+    assert out.getvalue().count("rank  state") == 1  # throttled by text_interval
+    handle.emit(0, "state", state="finished")
+    handle.emit(1, "state", state="failed")
+    assert monitor.finished
+    printed = out.getvalue()
+    assert printed.count("rank  state") == 2 and "failed" in printed  # the final table, once
+    handle.emit(1, "log", step=6, values={})
+    assert out.getvalue() == printed
+    monitor.detach()
+    assert handle.listeners == []
+
+
+def test_widget_view_renders_table_and_progress_bar():
+    pytest.importorskip("ipywidgets")
+    handle = FakeHandle(ranks=(0,))
+    monitor = RunMonitor(handle, widget=True, interval=0)
+    handle.emit(0, "state", state="running")
+    handle.emit(0, "log", step=2, values={"loss": 1.5})
+    handle.emit(0, "progress", n=4, total=8, desc="train", unit="it", rate=None, closed=False)
+    assert "<td style='padding:0 10px 0 0'>1.5</td>" in monitor._table.value
+    assert "running" in monitor._table.value
+    assert (monitor._bar.value, monitor._bar.max) == (4.0, 8.0)
+    assert monitor._bar_label.value == "train: 4/8"
+    bundle = monitor._repr_mimebundle_()
+    assert WIDGET_MIME in bundle and "loss" in bundle["text/plain"]
+
+
+def test_bursts_of_events_are_merged_and_the_last_one_is_drawn():
+    handle = FakeHandle(ranks=(0,))
+    monitor = RunMonitor(handle, widget=False, stream=None, interval=0.3)
+    draws = []
+    original = monitor.refresh
+
+    def counting_refresh():
+        draws.append(time.monotonic())
+        original()
+
+    monitor.refresh = counting_refresh
+    for step in range(50):
+        handle.emit(0, "log", step=step, values={"loss": float(step)})
+    assert len(draws) <= 1
+    time.sleep(0.6)  # the deferred redraw fires once the quiet period ends
+    assert 1 <= len(draws) <= 2
+    assert monitor.rows()[1][2:] == ["49", "49"]
+
+
+def _train_and_log(steps: int) -> dict:
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator()
+    for step in range(steps):
+        accelerator.log({"loss": 1.0 / (step + 1), "rank": accelerator.process_index}, step=step)
+        time.sleep(0.02)
+    return {"rank": accelerator.process_index, "steps": steps}
+
+
+@pytest.mark.integration
+def test_monitor_follows_a_real_non_blocking_launch():
+    from nbaccel import notebook_launcher
+
+    lines: list[tuple[int, str, str]] = []
+    start = time.monotonic()
+    handle = notebook_launcher(
+        _train_and_log,
+        args=(20,),
+        num_processes=2,
+        block=False,
+        output=lambda rank, stream, line: lines.append((rank, stream, line)),
+    )
+    assert time.monotonic() - start < 5
+    out = io.StringIO()
+    monitor = watch(handle, widget=False, stream=out, interval=0)
+    assert handle.result(timeout=120) == {"rank": 0, "steps": 20}
+    deadline = time.monotonic() + 5
+    while not monitor.finished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rows = monitor.rows()
+    assert rows[0][:3] == ["rank", "state", "step"] and "loss" in rows[0]
+    assert [r[:3] for r in rows[1:]] == [["0", "finished", "19"], ["1", "finished", "19"]]
+    loss = rows[0].index("loss")
+    assert rows[1][loss] == rows[2][loss] == "0.05"
+    assert "finished" in out.getvalue()
+
+
+# ------------------------------------------------------------------ in a real kernel
+KERNEL_SETUP = textwrap.dedent(
+    """
+    import os, time
+    import torch
+    from nbaccel import Accelerator, notebook_launcher, tqdm
+    from nbaccel.monitor import watch
+
+    def train(steps, pause):
+        accelerator = Accelerator()
+        for step in tqdm(range(steps), desc="train"):
+            accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+            time.sleep(pause)
+        return torch.tensor([accelerator.process_index, os.getpid()])
+
+    def forever():
+        Accelerator()
+        while True:
+            time.sleep(0.1)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    pytest.importorskip("ipywidgets")
+    from kernel_harness import KernelSession, isolated_env
+
+    workdir = tmp_path_factory.mktemp("monitor-kernel")
+    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
+    session.start()
+    try:
+        session.run(KERNEL_SETUP, timeout=120)
+        yield session
+    finally:
+        session.stop()
+
+
+@pytest.mark.kernel
+@pytest.mark.integration
+def test_block_false_keeps_the_kernel_responsive_and_returns_rank0_value(kernel):
+    with kernel.watch_descendants() as seen:
+        cell = kernel.execute(
+            "t0 = time.monotonic()\n"
+            "handle = notebook_launcher(train, args=(40, 0.1), num_processes=2, block=False)\n"
+            "monitor = watch(handle)\n"
+            "print(f'returned after {time.monotonic() - t0:.2f}s')",
+            timeout=60,
+        ).raise_for_error()
+        returned_after = float(cell.stdout.split("returned after ")[1].split("s")[0])
+        assert returned_after < 3, cell.describe()
+        assert cell.displays(WIDGET_MIME), cell.describe()
+
+        # another cell runs while the workers train
+        cell = kernel.execute("print(6 * 7, handle.done())", timeout=10).raise_for_error()
+        assert cell.stdout.startswith("42 False"), cell.describe()
+        assert kernel.evaluate("sorted(s['state'] for s in handle.status().values())") in (
+            "['running', 'running']",
+            "['running', 'starting']",
+            "['starting', 'starting']",
+        )
+
+        value = kernel.evaluate_json(
+            "(lambda v: [int(v[0]), int(v[1]), handle.pids[0]])(handle.result(timeout=120))",
+            timeout=150,
+        )
+        assert value[0] == 0 and value[1] == value[2]  # rank 0's tensor, from rank 0's process
+        text = kernel.evaluate("monitor.text()")
+        assert "finished" in text and "39" in text and "train: 40/40" in text
+    assert len(seen) >= 2
+    kernel.assert_no_descendants(timeout=5)
+
+
+@pytest.mark.kernel
+@pytest.mark.integration
+def test_stop_terminates_every_worker(kernel):
+    kernel.run(
+        "h = notebook_launcher(forever, num_processes=2, block=False)\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not all(h.pids.values()) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)",
+        timeout=90,
+    )
+    pids = kernel.evaluate_json("list(h.pids.values())")
+    assert len(pids) == 2 and all(pids)
+    workers = [psutil.Process(pid) for pid in pids]
+    kernel.run("t0 = time.monotonic(); h.stop(); stop_took = time.monotonic() - t0", timeout=30)
+    assert kernel.evaluate_json("h.done()") is True
+    assert kernel.evaluate_json("stop_took") < 10
+    states = kernel.evaluate_json("sorted(s['state'] for s in h.status().values())")
+    assert set(states) <= {"stopped", "terminated", "killed"}, states
+    from kernel_harness import wait_gone
+
+    assert not wait_gone(workers, timeout=5)
+    kernel.assert_no_descendants(timeout=5)
+    # the handle reports why it ended
+    assert "Stopped" in kernel.evaluate("type(h.exception()).__name__")
+
+
+def test_pending_redraw_is_a_daemon_timer_and_detach_cancels_it():
+    handle = FakeHandle(ranks=(0,))
+    monitor = RunMonitor(handle, widget=False, stream=None, interval=5)
+    handle.emit(0, "log", step=1, values={"x": 1.0})
+    timer = monitor._timer
+    assert timer is not None and timer.daemon and timer.is_alive()
+    monitor.detach()
+    timer.join(timeout=1)
+    assert not timer.is_alive() and monitor._timer is None
