@@ -1,0 +1,125 @@
+"""Multi-node launches: two separate IPython kernels on one machine act as two "nodes".
+
+Each kernel runs the same cell with ``num_nodes=2``, its own ``node_rank``,
+``master_addr="127.0.0.1"`` and the same explicit ``use_port``, exactly as a
+user would on two machines. A node whose peer never comes must get a clear error
+naming the address and port within its ``timeout``, never hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from kernel_harness import KernelSession, describe_processes, isolated_env
+
+from nbaccel.testing import find_free_port
+
+pytestmark = [pytest.mark.kernel, pytest.mark.integration]
+
+SETUP = """
+import os, time
+import torch
+from nbaccel import Accelerator, notebook_launcher
+"""
+
+NODE_CELL = """
+def all_reduce_ranks():
+    import torch.distributed as dist
+    accelerator = Accelerator()
+    value = torch.tensor([float(accelerator.process_index + 1)])
+    dist.all_reduce(value)
+    return [accelerator.process_index, accelerator.num_processes,
+            os.environ.get("GROUP_RANK"), value.item()]
+
+node_results = notebook_launcher(all_reduce_ranks, num_processes={nproc}, num_nodes=2,
+                                 node_rank={node_rank}, master_addr="127.0.0.1",
+                                 use_port={port}, return_all_ranks=True)
+"""
+
+LONELY_CELL = """
+def never_meets():
+    return Accelerator().num_processes
+
+lonely = {{"type": "no error", "message": ""}}
+started = time.monotonic()
+try:
+    notebook_launcher(never_meets, num_processes=1, num_nodes=2, node_rank={node_rank},
+                      master_addr="127.0.0.1", use_port={port}, timeout=5)
+except Exception as err:
+    lonely = {{"type": type(err).__name__, "message": str(err)}}
+lonely["elapsed"] = time.monotonic() - started
+"""
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[KernelSession]]:
+    sessions = []
+    try:
+        for node_rank in range(2):
+            workdir = tmp_path_factory.mktemp(f"node{node_rank}")
+            sessions.append(KernelSession(cwd=workdir, env=isolated_env(workdir)).start())
+        setup_ids = [session.submit(SETUP) for session in sessions]
+        for session, msg_id in zip(sessions, setup_ids, strict=True):
+            session.collect(msg_id, timeout=120).raise_for_error()
+        yield sessions
+    finally:
+        for session in sessions:
+            session.stop()
+
+
+@pytest.fixture(autouse=True)
+def _nodes_left_clean(nodes: list[KernelSession]) -> Iterator[None]:
+    yield
+    for session in nodes:
+        if session.busy or not session.is_alive():
+            session.restart()
+            session.run(SETUP, timeout=120)
+    for session in nodes:
+        alive = session.wait_for_no_descendants(timeout=5)
+        assert not alive, f"kernel {session.pid} kept children:\n{describe_processes(alive)}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nproc", [2, 1], ids=["2-per-node", "1-per-node"])
+def test_two_kernels_form_one_world(nodes, nproc):
+    port = find_free_port()
+    msg_ids = [
+        node.submit(NODE_CELL.format(nproc=nproc, node_rank=rank, port=port))
+        for rank, node in enumerate(nodes)
+    ]
+    for node, msg_id in zip(nodes, msg_ids, strict=True):
+        node.collect(msg_id, timeout=120).raise_for_error()
+
+    world = 2 * nproc
+    expected_sum = float(sum(range(1, world + 1)))
+    ranks_seen = []
+    for node_rank, node in enumerate(nodes):
+        results = node.evaluate_json("node_results")
+        assert isinstance(results, list) and len(results) == nproc, results
+        for rank, world_size, group_rank, total in results:
+            assert world_size == world, results
+            assert total == expected_sum, f"all_reduce over {world} ranks gave {total}: {results}"
+            assert group_rank == str(node_rank), f"GROUP_RANK on node {node_rank}: {results}"
+            assert rank // nproc == node_rank, f"rank {rank} ran on node {node_rank}"
+            ranks_seen.append(rank)
+    assert sorted(ranks_seen) == list(range(world))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("node_rank", [0, 1], ids=["master-waits", "worker-cannot-reach"])
+def test_node_whose_peer_never_comes_gets_a_clear_error(nodes, node_rank):
+    port = find_free_port()
+    node = nodes[node_rank]
+    started = time.monotonic()
+    node.run(LONELY_CELL.format(node_rank=node_rank, port=port), timeout=90)
+    lonely = node.evaluate_json("lonely")
+    assert lonely["type"] != "no error", "a node without its peer returned normally"
+    message = lonely["message"]
+    assert "127.0.0.1" in message and str(port) in message, (
+        f"the error does not name the address and port 127.0.0.1:{port}: {message}"
+    )
+    # Not a hang: the 5 s timeout, plus start-up and clean-up.
+    assert lonely["elapsed"] < 30, f"took {lonely['elapsed']:.0f}s with timeout=5"
+    assert time.monotonic() - started < 60
