@@ -441,3 +441,38 @@ def test_mixed_precision_reaches_the_accelerator_and_kernel_is_left_as_found(ker
     state = kernel.evaluate_json("left_as_found")
     assert state["env"], f"the launch changed the kernel's environment: {state['env_diff']}"
     assert state["cwd"] and state["signals"], state
+
+
+# ---------------------------------------------------------------------------- 9
+EXISTING_ACCELERATOR_CELL = """
+import nbaccel.state
+
+def worker_pid():
+    return os.getpid()
+
+existing = {}
+kernel_accelerator = Accelerator()            # a mistake: created in the kernel, not in the function
+try:
+    forks_before = FORKS[0]
+    try:
+        notebook_launcher(worker_pid, num_processes=2)
+        existing["refusal"] = ["no error", False, ""]
+    except Exception as err:
+        existing["refusal"] = [type(err).__name__, isinstance(err, ValueError), str(err)]
+    existing["forks"] = FORKS[0] - forks_before
+finally:
+    del kernel_accelerator
+    nbaccel.state.reset_state()
+existing["after_reset"] = notebook_launcher(worker_pid, num_processes=2) != os.getpid()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_accelerator_already_in_kernel_is_refused_before_forking(kernel):
+    kernel.run(EXISTING_ACCELERATOR_CELL, timeout=60)
+    existing = kernel.evaluate_json("existing")
+    name, is_value, message = existing["refusal"]
+    assert is_value, f"expected a ValueError, got {name}: {message}"
+    assert "Accelerator" in message and "restart" in message.lower(), message
+    assert existing["forks"] == 0, "the launcher forked before refusing"
+    assert existing["after_reset"] is True
