@@ -52,7 +52,9 @@ def reference():
     ids=["whole-batches", "split-batches", "accumulation"],
 )
 def test_two_processes_match_one(reference, batch_size, split_batches, accumulation):
-    results = run_on_workers(_train, num_processes=2, args=(batch_size, split_batches, accumulation))
+    results = run_on_workers(
+        _train, num_processes=2, args=(batch_size, split_batches, accumulation)
+    )
     (w0, steps0), (w1, steps1) = results
     assert steps0 == steps1 == 3 * 64 // 8
     assert torch.equal(w0, w1)  # DDP keeps the replicas identical
