@@ -338,6 +338,12 @@ class PreparedDataLoader(DataLoader):
         self.progress = progress if progress is not None else LoaderProgress()
         self._skip_once = skip_once
         self.end_of_dataloader = False
+        # Each DataLoader iterator draws a base seed from `generator`, else from the global
+        # torch RNG. A private one, seeded per epoch, keeps the global stream (dropout, which
+        # load_state restores) the same in a resumed run as in an uninterrupted one.
+        self._own_generator: torch.Generator | None = None
+        if self.generator is None:
+            self._own_generator = self.generator = torch.Generator()
 
     # -- epochs, RNG and resume ----------------------------------------------------------
 
@@ -378,6 +384,8 @@ class PreparedDataLoader(DataLoader):
             p.seed = int(state["seed"])
 
     def _seed_epoch(self, epoch: int) -> None:
+        if self._own_generator is not None:
+            self._own_generator.manual_seed((self.progress.seed or 0) + epoch)
         for target in self._seeded:
             if self.progress.seed is not None and hasattr(target, "generator"):
                 gen = target.generator
