@@ -160,8 +160,14 @@ def save_state(
         all_ok(acc, error, "save_state (publishing)")
     if auto:
         config.iteration += 1
+        error = None
         if state.is_main_process:
-            prune(acc, target.parent)
+            try:
+                prune(acc, target.parent)
+            except Exception as err:
+                error = err
+        # nobody looks for "the latest checkpoint" while old ones are being removed
+        all_ok(acc, error, "save_state (pruning)")
     return str(target)
 
 
