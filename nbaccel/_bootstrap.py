@@ -98,17 +98,17 @@ def _error_info(exc: BaseException) -> dict[str, Any]:
         message = str(exc)
     except Exception:
         message = f"<unprintable {type(exc).__name__}>"
-    try:
-        codec, pickled = dumps(exc)
-    except Exception:
-        codec, pickled = "", b""
+    attributes: dict[str, bytes] = {}  # the exception's own attributes, each if picklable
+    for name, value in getattr(exc, "__dict__", {}).items():
+        with contextlib.suppress(Exception):
+            attributes[name] = pickle.dumps(value)
     return {
         "type_module": type(exc).__module__,
         "type_qualname": type(exc).__qualname__,
         "message": message,
         "traceback": text,
         "time": time.time(),
-        "pickled": (codec, pickled) if codec else None,
+        "attributes": attributes,
     }
 
 

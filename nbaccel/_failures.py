@@ -15,7 +15,7 @@ Three jobs:
 
 Example:
     >>> info = {"type_module": "builtins", "type_qualname": "ValueError",
-    ...         "message": "bad", "traceback": "Traceback ...", "time": 0.0, "pickled": None}
+    ...         "message": "bad", "traceback": "Traceback ...", "time": 0.0}
     >>> err = remote_exception(Failure(rank=1, pid=42, time=0.0, kind="exception", info=info))
     >>> isinstance(err, ValueError), err.rank
     (True, 1)
@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import pickle
 import re
 import signal
 import sys
@@ -163,19 +164,13 @@ def remote_exception(failure: Failure) -> WorkerError:
 
 def _copy_attributes(err: BaseException, info: dict[str, Any]) -> None:
     """Carry the remote exception's own attributes (e.g. ``err.code``) over, if any."""
-    pickled = info.get("pickled")
-    if not pickled:
-        return
-    try:
-        from ._wire import loads
-
-        original = loads(*pickled)
-        extra = {
-            k: v for k, v in vars(original).items() if not hasattr(WorkerError, k) and k != "rank"
-        }
-        err.__dict__.update(extra)
-    except Exception:
-        pass
+    for name, data in (info.get("attributes") or {}).items():
+        if hasattr(WorkerError, name) or name in ("rank", "pid", "exc_type", "message"):
+            continue
+        try:
+            setattr(err, name, pickle.loads(data))
+        except Exception:
+            continue
 
 
 class WorkerTimeoutError(WorkerError):

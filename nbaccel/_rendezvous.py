@@ -49,6 +49,10 @@ class Rendezvous:
         cls, master_addr: str, port: int | None, *, num_nodes: int, node_rank: int
     ) -> Rendezvous:
         """Bind the rendezvous port on node 0 (``port=None``: a free one); raise if busy."""
+        # Import torch.distributed before the workers are forked: they inherit it instead
+        # of each importing torch again (seconds on a small machine). No CUDA is touched.
+        import torch.distributed  # noqa: F401
+
         if node_rank != 0:
             assert port is not None, "LaunchConfig guarantees a port for multi-node runs"
             return cls(master_addr, port, None, num_nodes, node_rank)

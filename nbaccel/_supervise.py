@@ -227,7 +227,8 @@ class Supervisor:
                 break
             last_size = size
         return {
-            p.rank: self._stacks[p.rank].decode(errors="replace") or "(no stack received)"
+            p.rank: _trim_stack(self._stacks[p.rank].decode(errors="replace"))
+            or "(no stack received)"
             for p in procs
         }
 
@@ -274,6 +275,20 @@ class Supervisor:
             proc, name = key.data
             self._close_fd(key.fd, proc, name)
         self._selector.close()
+
+
+def _trim_stack(text: str) -> str:
+    """Drop the frames below the user's function (nbaccel's bootstrap and, after a fork,
+    the kernel's own frames that the child inherited) from a faulthandler dump."""
+    out, skipping = [], False
+    for line in text.splitlines():
+        if not line.startswith("  "):  # "Thread 0x... (most recent call first):" or blank
+            skipping = False
+        elif f"{os.sep}nbaccel{os.sep}_bootstrap.py" in line:
+            skipping = True
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
 
 
 __all__ = ["Stopped", "Supervisor"]

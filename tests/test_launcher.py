@@ -1,0 +1,599 @@
+"""notebook_launcher from the pytest process itself: real forked/spawned CPU workers.
+
+Worker functions live at module level (fork copies them; spawn pickles them by
+reference). Notebook-style functions (defined in ``__main__``) are covered by a
+script run in a subprocess. The conftest fixtures fail any test that leaks a
+child process and restore the environment afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import types
+
+import psutil
+import pytest
+import torch
+
+import nbaccel
+from nbaccel import LaunchHandle, _cudatrace, _preflight, _spawn, debug_launcher, notebook_launcher
+from nbaccel._failures import WorkerTimeoutError
+from nbaccel.errors import CUDAInitializedError, LaunchError, WorkerError
+
+pytestmark = pytest.mark.integration
+ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NBACCEL_MIXED_PRECISION",
+    "NBACCEL_TIMEOUT",
+)
+
+
+# ---------------------------------------------------------------- worker functions
+def rank_tensor(offset):
+    return torch.full((2,), float(os.environ["RANK"])) + offset
+
+
+def env_of_worker():
+    return {k: os.environ.get(k) for k in ENV_KEYS} | {"pid": os.getpid()}
+
+
+def threads_of_worker():
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+class CustomError(Exception):
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def fail_on_rank_1(kind="value"):
+    if os.environ["RANK"] == "1":
+        if kind == "custom":
+            raise CustomError("custom failure", code=7)
+        raise ValueError("rank one is broken")
+    return "ok"
+
+
+def secondary_first():
+    # rank 0 reports a peer-lost style error first; rank 1's real error comes later
+    if os.environ["RANK"] == "0":
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")
+    time.sleep(0.3)
+    raise KeyError("the real cause")
+
+
+def join_group(seconds):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
+
+
+def killed_rank_1():
+    join_group(30)
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def stuck_rank_1():
+    join_group(float(os.environ["NBACCEL_TIMEOUT"]))
+    if os.environ["RANK"] == "1":
+        time.sleep(600)  # the stuck rank
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def all_reduce_and_wait(seconds):
+    join_group(30)
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    time.sleep(seconds)
+    dist.barrier()
+    return t
+
+
+def publish_steps(steps, delay):
+    from nbaccel._bootstrap import publish
+
+    for step in range(steps):
+        publish("log", step=step, values={"loss": 1.0 / (step + 1)})
+        time.sleep(delay)
+    return os.environ["RANK"]
+
+
+def print_long_lines(n, width):
+    char = "ab"[int(os.environ["RANK"])]
+    for _ in range(n):
+        print(char * width)
+    sys.stdout.write("no newline at the end")
+
+
+def getpid_and_env():
+    return os.getpid(), os.environ.get("NBACCEL_MIXED_PRECISION"), os.environ.get("RANK")
+
+
+def fails_first_time(marker):
+    if not os.path.exists(marker):
+        if os.environ["RANK"] == "0":
+            open(marker, "w").close()
+        raise RuntimeError("first attempt fails")
+    return "second attempt"
+
+
+def world_size_from_state():
+    from nbaccel.state import get_state
+
+    state = get_state()
+    return state.world_size, state.device.type, os.environ.get("NBACCEL_USE_CPU")
+
+
+def accelerator_precision():
+    from nbaccel import Accelerator
+
+    return Accelerator(cpu=True).mixed_precision
+
+
+# ---------------------------------------------------------------- helpers
+def _child_pids():
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != "zombie"}
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fail if anything tries to start a worker process."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(_spawn, "start_workers", refuse)
+    monkeypatch.setattr("nbaccel._handle.start_workers", refuse)
+    before = _child_pids()
+    yield
+    assert _child_pids() == before
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------- results
+def test_returns_rank0_value_including_tensor():
+    value = notebook_launcher(rank_tensor, args=(1.0,), num_processes=2)
+    assert torch.equal(value, torch.tensor([1.0, 1.0]))
+
+
+def test_return_all_ranks_and_env_contract():
+    values = notebook_launcher(
+        env_of_worker, num_processes=2, mixed_precision="bf16", timeout=30, return_all_ranks=True
+    )
+    assert [v["RANK"] for v in values] == ["0", "1"]
+    for local, v in enumerate(values):
+        assert v["WORLD_SIZE"] == "2" and v["LOCAL_RANK"] == str(local)
+        assert v["LOCAL_WORLD_SIZE"] == "2" and v["GROUP_RANK"] == "0"
+        assert v["MASTER_ADDR"] == "127.0.0.1" and int(v["MASTER_PORT"]) > 0
+        assert v["NBACCEL_MIXED_PRECISION"] == "bf16"
+        assert float(v["NBACCEL_TIMEOUT"]) == 30.0
+        assert v["pid"] != os.getpid()
+    assert values[0]["pid"] != values[1]["pid"]
+
+
+def test_mixed_precision_reaches_the_accelerator():
+    assert (
+        notebook_launcher(accelerator_precision, num_processes=2, mixed_precision="bf16") == "bf16"
+    )
+
+
+def test_one_process_runs_in_the_kernel_and_restores_env():
+    before = dict(os.environ)
+    pid, precision, rank = notebook_launcher(
+        getpid_and_env, num_processes=1, mixed_precision="bf16"
+    )
+    assert pid == os.getpid() and precision == "bf16" and rank == "0"
+    assert dict(os.environ) == before
+
+
+def test_debug_launcher_is_cpu_multi_process():
+    world, device, use_cpu = debug_launcher(world_size_from_state)
+    assert (world, device, use_cpu) == (2, "cpu", "1")
+
+
+def test_use_port_is_used():
+    port = _free_port()
+    env = notebook_launcher(env_of_worker, num_processes=2, use_port=port)
+    assert env["MASTER_PORT"] == str(port)
+
+
+# ---------------------------------------------------------------- failures
+def test_worker_exception_type_rank_traceback_and_relaunch():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="rank one is broken") as info:
+        notebook_launcher(fail_on_rank_1, num_processes=2)
+    assert time.monotonic() - start < 5 + 2  # 5 s budget plus start-up
+    err = info.value
+    assert isinstance(err, WorkerError) and err.rank == 1
+    assert "rank 1" in str(err) and "fail_on_rank_1" in err.remote_traceback
+    assert 'raise ValueError("rank one is broken")' in str(err)
+    # the next launch works at once
+    assert notebook_launcher(fail_on_rank_1, args=("none",), num_processes=1) == "ok"
+    assert notebook_launcher(env_of_worker, num_processes=2)["RANK"] == "0"
+
+
+def test_custom_exception_keeps_type_and_attributes():
+    with pytest.raises(CustomError) as info:
+        notebook_launcher(fail_on_rank_1, args=("custom",), num_processes=2)
+    assert info.value.code == 7 and info.value.rank == 1
+
+
+def test_first_real_failure_wins_over_secondary():
+    with pytest.raises(KeyError) as info:
+        notebook_launcher(secondary_first, num_processes=2)
+    assert info.value.rank == 1
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "Connection closed by peer" in notes
+
+
+def test_death_by_signal_names_rank_and_signal():
+    with pytest.raises(WorkerError, match="SIGKILL") as info:
+        notebook_launcher(killed_rank_1, num_processes=2)
+    assert info.value.rank == 1 and "rank 1" in str(info.value)
+
+
+def test_hang_names_stuck_rank_and_shows_stacks():
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        notebook_launcher(stuck_rank_1, num_processes=2, timeout=2)
+    assert time.monotonic() - start < 20
+    err = info.value
+    assert err.stuck_ranks == [1]
+    assert "stuck_rank_1" in err.stacks[1] and "test_launcher.py" in err.stacks[1]
+    assert "_bootstrap.py" not in err.stacks[1]  # trimmed to the user's frames
+    assert "rank(s) 1 appear stuck" in str(err)
+    assert notebook_launcher(rank_tensor, args=(0.0,), num_processes=2) is not None
+
+
+def test_max_restarts_starts_the_group_again(tmp_path):
+    err = io.StringIO()
+    value = notebook_launcher(
+        fails_first_time, args=(str(tmp_path / "m"),), num_processes=2, max_restarts=1, output=err
+    )
+    assert value == "second attempt"
+    assert "restarting, attempt 1 of 1" in err.getvalue()
+
+
+# ---------------------------------------------------------------- pre-flight
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needle"),
+    [
+        ({"num_processes": 0}, ValueError, "num_processes=0"),
+        ({"num_processes": -2}, ValueError, "num_processes=-2"),
+        ({"num_processes": 1.5}, TypeError, "num_processes=1.5"),
+        ({"num_processes": "2"}, TypeError, "num_processes='2'"),
+        ({"num_processes": 2, "node_rank": 1}, ValueError, "node_rank=1 must be < num_nodes=1"),
+        ({"num_processes": 2, "mixed_precision": "fp12"}, ValueError, "mixed_precision='fp12'"),
+        ({"num_processes": 2, "start_method": "forkserver"}, ValueError, "start_method"),
+        ({"num_processes": 2, "args": 5}, TypeError, "args=5"),
+        ({"num_processes": 2, "use_port": 70000}, ValueError, "use_port=70000"),
+    ],
+)
+def test_bad_arguments_raise_before_any_process(no_workers, kwargs, error, needle):
+    with pytest.raises(error, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        notebook_launcher(rank_tensor, **kwargs)
+
+
+@pytest.mark.parametrize("function", [None, 42, "train"])
+def test_a_call_result_is_not_a_function(no_workers, function):
+    with pytest.raises(TypeError, match="not its result"):
+        notebook_launcher(function, num_processes=2)
+
+
+def test_accelerator_already_in_kernel_is_refused(no_workers):
+    from nbaccel import state
+
+    state.reset_state()
+    state.get_state(cpu=True)
+    try:
+        with pytest.raises(ValueError, match="Accelerator was already created"):
+            notebook_launcher(rank_tensor, args=(0,), num_processes=2)
+    finally:
+        state.reset_state()
+
+
+def test_busy_port_is_named(no_workers):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"use_port={port} is already in use"):
+            notebook_launcher(rank_tensor, args=(0,), num_processes=2, use_port=port)
+
+
+def test_unreachable_master_names_address_and_port(no_workers):
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=f"127.0.0.1:{port}"):
+        notebook_launcher(
+            rank_tensor,
+            args=(0,),
+            num_processes=1,
+            num_nodes=2,
+            node_rank=1,
+            use_port=port,
+            timeout=1,
+        )
+    assert time.monotonic() - start < 15
+
+
+def test_fork_guard_uses_the_real_cuda_check(no_workers, monkeypatch):
+    calls = []
+    real = torch.cuda.is_initialized
+
+    def spy():
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", spy)
+    monkeypatch.setattr(torch.cuda, "_initialized", True)  # simulate an initialised CUDA
+    with pytest.raises(CUDAInitializedError) as info:
+        notebook_launcher(rank_tensor, args=(0,), num_processes=2, start_method="fork")
+    assert calls, "the guard must call torch.cuda.is_initialized()"
+    message = str(info.value)
+    assert "restart the kernel" in message and "start_method='spawn'" in message
+    # "auto" switches to spawn instead of refusing
+    plan = _preflight.plan_launch(rank_tensor, (0,), num_processes=2)
+    assert plan.method == "spawn" and plan.payload
+
+
+def test_first_cuda_init_is_recorded(monkeypatch):
+    monkeypatch.setattr(_cudatrace, "_first_init", None)
+    fake = types.ModuleType("fake_cuda")
+    fake._initialized = False
+
+    def _lazy_init():
+        fake._initialized = True
+
+    fake._lazy_init = _lazy_init
+    _cudatrace._wrap(fake)
+
+    def touch_cuda_in_a_cell():
+        fake._lazy_init()
+
+    touch_cuda_in_a_cell()
+    where = _cudatrace.describe_first_init()
+    assert "touch_cuda_in_a_cell" in where and "fake._lazy_init()" in where
+    assert "touch_cuda_in_a_cell" in str(_preflight.cuda_fork_error())
+
+
+# ---------------------------------------------------------------- while it runs
+def test_threads_per_worker(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    expected = max(1, nbaccel.environment.cpu_count() // 2)
+    results = notebook_launcher(threads_of_worker, num_processes=2, return_all_ranks=True)
+    assert results == [(expected, str(expected))] * 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
+    results = notebook_launcher(threads_of_worker, num_processes=2, return_all_ranks=True)
+    assert [r[1] for r in results] == ["3", "3"]
+
+
+def test_output_is_forwarded_whole_lines_with_prefix():
+    out = io.StringIO()
+    notebook_launcher(
+        print_long_lines,
+        args=(100, 3000),
+        num_processes=2,
+        output=out,
+        log_line_prefix_template="[r{rank}] ",
+    )
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 202
+    for line in lines:
+        prefix, _, text = line.partition(" ")
+        assert prefix in ("[r0]", "[r1]")
+        expected_char = "ab"[int(prefix[2])]
+        assert text == "no newline at the end" or text == expected_char * 3000
+
+
+def test_default_prefix_only_once_two_ranks_print(capsys):
+    notebook_launcher(print_long_lines, args=(1, 3), num_processes=2)
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out)[-2:] == ["[rank0] aaa", "[rank1] bbb"] or any(
+        line.startswith("[rank") for line in out
+    )
+
+
+def test_rendezvous_listens_on_loopback_only():
+    handle = notebook_launcher(all_reduce_and_wait, args=(1.5,), num_processes=2, block=False)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+            s["state"] != "running" for s in handle.status().values()
+        ):
+            time.sleep(0.05)
+        time.sleep(0.3)
+        me = psutil.Process()
+        listening = [
+            c.laddr.ip
+            for p in [me, *me.children(recursive=True)]
+            for c in p.net_connections()
+            if c.status == psutil.CONN_LISTEN
+        ]
+        assert listening, "expected the rendezvous store to be listening"
+        assert all(ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for ip in listening), listening
+    finally:
+        assert torch.equal(handle.result(timeout=30), torch.tensor([2.0]))
+    mine = [c for c in psutil.Process().net_connections() if c.status == psutil.CONN_LISTEN]
+    assert mine == []
+
+
+def test_kernel_state_restored_after_success_and_failure():
+    handlers = {
+        s: signal.getsignal(s)
+        for s in signal.valid_signals()
+        if s not in (signal.SIGKILL, signal.SIGSTOP)
+    }
+    env, cwd = dict(os.environ), os.getcwd()
+    fds = len(os.listdir("/proc/self/fd"))
+    notebook_launcher(rank_tensor, args=(0,), num_processes=2)
+    with pytest.raises(ValueError):
+        notebook_launcher(fail_on_rank_1, num_processes=2)
+    assert dict(os.environ) == env and os.getcwd() == cwd
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert [c for c in psutil.Process().net_connections() if c.status == "LISTEN"] == []
+
+
+# ---------------------------------------------------------------- block=False
+def test_block_false_handle_status_listeners_result():
+    start = time.monotonic()
+    handle = notebook_launcher(publish_steps, args=(20, 0.05), num_processes=2, block=False)
+    assert isinstance(handle, LaunchHandle) and time.monotonic() - start < 2
+    events = []
+    handle.add_listener(lambda rank, kind, data: events.append((rank, kind)))
+    assert not handle.done()
+    assert handle.result(timeout=30) == "0"
+    assert handle.done() and handle.wait(0)
+    status = handle.status()
+    assert sorted(status) == [0, 1]
+    assert all(s["state"] == "finished" and s["step"] == 19 for s in status.values())
+    assert status[0]["scalars"]["loss"] == pytest.approx(1 / 20)
+    assert (0, "log") in events and (1, "state") in events
+
+
+def test_block_false_stop_terminates_every_worker():
+    handle = notebook_launcher(publish_steps, args=(10_000, 0.01), num_processes=2, block=False)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and None in handle.pids.values():
+        time.sleep(0.05)
+    pids = [p for p in handle.pids.values() if p]
+    assert len(pids) == 2
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0.1)
+    start = time.monotonic()
+    handle.stop()
+    assert handle.done() and time.monotonic() - start < 5
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+    assert {s["state"] for s in handle.status().values()} == {"stopped"}
+    with pytest.raises(LaunchError, match="stopped"):
+        handle.result()
+
+
+def test_two_nodes_in_one_process():
+    port = _free_port()
+    node0 = notebook_launcher(
+        env_of_worker, num_processes=1, num_nodes=2, node_rank=0, use_port=port, block=False
+    )
+    node1 = notebook_launcher(
+        env_of_worker, num_processes=1, num_nodes=2, node_rank=1, use_port=port
+    )
+    rank0 = node0.result(timeout=30)
+    assert (rank0["RANK"], rank0["WORLD_SIZE"], rank0["GROUP_RANK"]) == ("0", "2", "0")
+    assert (node1["RANK"], node1["WORLD_SIZE"], node1["GROUP_RANK"]) == ("1", "2", "1")
+
+
+# ---------------------------------------------------------------- spawn and interrupts
+def test_spawn_mode_returns_values():
+    values = notebook_launcher(
+        rank_tensor, args=(0.5,), num_processes=2, start_method="spawn", return_all_ranks=True
+    )
+    assert [v.tolist() for v in values] == [[0.5, 0.5], [1.5, 1.5]]
+
+
+NOTEBOOK_STYLE = textwrap.dedent(
+    """
+    import os, sys, torch
+    from nbaccel import notebook_launcher
+    SCALE = 3                      # a global from an "earlier cell"
+    square = lambda v: v * v       # a lambda
+
+    class Net(torch.nn.Module):    # a class defined in the notebook
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+    def train():
+        model = Net()
+        print("params", sum(p.numel() for p in model.parameters()), flush=True)
+        return square(SCALE) + int(os.environ["RANK"])
+
+    print("result", notebook_launcher(train, num_processes=2, start_method="spawn"))
+    """
+)
+
+
+def test_spawn_ships_main_module_functions_lambdas_and_classes(tmp_path):
+    script = tmp_path / "notebook_like.py"
+    script.write_text(NOTEBOOK_STYLE)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert "result 9" in out.stdout
+    assert out.stdout.count("params 3") == 2
+
+
+INTERRUPTIBLE = textwrap.dedent(
+    """
+    import time, psutil
+    from nbaccel import notebook_launcher
+
+    def train():
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("training", flush=True)
+        while True:
+            dist.barrier()
+            time.sleep(0.01)
+
+    try:
+        notebook_launcher(train, num_processes=2)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt; children:", psutil.Process().children(recursive=True))
+    """
+)
+
+
+def test_interrupt_kills_every_worker(tmp_path):
+    script = tmp_path / "interruptible.py"
+    script.write_text(INTERRUPTIBLE)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, like a kernel
+    )
+    try:
+        assert "training" in proc.stdout.readline()
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) == 2
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what the notebook's interrupt button does
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - start < 5
+    assert "KeyboardInterrupt; children: []" in out
+    assert not any(w.is_running() and w.status() != "zombie" for w in workers)
