@@ -27,10 +27,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from . import ops
-from .accumulation import GradientState, accumulate, no_sync, total_norm
+from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value, no_sync
 from .config import normalize_precision
 from .data import PreparedDataLoader, prepare_data_loader, skip_first_batches
 from .errors import ConfigError
@@ -84,8 +83,10 @@ class Accelerator:
         gradient_accumulation_steps: micro-steps per update (>= 1); ``None`` reads
             ``NBACCEL_GRADIENT_ACCUMULATION_STEPS`` / the config file, else 1.
         cpu: run on the CPU even if a GPU is visible.
-        rng_types: RNGs synchronised at every dataloader iteration: any of "generator"
-            (default: sampler shuffles agree), "torch", "cuda", "python", "numpy".
+        rng_types: RNGs kept in step across processes: "generator" (default: samplers
+            with a ``generator`` shuffle identically, seeded per epoch) plus any of
+            "torch", "cuda", "python", "numpy" (rank 0's state is copied at every
+            dataloader iteration; add "torch" for custom samplers using the global RNG).
         log_with: tracker name(s) or ``GeneralTracker`` instances (see :meth:`init_trackers`).
         project_dir: where checkpoints and tracker logs go.
         project_config: a ``ProjectConfiguration`` (``project_dir`` overrides its directory).
@@ -364,23 +365,16 @@ class Accelerator:
             self.precision.unscale_(getattr(opt, "optimizer", opt))
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
-        """Unscale, then clip the gradients' total norm; returns the norm before clipping.
-
-        On accumulation micro-steps (``sync_gradients`` False) gradients are incomplete:
-        nothing is clipped and the current norm is returned.
-        """
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not self.sync_gradients:
-            return total_norm(params, norm_type)
-        self._unscale_for(params)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        """Unscale, clip the total norm, return the norm before clipping (sync steps only)."""
+        return clip_grad_norm(
+            parameters, max_norm, norm_type, state=self.gradient_state, unscale=self._unscale_for
+        )
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Unscale, then clamp every gradient to ``[-clip_value, clip_value]`` (sync steps only)."""
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if self.sync_gradients:
-            self._unscale_for(params)
-            torch.nn.utils.clip_grad_value_(params, clip_value)
+        """Unscale, then clamp every gradient to ``[-clip_value, clip_value]`` (sync steps)."""
+        clip_grad_value(
+            parameters, clip_value, state=self.gradient_state, unscale=self._unscale_for
+        )
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -433,28 +427,15 @@ class Accelerator:
 
     def wait_for_everyone(self) -> None:
         """Barrier: every process waits here until all arrive (no-op for one process)."""
-        if self.use_distributed and dist.is_initialized():
-            dist.barrier()
+        ops.barrier()
 
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """Run the block on the main process first, then on all others (e.g. downloads)."""
-        with self._first(self.is_main_process):
-            yield
+        return ops.first(self.is_main_process)
 
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """Like :meth:`main_process_first`, once per machine."""
-        with self._first(self.is_local_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def _first(self, first: bool) -> Iterator[None]:
-        if not first:
-            self.wait_for_everyone()
-        yield
-        if first:
-            self.wait_for_everyone()
+        return ops.first(self.is_local_main_process)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
@@ -580,10 +561,8 @@ class Accelerator:
         """Log ``values`` to every tracker (main process) and to the launcher's live view."""
         for tracker in self.trackers:
             tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
-        try:
-            from ._bootstrap import publish
-        except ImportError:  # pragma: no cover
-            return
+        from ._bootstrap import publish
+
         publish("log", step=self.step if step is None else step, values=dict(values))
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:

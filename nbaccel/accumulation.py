@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -124,4 +124,49 @@ def total_norm(parameters: Any, norm_type: float = 2.0) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
 
 
-__all__ = ["GradientState", "accumulate", "no_sync", "total_norm"]
+def _as_list(parameters: Any) -> list[torch.Tensor]:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def clip_grad_norm(
+    parameters: Any,
+    max_norm: float,
+    norm_type: float,
+    *,
+    state: GradientState,
+    unscale: Callable[[list[torch.Tensor]], None],
+) -> torch.Tensor:
+    """Unscale (fp16) then clip the total norm; returns the norm before clipping.
+
+    On accumulation micro-steps the gradients are incomplete: nothing is unscaled or
+    clipped, and the current norm is returned.
+    """
+    params = _as_list(parameters)
+    if not state.sync_gradients:
+        return total_norm(params, norm_type)
+    unscale(params)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+def clip_grad_value(
+    parameters: Any,
+    clip_value: float,
+    *,
+    state: GradientState,
+    unscale: Callable[[list[torch.Tensor]], None],
+) -> None:
+    """Unscale (fp16) then clamp every gradient to ``[-clip_value, clip_value]`` (sync steps)."""
+    params = _as_list(parameters)
+    if state.sync_gradients:
+        unscale(params)
+        torch.nn.utils.clip_grad_value_(params, clip_value)
+
+
+__all__ = [
+    "GradientState",
+    "accumulate",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "no_sync",
+    "total_norm",
+]

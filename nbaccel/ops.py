@@ -16,8 +16,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -324,6 +325,22 @@ def pad_across_processes(
     return _rebuild(data, padded)
 
 
+def barrier() -> None:
+    """Wait until every process arrives (no-op without a multi-process group)."""
+    if _distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def first(goes_first: bool) -> Iterator[None]:
+    """Context: processes with ``goes_first`` run the block, then the others do."""
+    if not goes_first:
+        barrier()
+    yield
+    if goes_first:
+        barrier()
+
+
 def split_between_processes(
     inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False
 ) -> Any:
@@ -375,8 +392,10 @@ def split_between_processes(
 
 
 __all__ = [
+    "barrier",
     "broadcast",
     "broadcast_object_list",
+    "first",
     "gather",
     "gather_object",
     "is_tensor_tree",

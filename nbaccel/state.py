@@ -184,7 +184,14 @@ def _select_device_and_backend(
             "(cpu=True, NBACCEL_USE_CPU=1 or no GPU visible). Use backend='gloo' or drop cpu=True."
         )
     if use_cuda:
-        index = env.local_rank % torch.cuda.device_count()
+        count = torch.cuda.device_count()
+        if distributed and backend != "gloo" and 1 < count < env.local_world_size:
+            raise ConfigError(
+                f"{env.local_world_size} processes on this machine but only {count} GPUs are "
+                "visible: nccl needs one GPU per process. Launch with num_processes <= "
+                f"{count}, or pass cpu=True (gloo on the CPU)."
+            )
+        index = env.local_rank % count
         device = torch.device("cuda", index)
         chosen = (backend or "nccl") if distributed else backend
         kind = DistributedType.MULTI_GPU if distributed else DistributedType.NO
