@@ -222,7 +222,7 @@ def test_real_two_process_cpu_launch():
     assert panel.launch(return_all_ranks=True) == [1, 11]
     assert "Finished" in panel.status.value
     shown = panel.sink.getvalue()
-    assert "hello from rank 0" in shown and "hello from rank 1" in shown
+    assert "[rank0] hello from rank 0" in shown and "[rank1] hello from rank 1" in shown
     assert panel.output.outputs[0]["text"] == shown
 
 

@@ -283,7 +283,13 @@ class LaunchPanel(widgets.VBox):
         self.launch_button.disabled = True
         self.status.value = f"Running on {cfg.num_processes} process(es) per node&hellip;"
         self.sink.clear()
-        options = {"output": self.sink, **self.launcher_kwargs, **kwargs}
+        # Every line names its rank (the launcher's default prefixes only once two ranks print).
+        options = {
+            "output": self.sink,
+            "log_line_prefix_template": "[rank{rank}] ",
+            **self.launcher_kwargs,
+            **kwargs,
+        }
         try:
             # Output printed by the kernel itself (one-process runs, warnings) lands here too.
             with self.output:
