@@ -127,10 +127,11 @@ def _redirect_output(spec: WorkerSpec) -> None:
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     out = open(1, "wb", buffering=0, closefd=False)  # noqa: SIM115
     err = open(2, "wb", buffering=0, closefd=False)  # noqa: SIM115
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(out, line_buffering=True, write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+    sys.stdout = io.TextIOWrapper(out, line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(
         err, line_buffering=True, write_through=True, errors="backslashreplace"
     )
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]
     # logging handlers created in the kernel still point at the kernel's stream objects
     import logging
 

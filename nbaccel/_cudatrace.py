@@ -30,7 +30,7 @@ import traceback
 from types import ModuleType
 from typing import Any
 
-_first_init: traceback.StackSummary | None = None
+_first_init: list[traceback.FrameSummary] | None = None
 _WRAPPED = "_nbaccel_cudatrace"
 
 

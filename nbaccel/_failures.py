@@ -29,7 +29,7 @@ import re
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .errors import WorkerError
 
@@ -107,7 +107,7 @@ def _locate(module: str, qualname: str) -> type | None:
     return None
 
 
-_DYNAMIC: dict[type, type] = {}
+_DYNAMIC: dict[type, type[WorkerError]] = {}
 
 
 def _reduce(self: WorkerError) -> tuple[Any, ...]:
@@ -115,7 +115,7 @@ def _reduce(self: WorkerError) -> tuple[Any, ...]:
     return (WorkerError, args)
 
 
-def _combined(original: type) -> type | None:
+def _combined(original: type) -> type[WorkerError] | None:
     """A subclass of ``original`` and WorkerError (cached), or None if Python refuses."""
     if original in _DYNAMIC:
         return _DYNAMIC[original]
@@ -136,7 +136,7 @@ def _combined(original: type) -> type | None:
     except TypeError:  # instance lay-out conflicts, final classes
         return None
     _DYNAMIC[original] = combined
-    return combined
+    return cast("type[WorkerError]", combined)
 
 
 def remote_exception(failure: Failure) -> WorkerError:
@@ -156,7 +156,7 @@ def remote_exception(failure: Failure) -> WorkerError:
     cls = _combined(original) if original is not None else None
     if cls is None:
         return WorkerError(*args)
-    err = cls.__new__(cls)
+    err: WorkerError = BaseException.__new__(cls)  # the original __init__ may need other args
     WorkerError.__init__(err, *args)
     _copy_attributes(err, info)
     return err

@@ -162,8 +162,11 @@ class Supervisor:
             self._pump(self.interval)
             now = time.time()
             for proc in self.procs:
-                if proc.returncode is None and proc.poll() is not None and proc.returncode < 0:
-                    self.on_event(proc.rank, "state", {"state": "killed", "code": proc.returncode})
+                if proc.returncode is not None:
+                    continue
+                code = proc.poll()
+                if code is not None and code < 0:
+                    self.on_event(proc.rank, "state", {"state": "killed", "code": code})
             if self.stop_requested.is_set():
                 self.terminate()
                 raise Stopped("the run was stopped with LaunchHandle.stop(); workers terminated")
