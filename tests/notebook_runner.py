@@ -104,6 +104,8 @@ def execute_notebook(
                 "ipykernel_launcher",
                 "-f",
                 "{connection_file}",
+                # loopback TCP: ipykernel's "no encryption" warning is noise in a demo's output
+                "--IPKernelApp.log_level=ERROR",
             ],
             "display_name": "nbaccel notebook kernel",
             "language": "python",
