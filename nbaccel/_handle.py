@@ -220,7 +220,9 @@ class LaunchHandle:
         )
         callback = plan.output if callable(plan.output) else None
         info = {r: (lr, cfg.node_rank, plan.world_size) for lr, r in enumerate(self.ranks)}
-        forwarder = LineForwarder(*self._streams, plan.template, callback=callback, rank_info=info)
+        forwarder = LineForwarder(
+            *self._streams, plan.template, callback=callback, rank_info=info, num_processes=nproc
+        )
         self._supervisor = Supervisor(
             procs,
             forwarder,

@@ -5,22 +5,21 @@ The kernel reads each worker's fd 1/2 from a pipe and hands the bytes to a
 single ``write`` call, so lines of different ranks never interleave mid-line.
 Carriage-return updates (text progress bars) are forwarded as they arrive.
 
-Prefixing: with the default template, lines get ``"[rank{rank}] "`` as soon as a
-second process has printed anything (a run where only rank 0 prints reads like a
-plain script). An explicit ``log_line_prefix_template`` is always applied; ``""``
-disables prefixes. Templates use ``str.format`` fields ``{rank}``, ``{local_rank}``,
-``{node_rank}``, ``{world_size}`` or torchrun-style ``${rank}``/``${local_rank}``/
-``${role_name}``.
+Prefixing: when more than one process can print, every line gets the prefix
+(default ``"[rank{rank}] "``); a single worker's output is left as it is.
+``log_line_prefix_template=""`` disables prefixes. Templates use ``str.format``
+fields ``{rank}``, ``{local_rank}``, ``{node_rank}``, ``{world_size}`` or
+torchrun-style ``${rank}``/``${local_rank}``/``${role_name}``.
 
 Example:
     >>> import io
     >>> out = io.StringIO()
-    >>> fwd = LineForwarder(out, out)
+    >>> fwd = LineForwarder(out, out, num_processes=2)
     >>> fwd.feed(0, "stdout", b"hello\\nwor")
     >>> fwd.feed(1, "stdout", b"hi\\n")
     >>> fwd.feed(0, "stdout", b"ld\\n")
     >>> print(out.getvalue(), end="")
-    hello
+    [rank0] hello
     [rank1] hi
     [rank0] world
 """
@@ -70,9 +69,11 @@ class LineForwarder:
     Args:
         stdout: where stdout lines go (the cell's ``sys.stdout`` at launch time).
         stderr: where stderr lines go.
-        template: prefix template; ``None`` = default with the "second printer" rule.
+        template: prefix template; ``None`` = :data:`DEFAULT_PREFIX`.
         callback: instead of writing to streams, call ``callback(rank, stream, line)``.
         rank_info: global rank -> (local_rank, node_rank, world_size) for templates.
+        num_processes: how many processes print through this forwarder; one alone
+            gets no prefix.
     """
 
     def __init__(
@@ -83,20 +84,20 @@ class LineForwarder:
         *,
         callback: LineCallback | None = None,
         rank_info: dict[int, tuple[int, int, int]] | None = None,
+        num_processes: int = 1,
     ) -> None:
         self._streams = {"stdout": stdout, "stderr": stderr}
-        self._always = template is not None
         self._template = DEFAULT_PREFIX if template is None else template
+        if num_processes < 2:
+            self._template = ""
         self._callback = callback
         self._rank_info = rank_info or {}
         self._buffers: dict[tuple[int, str], str] = {}
         self._decoders: dict[tuple[int, str], Any] = {}
-        self._printers: set[int] = set()
         self._lock = threading.Lock()
 
     def _prefix(self, rank: int) -> str:
-        self._printers.add(rank)
-        if not self._template or not (self._always or len(self._printers) > 1):
+        if not self._template:
             return ""
         local_rank, node_rank, world_size = self._rank_info.get(rank, (rank, 0, 1))
         return format_prefix(

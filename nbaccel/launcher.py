@@ -89,9 +89,9 @@ def notebook_launcher(
         rdzv_backend: "static" or "c10d" (both use torch's TCPStore on node 0).
         rdzv_endpoint: "host:port", overriding ``master_addr``/``use_port``.
         monitor_interval: seconds between checks of the workers.
-        log_line_prefix_template: prefix of forwarded output lines, e.g. "[rank{rank}] "
-            (always applied when given; "" disables). By default lines get
-            "[rank{rank}] " once more than one process has printed.
+        log_line_prefix_template: prefix of every forwarded output line when more than
+            one process runs here (default "[rank{rank}] "; "" disables). Fields:
+            {rank}, {local_rank}, {node_rank}, {world_size} (or torchrun's ${rank}).
         config: a complete :class:`~nbaccel.LaunchConfig` to use instead of the
             environment and config file (explicit arguments still override it).
         return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).

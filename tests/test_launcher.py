@@ -414,12 +414,17 @@ def test_output_is_forwarded_whole_lines_with_prefix():
         assert text == "no newline at the end" or text == expected_char * 3000
 
 
-def test_default_prefix_only_once_two_ranks_print(capsys):
-    notebook_launcher(print_long_lines, args=(1, 3), num_processes=2)
+def test_default_prefix_on_every_line_of_the_cell_streams(capsys):
+    notebook_launcher(print_long_lines, args=(2, 3), num_processes=2)
     out = capsys.readouterr().out.splitlines()
-    assert sorted(out)[-2:] == ["[rank0] aaa", "[rank1] bbb"] or any(
-        line.startswith("[rank") for line in out
-    )
+    assert sorted(out) == [
+        "[rank0] aaa",
+        "[rank0] aaa",
+        "[rank0] no newline at the end",
+        "[rank1] bbb",
+        "[rank1] bbb",
+        "[rank1] no newline at the end",
+    ]
 
 
 def test_rendezvous_listens_on_loopback_only():
