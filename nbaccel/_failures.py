@@ -33,7 +33,16 @@ from typing import Any, cast
 
 from .errors import WorkerError
 
-_SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
+_SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
+# Generic types torch/gloo use for "a peer went away"; a user's ValueError("timeout") stays real.
+_PEER_LOST_TYPES = {
+    "RuntimeError",
+    "ConnectionError",
+    "ConnectionResetError",
+    "ConnectionAbortedError",
+    "BrokenPipeError",
+    "TimeoutError",
+}
 _SECONDARY_TEXT = re.compile(
     r"connection closed by peer|connection reset by peer|broken pipe|timed out|timeout"
     r"|nccl communicator was aborted|socket timeout|connection refused|recvbytes|sendbytes"
@@ -61,11 +70,18 @@ class Failure:
     @property
     def secondary(self) -> bool:
         """True for a healthy rank reacting to a peer's failure (not the cause)."""
+        if self.kind == "signal":
+            # NCCL's watchdog aborts a rank whose collective timed out: SIGABRT while the
+            # Python stack (faulthandler's dump) is inside torch.distributed.
+            return self.code == signal.SIGABRT and "distributed" in self.stack
         if self.kind != "exception":
             return False
-        if self.info.get("type_qualname", "").split(".")[-1] in _SECONDARY_TYPES:
+        name = self.info.get("type_qualname", "").split(".")[-1]
+        if name in _SECONDARY_TYPES:
             return True
-        return bool(_SECONDARY_TEXT.search(self.info.get("message", "")))
+        return name in _PEER_LOST_TYPES and bool(
+            _SECONDARY_TEXT.search(self.info.get("message", ""))
+        )
 
     def summary(self) -> str:
         """One line, e.g. ``"rank 0: DistBackendError: Connection closed by peer"``."""

@@ -119,7 +119,8 @@ class LaunchHandle:
         supervisor = self._supervisor
         if supervisor is not None:
             supervisor.stop_requested.set()
-        self.wait(timeout)
+        if threading.current_thread() is not self._thread:  # not from a listener callback
+            self.wait(timeout)
 
     def status(self) -> dict[int, dict[str, Any]]:
         """A snapshot of every rank's state, step and latest scalars."""

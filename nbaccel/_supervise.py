@@ -141,7 +141,10 @@ class Supervisor:
                 continue
             assert p.exit_time is not None
             if p.returncode < 0:
-                out.append(Failure(p.rank, p.pid, p.exit_time, "signal", code=-p.returncode))
+                stack = _trim_stack(self._stacks[p.rank].decode(errors="replace"))
+                out.append(
+                    Failure(p.rank, p.pid, p.exit_time, "signal", code=-p.returncode, stack=stack)
+                )
             elif p.returncode > 0 or p.rank not in self._results:
                 out.append(Failure(p.rank, p.pid, p.exit_time, "exit", code=p.returncode))
         return out
@@ -198,10 +201,8 @@ class Supervisor:
                 f"{chosen.summary()} (timeout={self.timeout}s) while rank(s) "
                 f"{[p.rank for p in stuck]} had not reached that point"
             )
-            tracebacks = {f.rank: f.info.get("traceback", "") for f in problems}
+            tracebacks = {f.rank: f.info.get("traceback") or f.stack for f in problems}
             return self._hang_error(alive, [p.rank for p in stuck], reason, tracebacks)
-        if chosen.kind == "signal":
-            chosen.stack = self._stacks[chosen.rank].decode(errors="replace")
         err = remote_exception(chosen)
         others = [f.summary() for f in problems if f is not chosen]
         if others:

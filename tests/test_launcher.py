@@ -25,7 +25,7 @@ import torch
 
 import nbaccel
 from nbaccel import LaunchHandle, _cudatrace, _preflight, _spawn, debug_launcher, notebook_launcher
-from nbaccel._failures import WorkerTimeoutError
+from nbaccel._failures import Failure, WorkerTimeoutError, pick_failure
 from nbaccel.errors import CUDAInitializedError, LaunchError, WorkerError
 
 pytestmark = pytest.mark.integration
@@ -252,6 +252,23 @@ def test_first_real_failure_wins_over_secondary():
     assert info.value.rank == 1
     notes = "".join(getattr(info.value, "__notes__", []))
     assert "Connection closed by peer" in notes
+
+
+def _failure(rank, t, qualname, message, module="builtins"):
+    info = {"type_module": module, "type_qualname": qualname, "message": message}
+    return Failure(rank, 100 + rank, t, "exception", info)
+
+
+def test_failure_classification_and_choice():
+    peer_lost = _failure(0, 1.0, "RuntimeError", "Connection closed by peer [127.0.0.1]:5")
+    dist_error = _failure(1, 1.1, "DistBackendError", "NCCL error", "torch.distributed")
+    user_timeout = _failure(2, 2.0, "ValueError", "request timed out")
+    assert peer_lost.secondary and dist_error.secondary and not user_timeout.secondary
+    assert pick_failure([peer_lost, dist_error, user_timeout]) is user_timeout
+    assert pick_failure([dist_error, peer_lost]) is peer_lost  # all secondary: the earliest
+    abort = Failure(3, 103, 0.5, "signal", code=signal.SIGABRT, stack="distributed_c10d.py")
+    segv = Failure(3, 103, 0.5, "signal", code=signal.SIGSEGV)
+    assert abort.secondary and not segv.secondary
 
 
 def test_death_by_signal_names_rank_and_signal():
