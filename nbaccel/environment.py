@@ -158,9 +158,9 @@ def xla_requested() -> bool:
     ``PJRT_DEVICE=CPU`` counts: it is how the XLA path is exercised without a TPU.
     Requires torch_xla to be installed; it is located, not imported.
     """
-    if importlib.util.find_spec("torch_xla") is None:
-        return False
-    return bool(os.environ.get("PJRT_DEVICE")) or tpu_present()
+    from . import xla  # the one definition; it locates torch_xla without importing it
+
+    return xla.xla_requested()
 
 
 def tpu_core_count() -> int | None:

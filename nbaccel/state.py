@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import enum
 import os
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import xla
 from .errors import ConfigError, LaunchError
 
 
@@ -176,6 +178,10 @@ def _select_device_and_backend(
     ``backend`` is an explicit request (``InitProcessGroupKwargs.backend``) or the
     backend of a process group that is already initialised.
     """
+    if not (cpu or env.use_cpu) and backend in (None, xla.XLA_BACKEND) and xla.xla_requested():
+        device = xla.xla_device()  # TPU, or PJRT_DEVICE=CPU; ranks come from the XLA runtime
+        chosen = xla.XLA_BACKEND if xla.xla_world().world_size > 1 else None
+        return device, chosen, DistributedType.XLA
     distributed = env.world_size > 1
     use_cuda = not (cpu or env.use_cpu) and backend != "gloo" and torch.cuda.is_available()
     if backend == "nccl" and not use_cuda:
@@ -201,6 +207,19 @@ def _select_device_and_backend(
     return torch.device("cpu"), chosen, kind
 
 
+def _xla_environment(env: EnvironmentSnapshot) -> EnvironmentSnapshot:
+    """Rank and world size on XLA come from the torch_xla runtime, not from RANK/WORLD_SIZE."""
+    world = xla.xla_world()
+    return dataclasses.replace(
+        env,
+        rank=world.rank,
+        world_size=world.world_size,
+        local_rank=world.local_rank,
+        local_world_size=world.local_world_size,
+        node_rank=world.node_rank,
+    )
+
+
 def _timeout_for(
     env: EnvironmentSnapshot, timeout: datetime.timedelta | None
 ) -> datetime.timedelta | None:
@@ -219,6 +238,8 @@ def _init_process_group(
 ) -> None:
     kwargs: dict[str, Any] = {k: v for k, v in init_kwargs.items() if v is not None}
     kwargs.pop("backend", None)
+    if backend == xla.XLA_BACKEND:
+        kwargs = {**xla.init_process_group_kwargs(), **kwargs}
     kwargs.setdefault("init_method", "env://")
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -337,6 +358,8 @@ def get_state(
         env = _adopted_environment(env)
         backend = dist.get_backend()
     device, backend, kind = _select_device_and_backend(env, cpu=cpu, backend=backend)
+    if kind is DistributedType.XLA and not adopt:
+        env = _xla_environment(env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if env.world_size > 1 and not adopt:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from . import xla
 from .accumulation import GradientState
 from .ops import recursively_apply
 from .state import ProcessState
@@ -197,6 +198,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 "yourself before optimizer.step()."
             )
         taken = bool(self.precision.step(self.optimizer))
+        if xla.is_xla(self.optimizer):
+            xla.mark_step()  # run the update now: XLA tensors are lazy graphs until cut
         self.step_was_skipped = not taken
         if taken and self.counts_updates:
             self.gradient_state.updates += 1

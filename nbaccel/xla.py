@@ -1,0 +1,437 @@
+"""Everything nbaccel knows about torch_xla (TPUs, or ``PJRT_DEVICE=CPU`` for tests).
+
+torch_xla is never imported when this module is imported: :func:`xla_available` and
+:func:`xla_requested` only *locate* it. The runtime helpers import it on first use,
+inside the process that trains. :func:`launch_xla` starts the workers through
+``torch_xla``'s own ``xmp.spawn`` and refuses to run when the XLA runtime was
+already initialised in the kernel (``xmp.spawn`` cannot start workers then).
+
+Example:
+    >>> from nbaccel import xla
+    >>> xla.xla_requested({})              # no PJRT_DEVICE, no TPU markers
+    False
+    >>> def train():                       # doctest: +SKIP
+    ...     accelerator = Accelerator()    # device xla:0, DistributedType.XLA
+    ...     ...
+    >>> xla.launch_xla(train, (), 1, {})   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .errors import LaunchError
+
+if TYPE_CHECKING:  # pragma: no cover - torch is imported lazily
+    import torch
+
+#: The ``torch.distributed`` backend name torch_xla registers.
+XLA_BACKEND = "xla"
+#: Environment variables that mark a TPU host (Colab, Kaggle, Cloud TPU VMs).
+TPU_ENV_MARKERS = ("COLAB_TPU_ADDR", "TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID")
+_TPU_DEVICE_FILES = ("/dev/accel0", "/dev/vfio/0")
+
+
+class XlaWorld(NamedTuple):
+    """Where this process stands among the XLA workers (from the torch_xla runtime)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+
+
+# ------------------------------------------------------------------ detection (no import)
+
+
+def xla_available() -> bool:
+    """True when torch_xla is installed (located with ``find_spec``, not imported)."""
+    try:
+        return importlib.util.find_spec("torch_xla") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def xla_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """True when training should run on XLA: torch_xla installed and ``PJRT_DEVICE`` set
+    (``CPU`` counts: it is how the XLA path runs without a TPU) or a TPU host.
+
+    Args:
+        environ: mapping to read; ``os.environ`` by default.
+    """
+    env = os.environ if environ is None else environ
+    if not xla_available():
+        return False
+    if env.get("PJRT_DEVICE", "").strip():
+        return True
+    if any(name in env for name in TPU_ENV_MARKERS):
+        return True
+    return environ is None and any(os.path.exists(p) for p in _TPU_DEVICE_FILES)
+
+
+def runtime_initialized() -> bool:
+    """True when this process has already started the XLA runtime (used a device)."""
+    if "torch_xla" not in sys.modules:
+        return False
+    import torch_xla
+
+    return bool(torch_xla._XLAC._xla_runtime_is_initialized())
+
+
+# ------------------------------------------------------------------ runtime (imports torch_xla)
+
+
+def xla_device() -> torch.device:
+    """This process's XLA device (starts the runtime); registers the ``"xla"`` backend."""
+    import torch_xla
+    import torch_xla.distributed.xla_backend  # registers the "xla" process-group backend
+
+    device = getattr(torch_xla, "device", None)
+    if device is not None:  # torch_xla >= 2.5
+        return device()
+    import torch_xla.core.xla_model as xm  # pragma: no cover - older torch_xla
+
+    return xm.xla_device()  # pragma: no cover
+
+
+def xla_world() -> XlaWorld:
+    """Rank, world size, local rank/size and host index from the torch_xla runtime."""
+    import torch_xla.runtime as xr
+
+    world_size = int(xr.world_size())
+    local_world_size = max(1, int(xr.local_process_count()) * int(xr.addressable_device_count()))
+    local_world_size = min(local_world_size, world_size)
+    rank = int(xr.global_ordinal()) if world_size > 1 else 0
+    local_rank = int(xr.local_ordinal()) if world_size > 1 else 0
+    return XlaWorld(rank, world_size, local_rank, local_world_size, int(xr.host_index()))
+
+
+def init_process_group_kwargs() -> dict[str, Any]:
+    """``init_process_group`` arguments for the ``"xla"`` backend (registers it first)."""
+    import torch_xla.distributed.xla_backend  # noqa: F401
+
+    return {"init_method": "xla://"}
+
+
+def mark_step() -> None:
+    """Cut the lazy graph and run it (``torch_xla.sync``); a no-op without torch_xla."""
+    if "torch_xla" not in sys.modules:
+        return
+    import torch_xla
+
+    sync = getattr(torch_xla, "sync", None)
+    if sync is not None:
+        sync()
+    else:  # pragma: no cover - torch_xla < 2.6
+        import torch_xla.core.xla_model as xm
+
+        xm.mark_step()
+
+
+def is_xla(obj: Any) -> bool:
+    """True for an XLA ``torch.device``, tensor, or an optimizer/module with XLA parameters."""
+    device = getattr(obj, "device", obj)
+    if getattr(device, "type", None) == "xla":
+        return True
+    groups = getattr(obj, "param_groups", None)
+    if groups:
+        return any(is_xla(p) for g in groups for p in g["params"][:1])
+    params = getattr(obj, "parameters", None)
+    if callable(params):
+        first = next(iter(params()), None)
+        return first is not None and is_xla(first)
+    return False
+
+
+def reduce_gradients(optimizer: Any) -> None:
+    """Average the gradients of ``optimizer``'s parameters across XLA workers.
+
+    Needed only when the model is *not* wrapped in ``DistributedDataParallel``
+    (DDP over the ``"xla"`` process group already averages them).
+    """
+    import torch_xla.core.xla_model as xm
+
+    xm.reduce_gradients(getattr(optimizer, "optimizer", optimizer))
+
+
+def optimizer_step(optimizer: Any, **step_kwargs: Any) -> Any:
+    """Average gradients across workers, step, and cut the graph (one training update)."""
+    import torch_xla.core.xla_model as xm
+
+    result = xm.optimizer_step(optimizer, optimizer_args=step_kwargs)
+    mark_step()
+    return result
+
+
+def rendezvous(tag: str = "nbaccel") -> None:
+    """Barrier across XLA workers (no-op with one)."""
+    import torch_xla.core.xla_model as xm
+
+    xm.rendezvous(tag)
+
+
+def all_gather(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Concatenate every worker's ``tensor`` along ``dim``."""
+    import torch_xla.core.xla_model as xm
+
+    return xm.all_gather(tensor, dim=dim)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", scale: float = 1.0) -> torch.Tensor:
+    """All-reduce one tensor across workers; ``op`` is "sum", "mean", "min" or "max"."""
+    import torch_xla.core.xla_model as xm
+
+    ops = {"sum": xm.REDUCE_SUM, "mean": xm.REDUCE_SUM, "min": xm.REDUCE_MIN, "max": xm.REDUCE_MAX}
+    if op not in ops:
+        raise ValueError(f"all_reduce(op={op!r}): use one of {sorted(ops)}.")
+    if op == "mean":
+        import torch_xla.runtime as xr
+
+        scale = scale / max(1, int(xr.world_size()))
+    return xm.all_reduce(ops[op], tensor, scale=scale)
+
+
+# ------------------------------------------------------------------ launching
+
+# Functions and arguments handed to forked workers through memory instead of pickle
+# (a notebook's function, its closures and a model passed in args all just work).
+_REGISTRY: dict[int, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+_TOKENS = itertools.count()
+
+
+class _Worker:
+    """What ``xmp.spawn`` runs on every rank: set up, call the function, store the result.
+
+    Picklable: with ``fork`` only a registry token travels; with ``spawn`` the
+    function and arguments themselves (they must be importable/picklable then).
+    """
+
+    def __init__(
+        self,
+        token: int,
+        results_dir: str | None,
+        payload: tuple[Callable[..., Any], tuple[Any, ...]] | None = None,
+    ) -> None:
+        self.token = token
+        self.results_dir = results_dir
+        self.payload = payload
+
+    def __call__(self, index: int, *_spawn_args: Any) -> None:
+        function, args = self.payload or _REGISTRY[self.token]
+        from .state import reset_state
+
+        reset_state()  # a forked child must not inherit the kernel's cached state
+        rank = xla_world().rank if self.results_dir is not None else 0
+        try:
+            value = function(*args)
+        except BaseException as exc:
+            if self.results_dir is not None:
+                _write(Path(self.results_dir, f"failure-{rank}"), _failure_info(exc))
+            raise
+        if self.results_dir is not None:
+            _write(Path(self.results_dir, f"result-{rank}"), value)
+        else:
+            _INPROCESS_RESULT[self.token] = value
+
+
+_INPROCESS_RESULT: dict[int, Any] = {}
+
+
+def _failure_info(exc: BaseException) -> dict[str, Any]:
+    from ._bootstrap import _error_info
+
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_frame.f_code is _Worker.__call__.__code__:
+        exc = exc.with_traceback(tb.tb_next)  # the traceback starts in the user's code
+    info = _error_info(exc)
+    info["pid"] = os.getpid()
+    return info
+
+
+def _write(path: Path, value: Any) -> None:
+    from ._wire import dumps
+
+    codec, data = dumps(value)  # tensors on the XLA device arrive on the CPU
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(codec.encode() + b"\n" + data)
+    tmp.replace(path)
+
+
+def _read(path: Path) -> Any:
+    from ._wire import loads
+
+    codec, _, data = path.read_bytes().partition(b"\n")
+    return loads(codec.decode(), data)
+
+
+def _to_cpu(value: Any) -> Any:
+    """A copy of ``value`` with every tensor on the CPU (the value itself if unpicklable)."""
+    from ._wire import dumps, loads
+
+    try:
+        return loads(*dumps(value))
+    except Exception:
+        return value
+
+
+@contextlib.contextmanager
+def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` for the launch; afterwards the environment is exactly as before
+    (torch_xla itself sets ``PJRT_LOCAL_PROCESS_*`` variables in the launching process)."""
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k not in saved]:
+            del os.environ[key]
+        for key, old in saved.items():
+            if os.environ.get(key) != old:
+                os.environ[key] = old
+
+
+def _raise_first_failure(results_dir: Path, cause: BaseException) -> None:
+    from ._failures import Failure, pick_failure, remote_exception
+
+    failures = []
+    for path in results_dir.glob("failure-*"):
+        info = _read(path)
+        rank = int(path.name.split("-")[1])
+        failures.append(Failure(rank, info.get("pid"), info.get("time", 0.0), "exception", info))
+    if not failures:
+        raise LaunchError(
+            f"the torch_xla workers failed before running the function: "
+            f"{type(cause).__name__}: {cause}"
+        ) from cause
+    raise remote_exception(pick_failure(failures)) from None
+
+
+def launch_xla(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    num_processes: int | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    start_method: str = "fork",
+) -> list[Any]:
+    """Run ``function(*args)`` on XLA devices through ``torch_xla``'s ``xmp.spawn``.
+
+    With ``num_processes=1`` the function runs in this process on one device (as
+    ``xmp.spawn(nprocs=1)`` does); otherwise torch_xla starts one worker per local
+    device (it decides how many: ``None`` or the device count).
+
+    Args:
+        function: the training function; with ``fork`` (default) it may be defined in
+            a notebook cell and ``args`` need not be picklable.
+        args: its positional arguments.
+        num_processes: 1, or ``None`` for every local device.
+        env: environment variables for the workers (``NBACCEL_*`` launch settings).
+        start_method: "fork" (notebooks; the default) or "spawn".
+
+    Returns:
+        Every rank's return value, by rank, with tensors moved to the CPU.
+
+    Raises:
+        LaunchError: torch_xla is missing, or the XLA runtime was already started in
+            this process and more than one worker was asked for.
+        WorkerError: a worker raised (also an instance of the original exception type
+            when it can be re-created); the message names the rank and carries the
+            remote traceback. With ``num_processes=1`` the exception propagates as is.
+    """
+    if not xla_available():
+        raise LaunchError(
+            "TPU/XLA launch requested (PJRT_DEVICE or a TPU host) but torch_xla is not "
+            "installed: pip install torch_xla matching your torch version, or unset "
+            "PJRT_DEVICE / pass compute_device='cpu'."
+        )
+    if start_method not in ("fork", "spawn"):
+        raise ValueError(f"start_method={start_method!r}: use 'fork' or 'spawn' on XLA.")
+    nprocs = 1 if num_processes == 1 else None
+    if nprocs is None and runtime_initialized():
+        raise LaunchError(
+            "the XLA runtime is already initialised in this process (an XLA device or "
+            "tensor was used before launching), so torch_xla cannot start workers. "
+            "Restart the kernel and launch before touching the XLA device, or pass "
+            "num_processes=1 to train in this process."
+        )
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    token = next(_TOKENS)
+    _REGISTRY[token] = (function, tuple(args))
+    try:
+        if nprocs == 1:
+            return [_run_here(xmp, token, env or {})]
+        return _run_workers(xmp, token, env or {}, start_method, num_processes)
+    finally:
+        _REGISTRY.pop(token, None)
+        _INPROCESS_RESULT.pop(token, None)
+
+
+def _run_here(xmp: Any, token: int, env: Mapping[str, str]) -> Any:
+    from . import state
+
+    had_state = state.current_state() is not None
+    try:
+        with _patched_environ(env):
+            xmp.spawn(_Worker(token, None), args=(), nprocs=1)
+    finally:
+        if not had_state:
+            state.reset_state()  # leave the kernel as found: no Accelerator state behind
+    return _to_cpu(_INPROCESS_RESULT.get(token))
+
+
+def _run_workers(
+    xmp: Any, token: int, env: Mapping[str, str], start_method: str, requested: int | None
+) -> list[Any]:
+    payload = _REGISTRY[token] if start_method == "spawn" else None
+    with tempfile.TemporaryDirectory(prefix="nbaccel-xla-") as tmp:
+        try:
+            with _patched_environ(env):
+                xmp.spawn(
+                    _Worker(token, tmp, payload), args=(), nprocs=None, start_method=start_method
+                )
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            _raise_first_failure(Path(tmp), exc)
+        paths = sorted(Path(tmp).glob("result-*"), key=lambda p: int(p.name.split("-")[1]))
+        results = [_read(p) for p in paths]
+    if requested is not None and len(results) != requested:
+        warnings.warn(
+            f"num_processes={requested} but torch_xla ran {len(results)} workers (one per "
+            "local device). Limit the devices with the TPU_NUM_DEVICES / CPU_NUM_DEVICES "
+            "environment variables.",
+            stacklevel=3,
+        )
+    return results
+
+
+__all__ = [
+    "TPU_ENV_MARKERS",
+    "XLA_BACKEND",
+    "XlaWorld",
+    "all_gather",
+    "all_reduce",
+    "init_process_group_kwargs",
+    "is_xla",
+    "launch_xla",
+    "mark_step",
+    "optimizer_step",
+    "reduce_gradients",
+    "rendezvous",
+    "runtime_initialized",
+    "xla_available",
+    "xla_device",
+    "xla_requested",
+    "xla_world",
+]
