@@ -1,0 +1,151 @@
+"""The torch_xla (TPU) path.
+
+Unit tests of :mod:`nbaccel.xla` run here, without torch_xla. The tests marked
+``xla`` run ``tests/xla_scenarios.py`` in the separate environment ``.xla-venv``
+(torch 2.9.0 + torch_xla 2.9.0, made by ``scripts/setup_xla.sh``) with
+``PJRT_DEVICE=CPU``: ``notebook_launcher`` trains through the ``Accelerator`` on
+the XLA device, once in a worker started by torch_xla's ``xmp.spawn`` and once in
+the launching process itself. One process each: CPU-XLA collectives across
+processes do not work, so multi-process XLA needs a TPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nbaccel import xla
+from nbaccel.errors import LaunchError
+
+ROOT = Path(__file__).resolve().parents[1]
+XLA_PYTHON = ROOT / ".xla-venv" / "bin" / "python"
+
+
+# ---------------------------------------------------------------- unit tests (no torch_xla)
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, False),
+        ({"PJRT_DEVICE": "CPU"}, True),
+        ({"PJRT_DEVICE": "TPU"}, True),
+        ({"PJRT_DEVICE": " "}, False),
+        ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, True),
+        ({"TPU_NAME": "v4-8"}, True),
+    ],
+)
+def test_xla_requested_reads_the_given_environment(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], expected: bool
+) -> None:
+    monkeypatch.setattr(xla, "xla_available", lambda: True)
+    assert xla.xla_requested(environ) is expected
+
+
+def test_nothing_is_requested_without_torch_xla(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(xla, "xla_available", lambda: False)
+    assert xla.xla_requested({"PJRT_DEVICE": "TPU", "COLAB_TPU_ADDR": "x"}) is False
+
+
+def test_launch_without_torch_xla_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(xla, "xla_available", lambda: False)
+    with pytest.raises(LaunchError, match="torch_xla is not installed"):
+        xla.launch_xla(print, (), 1, {})
+
+
+def test_helpers_do_nothing_when_torch_xla_is_not_loaded() -> None:
+    import torch
+
+    if "torch_xla" in __import__("sys").modules:
+        pytest.skip("torch_xla is loaded in this interpreter")
+    assert xla.runtime_initialized() is False
+    xla.mark_step()  # no-op
+    assert not xla.is_xla(torch.device("cpu"))
+    assert not xla.is_xla(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    assert xla.is_xla(torch.device("xla", 0))
+
+
+# ---------------------------------------------------------------- the real thing, in .xla-venv
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if not XLA_PYTHON.exists():
+        pytest.skip(f"{XLA_PYTHON.parent.parent} is missing: run `bash scripts/setup_xla.sh`")
+    out = tmp_path_factory.mktemp("xla") / "scenarios.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NBACCEL_", "XLA_"))}
+    env.update(PJRT_DEVICE="CPU", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [str(XLA_PYTHON), str(ROOT / "tests" / "xla_scenarios.py"), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0 and out.exists(), (
+        f"xla_scenarios.py exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    )
+    return json.loads(out.read_text())
+
+
+def _trained_on_xla(run: dict[str, Any]) -> None:
+    assert "crashed" not in run, run.get("crashed")
+    assert run["distributed_type"] == "XLA"
+    assert run["device"].startswith("xla")
+    assert run["param_device"] == "xla" and run["batch_devices"] == ["xla"]
+    assert (run["num_processes"], run["process_index"]) == (1, 0)
+    losses = run["losses"]
+    assert len(losses) == 12  # 3 epochs x 4 batches
+    assert losses[-1] < losses[0] / 10, losses
+    assert run["weight_device"] == "cpu"  # the returned XLA tensor arrives on the CPU
+    assert run["weight"][0][1] == pytest.approx(-2.0, abs=0.5)
+    assert run["environ_restored"] and not run["state_left_behind"]
+
+
+@pytest.mark.xla
+def test_importing_nbaccel_does_not_import_torch_xla(scenarios: dict[str, Any]) -> None:
+    assert scenarios["imported_torch_xla_at_import"] is False
+
+
+@pytest.mark.xla
+def test_notebook_launcher_trains_in_an_xmp_spawn_worker(scenarios: dict[str, Any]) -> None:
+    run = scenarios["spawned"]
+    _trained_on_xla(run)
+    assert run["pid"] != run["launcher_pid"]  # a worker process trained
+    assert scenarios["runtime_after_spawn"] is False  # the "kernel" never touched XLA
+
+
+@pytest.mark.xla
+def test_a_worker_failure_arrives_as_the_original_type(scenarios: dict[str, Any]) -> None:
+    failure = scenarios["failure"]
+    assert failure["types"][:2] == ["ValueError", "ValueError"]  # also a WorkerError
+    assert "WorkerError" in failure["types"]
+    assert failure["rank"] == 0
+    assert "bad value 7 on xla:0" in failure["message"]
+    assert 'xla_scenarios.py", line' in failure["message"]  # the remote traceback
+    assert "nbaccel/xla.py" not in failure["message"]  # starting in the user's code
+
+
+@pytest.mark.xla
+def test_notebook_launcher_trains_in_process_with_one_process(scenarios: dict[str, Any]) -> None:
+    run = scenarios["in_process"]
+    _trained_on_xla(run)
+    assert run["pid"] == run["launcher_pid"]
+    assert run["losses"] == scenarios["spawned"]["losses"]  # same seed, same device: same run
+    assert scenarios["runtime_after_in_process"] is True
+
+
+@pytest.mark.xla
+def test_spawning_after_the_runtime_started_is_refused_clearly(
+    scenarios: dict[str, Any],
+) -> None:
+    refused = scenarios["refused"]
+    assert refused["types"][0] == "LaunchError"
+    assert "already initialised" in refused["message"]
+    assert "num_processes=1" in refused["message"]

@@ -1,0 +1,123 @@
+"""Run by tests/test_xla.py inside .xla-venv (torch_xla 2.9, PJRT_DEVICE=CPU).
+
+Not a test module: it plays the notebook kernel. It launches a small training
+function through ``notebook_launcher`` in the ways the XLA path supports and
+writes what happened to the JSON file named by ``argv[1]``. Order matters:
+every launch that spawns workers comes before the XLA runtime is started here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import nbaccel
+import nbaccel.accelerator
+import nbaccel.launcher
+import nbaccel.state
+
+IMPORTED_TORCH_XLA = "torch_xla" in sys.modules  # importing nbaccel must not import it
+
+
+def train(epochs: int) -> dict[str, Any]:
+    """A tiny regression trained with the Accelerator; returns what the test checks."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    y = x @ torch.tensor([[1.0], [-2.0], [3.0], [0.5]])
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, batch_devices = [], set()
+    for _ in range(epochs):
+        for xb, yb in loader:
+            batch_devices.add(xb.device.type)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            accelerator.backward(loss)
+            optimizer.step()
+            losses.append(loss.item())
+    return {
+        "losses": losses,
+        "distributed_type": accelerator.distributed_type.value,
+        "device": str(accelerator.device),
+        "param_device": next(model.parameters()).device.type,
+        "batch_devices": sorted(batch_devices),
+        "num_processes": accelerator.num_processes,
+        "process_index": accelerator.process_index,
+        "pid": os.getpid(),
+        "weight": model.weight.detach(),  # an XLA tensor: must arrive on the CPU
+    }
+
+
+def fail(value: int) -> None:
+    """Raises in the worker after touching the XLA device."""
+    import torch
+
+    from nbaccel import Accelerator
+
+    device = Accelerator().device
+    torch.ones(1, device=device).sum().item()
+    raise ValueError(f"bad value {value} on {device}")
+
+
+def launched(num_processes: int | None) -> dict[str, Any]:
+    import torch_xla  # noqa: F401  (its import sets XLA_FLAGS & co. for good; not the launch)
+
+    before = dict(os.environ)
+    result = nbaccel.notebook_launcher(train, args=(3,), num_processes=num_processes)
+    weight = result.pop("weight")
+    return {
+        **result,
+        "weight_device": weight.device.type,
+        "weight": weight.tolist(),
+        "environ_restored": dict(os.environ) == before,
+        "state_left_behind": nbaccel.state.current_state() is not None,
+        "launcher_pid": os.getpid(),
+    }
+
+
+def expect_error(function: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        nbaccel.notebook_launcher(function, *args, **kwargs)
+    except Exception as err:
+        return {
+            "types": [t.__name__ for t in type(err).__mro__],
+            "rank": getattr(err, "rank", None),
+            "message": str(err),
+        }
+    return {"types": [], "rank": None, "message": "no error"}
+
+
+def main(path: str) -> None:
+    from nbaccel import xla
+
+    out: dict[str, Any] = {"imported_torch_xla_at_import": IMPORTED_TORCH_XLA}
+    steps = [
+        ("spawned", lambda: launched(None)),  # xmp.spawn: a forked worker process
+        ("runtime_after_spawn", xla.runtime_initialized),
+        ("failure", lambda: expect_error(fail, args=(7,), num_processes=None)),
+        ("in_process", lambda: launched(1)),  # xmp.spawn(nprocs=1): runs right here
+        ("runtime_after_in_process", xla.runtime_initialized),
+        ("refused", lambda: expect_error(train, args=(1,), num_processes=None)),
+    ]
+    for name, step in steps:
+        try:
+            out[name] = step()
+        except Exception:
+            out[name] = {"crashed": traceback.format_exc()}
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
