@@ -98,10 +98,10 @@ def _error_info(exc: BaseException) -> dict[str, Any]:
         message = str(exc)
     except Exception:
         message = f"<unprintable {type(exc).__name__}>"
-    attributes: dict[str, bytes] = {}  # the exception's own attributes, each if picklable
+    attributes: dict[str, tuple[str, bytes]] = {}  # the exception's own attributes
     for name, value in getattr(exc, "__dict__", {}).items():
         with contextlib.suppress(Exception):
-            attributes[name] = pickle.dumps(value)
+            attributes[name] = dumps(value)
     return {
         "type_module": type(exc).__module__,
         "type_qualname": type(exc).__qualname__,

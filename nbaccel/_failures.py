@@ -24,13 +24,13 @@ Example:
 from __future__ import annotations
 
 import importlib
-import pickle
 import re
 import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from ._wire import loads
 from .errors import WorkerError
 
 _SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
@@ -184,7 +184,7 @@ def _copy_attributes(err: BaseException, info: dict[str, Any]) -> None:
         if hasattr(WorkerError, name) or name in ("rank", "pid", "exc_type", "message"):
             continue
         try:
-            setattr(err, name, pickle.loads(data))
+            setattr(err, name, loads(*data))
         except Exception:
             continue
 

@@ -37,7 +37,9 @@ class Channel:
         self.fd, self.rank, self.lock = fd, rank, threading.Lock()
 
     def send(self, message: tuple[Any, ...]) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()  # tensors in events/results reach the kernel on the CPU
+        _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+        data = buffer.getvalue()
         frame = memoryview(HEADER.pack(len(data)) + data)
         with self.lock:
             while frame:
