@@ -110,7 +110,8 @@ def prepare_model(
         for name, old in before.items()
         if name in after and after[name] is not old
     }
-    if state.use_distributed and any(p.requires_grad for p in model.parameters()):
+    wrapped = isinstance(model, DistributedDataParallel)  # the user wrapped it already
+    if state.use_distributed and not wrapped and any(p.requires_grad for p in model.parameters()):
         kwargs = dict(ddp_kwargs or {})
         if state.device.type == "cuda":
             kwargs.setdefault("device_ids", [state.device.index])

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -217,6 +218,19 @@ def test_batch_size_none_and_device_placement_of_structures():
     assert set(batch) == {"x", "n"} and batch["n"] == [2] and batch["x"].device.type == "cpu"
 
 
+def test_distributed_sampler_is_not_sharded_twice_and_iterable_resume():
+    data = list(range(8))
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    loader = prepare_data_loader(
+        DataLoader(data, batch_size=2, sampler=sampler), num_processes=2, process_index=1
+    )
+    assert [b.tolist() for b in loader] == [[1, 3], [5, 7]] and len(loader) == 2
+    stream = prepare_data_loader(DataLoader(Numbers(8), batch_size=2))
+    stream.load_state_dict({"epoch": 0, "batches_yielded": 3})
+    assert [b.tolist() for b in stream] == [[6, 7]]
+    assert [b.tolist() for b in skip_first_batches(stream, 2)] == [[4, 5], [6, 7]]
+
+
 def test_prepared_loader_with_workers_and_a_custom_sampler():
     class Reverse(Sampler):
         def __init__(self, n):
@@ -248,7 +262,21 @@ CASES = [
     (13, 4, True, False, True, True, "plain"),
     (11, None, True, False, True, False, "custom_batch_sampler"),
     (9, 2, False, False, True, False, "custom_sampler"),
+    (10, 2, True, False, True, False, "global_rng_sampler"),
 ]
+
+
+class GlobalRandomOrder(Sampler):
+    """Shuffles with the *global* torch RNG: needs rng_types=["torch"] to agree across ranks."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n).tolist())
+
+    def __len__(self):
+        return self.n
 
 
 def _loader_for(n, bs, shuffle, drop_last, kind):
@@ -257,6 +285,8 @@ def _loader_for(n, bs, shuffle, drop_last, kind):
         return DataLoader(data, batch_sampler=VariableBatches(n, shuffle=shuffle))
     if kind == "custom_sampler":
         return DataLoader(data, batch_size=bs, sampler=[*range(n)][::-1])
+    if kind == "global_rng_sampler":
+        return DataLoader(data, batch_size=bs, sampler=GlobalRandomOrder(n))
     return DataLoader(data, batch_size=bs, shuffle=shuffle, drop_last=drop_last)
 
 
@@ -267,7 +297,9 @@ def _shard_everything():
     reset_state()
     out = []
     for n, bs, shuffle, split, even, drop_last, kind in CASES:
-        acc = Accelerator(split_batches=split, even_batches=even)
+        rng_types = ["generator", "torch"] if kind == "global_rng_sampler" else None
+        acc = Accelerator(split_batches=split, even_batches=even, rng_types=rng_types)
+        torch.manual_seed(acc.process_index)  # ranks' global RNGs differ on purpose
         loader = acc.prepare(_loader_for(n, bs, shuffle, drop_last, kind))
         epochs = []
         for _epoch in range(2):
