@@ -221,8 +221,12 @@ def test_clipping_unscales_and_returns_the_norm():
     )
     model = MyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = acc.prepare(model, optimizer)
-    acc.backward(model(torch.ones(4, 3)).sum())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    with acc.autocast():
+        assert torch.is_autocast_enabled("cpu")
+    with acc.no_sync(model):  # one process: nothing to skip, still a context
+        acc.backward(model(torch.ones(4, 3)).sum())
     scale = acc.precision.scaler.get_scale()
     raw = torch.cat([p.grad.flatten() for p in model.parameters()]).norm() / scale
     norm = acc.clip_grad_norm_(model.parameters(), max_norm=0.5)
@@ -232,11 +236,15 @@ def test_clipping_unscales_and_returns_the_norm():
     acc.clip_grad_value_(model.parameters(), 0.01)
     assert all(p.grad.abs().max() <= 0.01 for p in model.parameters())
     optimizer.step()
+    scheduler.step()
     assert not acc.optimizer_step_was_skipped and acc.step == 1
+    assert scheduler.get_last_lr() == [0.05]
     acc.backward(model(torch.ones(4, 3)).sum())
     model.linear.weight.grad[0, 0] = float("inf")
     optimizer.step()
+    scheduler.step()  # not after a skipped step
     assert acc.optimizer_step_was_skipped and acc.step == 1
+    assert scheduler.get_last_lr() == [0.05]
 
 
 # ---------------------------------------------------------------- 2 real processes

@@ -99,19 +99,26 @@ def test_process_state_properties():
     assert last.use_distributed and last.num_nodes == 2
 
 
-def test_failed_rendezvous_raises_launch_error_naming_address_and_fix(monkeypatch):
+@pytest.mark.parametrize("timeout_from", ["NBACCEL_TIMEOUT", "InitProcessGroupKwargs"])
+def test_failed_rendezvous_raises_launch_error_naming_address_and_fix(monkeypatch, timeout_from):
+    from nbaccel import Accelerator, InitProcessGroupKwargs
+
     port = find_free_port()
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")  # the second process never comes
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.setenv("NBACCEL_TIMEOUT", "1")
     started = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        get_state()
+        if timeout_from == "NBACCEL_TIMEOUT":
+            monkeypatch.setenv("NBACCEL_TIMEOUT", "1")
+            get_state()
+        else:
+            one_second = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=1))
+            Accelerator(kwargs_handlers=[one_second])
     assert time.monotonic() - started < 30
     message = str(info.value)
-    assert f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}" in message
+    assert f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}" in message and "timeout 1s" in message
     assert "Fix:" in message and "NBACCEL_TIMEOUT" in message
     assert not dist.is_initialized() and current_state() is None
 
