@@ -1,9 +1,9 @@
 """Detect the local accelerator hardware without initialising CUDA.
 
 Used by ``write_basic_config``, ``nbaccel env``, ``nbaccel config`` and the
-widget panel's hardware summary. Nothing here creates a CUDA context: the GPU
-count comes from ``torch.cuda.device_count()`` (NVML-based, fork-safe) and GPU
-names from ``nvidia-smi`` in a subprocess, so a later fork-based launch is safe.
+widget panel's hardware summary. The counting itself lives in
+:mod:`nbaccel.environment` (NVML, never a CUDA context in this process); GPU
+names come from ``nvidia-smi`` in a subprocess, so a later fork-based launch is safe.
 
 Example:
     >>> from nbaccel.hardware import detect_hardware
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
+
+from . import environment
 
 
 @dataclass(frozen=True)
@@ -52,25 +53,13 @@ class Hardware:
 
 
 def cpu_count() -> int:
-    """CPU cores available to this process (respects affinity masks / cgroups pinning)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
+    """CPU cores available to this process (affinity mask and cgroup quota respected)."""
+    return environment.cpu_count()
 
 
 def cuda_device_count() -> int:
-    """Visible CUDA GPUs, counted without creating a CUDA context (0 without torch/CUDA)."""
-    if importlib.util.find_spec("torch") is None:
-        return 0
-    import torch
-
-    if not torch.cuda._is_compiled():
-        return 0
-    try:
-        return int(torch.cuda.device_count())
-    except Exception:  # a broken driver means "no usable GPU", not a crash in `nbaccel env`
-        return 0
+    """Visible CUDA GPUs, counted without initialising CUDA (NVML, else a subprocess)."""
+    return environment.gpu_count()
 
 
 def _gpu_names(count: int) -> tuple[str, ...]:
@@ -92,14 +81,9 @@ def _gpu_names(count: int) -> tuple[str, ...]:
 
 def tpu_device_count() -> int:
     """TPU chips when torch_xla is installed and a TPU is attached (0 otherwise)."""
-    if importlib.util.find_spec("torch_xla") is None:
+    if importlib.util.find_spec("torch_xla") is None or not environment.tpu_present():
         return 0
-    if os.environ.get("PJRT_DEVICE", "").upper() not in ("", "TPU"):
-        return 0
-    chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
-    if chips:
-        return len(chips)
-    return 8 if os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR") else 0
+    return environment.tpu_core_count() or len(glob.glob("/dev/accel*")) or 1
 
 
 def detect_hardware() -> Hardware:

@@ -203,7 +203,9 @@ for epoch in range(3):
         optimizer.step()
         losses.append(loss.item())
 weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-print("RESULT " + json.dumps({
+# one write per line: under `python -u` print() writes the text and the newline separately,
+# so lines of the two ranks could interleave in the shared pipe
+sys.stdout.write("RESULT " + json.dumps({
     "rank": accelerator.process_index,
     "world": accelerator.num_processes,
     "batches": len(data),
@@ -213,7 +215,8 @@ print("RESULT " + json.dumps({
     "args": sys.argv[1:],
     "precision": os.environ.get("NBACCEL_MIXED_PRECISION"),
     "omp": os.environ.get("OMP_NUM_THREADS"),
-}), flush=True)
+}) + "\\n")
+sys.stdout.flush()
 """
 
 
@@ -366,3 +369,40 @@ def test_script_arguments_are_not_parsed_by_nbaccel(cli_env, tmp_path):
     out = nbaccel("launch", str(script), "--num_processes", "7", "--help", env=cli_env)
     assert out.returncode == 0, out.stderr
     assert textwrap.dedent(out.stdout).strip() == "['--num_processes', '7', '--help']"
+
+
+@pytest.mark.integration
+def test_launch_runs_a_module_on_two_processes(cli_env, tmp_path):
+    (tmp_path / "mytrainer.py").write_text(
+        "import os, sys\n"
+        "if __name__ == '__main__':\n"
+        "    sys.stdout.write(f\"module rank {os.environ['RANK']} {sys.argv[1:]}\\n\")\n"
+    )
+    out = nbaccel(
+        "launch", "--cpu", "--num_processes", "2", "-m", "mytrainer", "--flag",
+        env=cli_env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "module rank 0 ['--flag']" in out.stdout
+    assert "module rank 1 ['--flag']" in out.stdout
+
+
+def test_script_runner_destroys_the_process_group_after_success(cli_env, tmp_path):
+    # A process group left alive at exit makes torch abort in some runs (exit code 134).
+    script = tmp_path / "group.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "import torch.distributed as dist\n"
+        "from nbaccel.testing import find_free_port\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{find_free_port()}',\n"
+        "                        rank=0, world_size=1)\n"
+        "atexit.register(lambda: print('alive at exit:', dist.is_initialized()))\n"
+        "print('main:', __name__, 'argv:', sys.argv)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "nbaccel.cli._run_script", str(script), "x"],
+        env=cli_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert f"main: __main__ argv: ['{script}', 'x']" in out.stdout
+    assert "alive at exit: False" in out.stdout

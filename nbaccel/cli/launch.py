@@ -136,7 +136,9 @@ def run_torchrun(
     ]
     if cfg.master_port is not None:
         argv.append(f"--master-port={cfg.master_port}")
-    argv += list(command)
+    # Each worker runs `python -u -m nbaccel.cli._run_script SCRIPT ...`: the script as
+    # __main__, then its process group destroyed (see _run_script for why).
+    argv += ["-m", "nbaccel.cli._run_script", *command]
     # torchrun hands its own environment to the workers.
     os.environ.clear()
     os.environ.update(env)
