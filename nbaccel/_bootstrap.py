@@ -51,6 +51,11 @@ class WorkerSpec:
     new_session: bool = False
     die_with_parent: bool = True
     close_fds: list[int] = field(default_factory=list)
+    # global rank 0 only: the rendezvous socket reserved by the kernel (see _rendezvous)
+    store_fd: int | None = None
+    store_host: str = ""
+    store_port: int = 0
+    timeout: float | None = None
 
 
 _channel: Channel | None = None
@@ -239,7 +244,12 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
     assert channel is not None
     channel.send(("hello", spec.rank, os.getpid(), time.time()))
     code = 0
+    store = None
     try:
+        if spec.store_fd is not None:
+            from ._rendezvous import host_store
+
+            store = host_store(spec.store_fd, spec.store_host, spec.store_port, spec.timeout)
         _set_threads(spec.threads)
         try:
             value = function(*args)
@@ -260,6 +270,7 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
             traceback.print_exc()
     finally:
         _destroy_process_group()
+        del store  # stops rank 0's store server
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

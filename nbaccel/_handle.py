@@ -69,7 +69,6 @@ class LaunchHandle:
         self._stopping = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
         self._supervisor: Supervisor | None = None
-        self._rendezvous: Rendezvous | None = None
         self._thread: threading.Thread | None = None
         self.attempt = 0
         if plan.output is None:
@@ -175,19 +174,28 @@ class LaunchHandle:
 
     # ------------------------------------------------------------------ running
     def _start_attempt(self) -> None:
-        plan, cfg = self._plan, self._plan.config
+        cfg = self._plan.config
         rdzv = Rendezvous.reserve(
             cfg.master_addr, cfg.master_port, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank
         )
-        self._rendezvous = rdzv
+        try:
+            self._start_workers(rdzv)
+        finally:
+            rdzv.close()  # rank 0 owns the listening socket now; the kernel keeps no copy
+        if self._stopping.is_set():
+            assert self._supervisor is not None
+            self._supervisor.stop_requested.set()
+
+    def _start_workers(self, rdzv: Rendezvous) -> None:
+        plan, cfg = self._plan, self._plan.config
         if cfg.node_rank != 0:
-            rdzv.start(cfg.timeout)  # reachability check, before any worker exists
+            rdzv.check_reachable(cfg.timeout)  # before any worker exists
         nproc = len(self.ranks)
         specs = []
         for local_rank, rank in enumerate(self.ranks):
             env = {
                 **plan.env,
-                **rdzv.worker_env(self.attempt),
+                **rdzv.worker_env(),
                 "RANK": str(rank),
                 "WORLD_SIZE": str(plan.world_size),
                 "LOCAL_RANK": str(local_rank),
@@ -208,9 +216,13 @@ class LaunchHandle:
                     os.getpid(),
                     new_session=not plan.block,
                     die_with_parent=on_main,
+                    timeout=cfg.timeout,
                 )
             )
         listen_fd = rdzv.listen_fd()
+        if listen_fd is not None:  # global rank 0 hosts the store on the reserved socket
+            specs[0].store_fd, specs[0].store_port = listen_fd, rdzv.port
+            specs[0].store_host = rdzv.store_host()
         procs = start_workers(
             specs,
             plan.method,
@@ -232,15 +244,6 @@ class LaunchHandle:
             want=self._want,
             on_event=self._on_event,
         )
-        if self._stopping.is_set():
-            self._supervisor.stop_requested.set()
-        if cfg.node_rank == 0:
-            try:
-                rdzv.start(cfg.timeout)  # after forking: no store thread is copied into workers
-            except BaseException:
-                self._supervisor.terminate()
-                self._supervisor.close()
-                raise
 
     def _finish(self, ok: bool, value: Any) -> None:
         final = "stopped" if isinstance(value, Stopped) else "terminated"
@@ -265,7 +268,6 @@ class LaunchHandle:
                     if self.attempt >= self._plan.config.max_restarts or self._stopping.is_set():
                         self._finish(False, err)
                         return
-                    self._close_rendezvous()
                     self.attempt += 1
                     self._announce_restart(err)
                     self._start_attempt()
@@ -277,8 +279,6 @@ class LaunchHandle:
                 self._finish(False, err)
             if isinstance(err, KeyboardInterrupt) or not self._plan.block:
                 raise
-        finally:
-            self._close_rendezvous()
 
     def _announce_restart(self, err: BaseException) -> None:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -290,11 +290,6 @@ class LaunchHandle:
         if stream is not None:
             with contextlib.suppress(Exception):
                 stream.write(text)
-
-    def _close_rendezvous(self) -> None:
-        if self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
 
     def _run_in_background(self) -> None:
         global _atexit_registered

@@ -1,21 +1,27 @@
-"""The rendezvous of one launch: torch's own TCPStore, hosted by the kernel on node 0.
+"""The rendezvous of one launch: torch's own TCPStore, listening on loopback only.
 
-This mirrors what ``torchrun`` does: the launching process (its "agent") hosts
-the ``TCPStore`` server and every worker, rank 0 included, connects as a client
-(``TORCHELASTIC_USE_AGENT_STORE=True`` makes torch's ``env://`` rendezvous do
-exactly that), so the store outlives any single rank. nbaccel adds one thing:
-a plain ``TCPStore`` server listens on all interfaces, so the kernel binds the
-listening socket itself (to ``master_addr``, i.e. 127.0.0.1 on a single node)
-and hands it over with ``master_listen_fd``. Binding first also turns a busy
-``use_port`` into a clear error before any worker exists.
+A plain ``TCPStore`` server (what ``init_process_group("env://")`` starts on
+rank 0) listens on *all* interfaces, whatever ``MASTER_ADDR`` says. nbaccel
+keeps torch's rendezvous but chooses the socket:
 
-Other nodes check, before starting their workers, that node 0's store answers
-within the timeout, and fail with the address and port otherwise.
+1. the kernel binds the listening socket itself, to ``master_addr`` (127.0.0.1
+   on a single node; never the wildcard there). Binding first also turns a busy
+   ``use_port`` into a clear error before any worker exists;
+2. the socket is handed to global rank 0, whose bootstrap starts the server on
+   it: ``TCPStore(..., multi_tenant=True, master_listen_fd=fd)``;
+3. the kernel closes its copy. When the user's code (or the Accelerator) later
+   calls ``init_process_group`` with ``env://``, torch creates rank 0's store with
+   ``multi_tenant=True`` for the same port and so *reuses* that server instead of
+   binding a new one. User code that picks its own port or init method keeps
+   working unchanged.
+
+On other nodes the kernel checks, before starting any worker, that node 0's
+store answers within the timeout, and fails with the address and port otherwise.
 
 Example:
     >>> from nbaccel._rendezvous import Rendezvous
     >>> rdzv = Rendezvous.reserve("127.0.0.1", None, num_nodes=1, node_rank=0)
-    >>> rdzv.port > 0
+    >>> rdzv.port > 0 and rdzv.listen_fd() is not None
     True
     >>> rdzv.close()
 """
@@ -35,14 +41,13 @@ DEFAULT_TIMEOUT = 300.0  # torch's own default store timeout
 
 
 class Rendezvous:
-    """Address, port and (on node 0) the listening socket / store of one launch."""
+    """Address, port and (on node 0) the reserved listening socket of one launch."""
 
     def __init__(
         self, addr: str, port: int, sock: socket.socket | None, num_nodes: int, node_rank: int
     ) -> None:
         self.addr, self.port, self._sock = addr, port, sock
         self.num_nodes, self.node_rank = num_nodes, node_rank
-        self._store: Any = None
 
     @classmethod
     def reserve(
@@ -62,32 +67,20 @@ class Rendezvous:
         return cls(master_addr, int(sock.getsockname()[1]), sock, num_nodes, node_rank)
 
     def listen_fd(self) -> int | None:
-        """The reserved listening socket's fd (forked workers must close it), if any."""
+        """The reserved listening socket's fd, for global rank 0 (None on other nodes)."""
         return self._sock.fileno() if self._sock is not None else None
 
-    def start(self, timeout: float | None) -> None:
-        """Node 0: start the store on the reserved socket. Other nodes: check reachability.
+    def store_host(self) -> str:
+        """Address rank 0's own store client connects to."""
+        if self._sock is not None and self._sock.getsockname()[0] in ("0.0.0.0", "::"):
+            return "127.0.0.1"
+        return self.addr
 
-        Called after the workers were forked, so no store thread is copied into them.
-        """
+    def check_reachable(self, timeout: float | None) -> None:
+        """Other nodes: fail clearly when node 0's store does not answer in time."""
         import torch.distributed as dist
 
         delta = datetime.timedelta(seconds=timeout or DEFAULT_TIMEOUT)
-        if self._sock is None:
-            self._check_reachable(dist, delta)
-            return
-        host = "127.0.0.1" if self._sock.getsockname()[0] in ("0.0.0.0", "::") else self.addr
-        fd = self._sock.detach()  # the store's server owns (and closes) the fd from now on
-        self._sock = None
-        try:
-            self._store = dist.TCPStore(
-                host, self.port, None, True, delta, wait_for_workers=False, master_listen_fd=fd
-            )
-        except TypeError:  # torch without master_listen_fd: let the store bind the port
-            os.close(fd)
-            self._store = dist.TCPStore(host, self.port, None, True, delta, wait_for_workers=False)
-
-    def _check_reachable(self, dist: Any, delta: datetime.timedelta) -> None:
         try:
             dist.TCPStore(self.addr, self.port, None, False, delta, wait_for_workers=False)
         except Exception as err:
@@ -100,14 +93,9 @@ class Rendezvous:
                 "or raise timeout=..."
             ) from None
 
-    def worker_env(self, attempt: int = 0) -> dict[str, str]:
+    def worker_env(self) -> dict[str, str]:
         """Variables that point the workers' ``env://`` rendezvous at this store."""
-        env = {
-            "MASTER_ADDR": self.addr,
-            "MASTER_PORT": str(self.port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": str(attempt),
-        }
+        env = {"MASTER_ADDR": self.addr, "MASTER_PORT": str(self.port)}
         if self.num_nodes == 1 and environment.is_loopback(self.addr):
             # gloo/NCCL pick their own listening interface from the host name, which
             # may be a public one; on a single node keep them on loopback as well.
@@ -118,11 +106,37 @@ class Rendezvous:
         return env
 
     def close(self) -> None:
-        """Stop the store / release the port (idempotent)."""
+        """Close the kernel's copy of the socket (idempotent); rank 0 keeps its own."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._store = None  # the server thread stops and its socket closes with the last ref
+
+
+def host_store(fd: int, host: str, port: int, timeout: float | None) -> Any:
+    """Worker side (global rank 0): start torch's store server on the inherited socket.
+
+    Returns the store, which must stay referenced while the function runs (the
+    ``env://`` rendezvous finds the running server through torch's multi-tenant
+    cache). Returns None when this torch cannot adopt a socket; rank 0's
+    ``env://`` store then binds the port itself, as plain torch does.
+    """
+    import torch.distributed as dist
+
+    delta = datetime.timedelta(seconds=timeout or DEFAULT_TIMEOUT)
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            None,
+            True,
+            delta,
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=fd,
+        )
+    except TypeError:
+        os.close(fd)
+        return None
 
 
 def _bind(addr: str, port: int, *, allow_wildcard: bool) -> socket.socket:
@@ -158,4 +172,4 @@ def _bind(addr: str, port: int, *, allow_wildcard: bool) -> socket.socket:
     return sock
 
 
-__all__ = ["Rendezvous"]
+__all__ = ["Rendezvous", "host_store"]

@@ -124,7 +124,8 @@ def start_workers(
             reads = {name: r for name, (r, _) in pipe.items()}
             if method == "fork":
                 own = set(spec.fds.values())
-                spec.close_fds = [fd for fd in every_fd if fd not in own] + list(close_in_children)
+                spec.close_fds = [fd for fd in every_fd if fd not in own]
+                spec.close_fds += [fd for fd in close_in_children if fd != spec.store_fd]
                 pid = _fork(spec, function, args)
                 procs.append(WorkerProcess(spec.rank, spec.local_rank, pid, reads))
             else:
@@ -177,12 +178,13 @@ def _spawn(spec: WorkerSpec) -> subprocess.Popen[bytes]:
     )
     new_session, spec.new_session = spec.new_session, False  # Popen does the setsid
     keep = (spec.fds["ctrl"], spec.fds["stack"])
+    store = (spec.store_fd,) if spec.store_fd is not None else ()
     popen = subprocess.Popen(
         [sys.executable, "-c", "from nbaccel._bootstrap import spawn_main; spawn_main()"],
         stdin=subprocess.PIPE,
         stdout=spec.fds["stdout"],
         stderr=spec.fds["stderr"],
-        pass_fds=keep,
+        pass_fds=keep + store,
         env=env,
         start_new_session=new_session,
     )

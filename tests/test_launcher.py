@@ -112,6 +112,18 @@ def all_reduce_and_wait(seconds):
     return t
 
 
+def own_init_method(port):
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
 def publish_steps(steps, delay):
     from nbaccel._bootstrap import publish
 
@@ -466,6 +478,10 @@ def test_rendezvous_listens_on_loopback_only():
         assert torch.equal(handle.result(timeout=30), torch.tensor([2.0]))
     mine = [c for c in psutil.Process().net_connections() if c.status == psutil.CONN_LISTEN]
     assert mine == []
+
+
+def test_user_code_may_choose_its_own_rendezvous():
+    assert notebook_launcher(own_init_method, args=(_free_port(),), num_processes=2) == 2.0
 
 
 def test_kernel_state_restored_after_success_and_failure():
