@@ -8,8 +8,9 @@ A launch is "check, then launch":
    problem raises here, before a process exists;
 2. one process: the function runs in the kernel itself; TPU: ``torch_xla``;
    otherwise workers are forked (or spawned with dill when CUDA is already
-   initialised) with the rank environment, a loopback-only rendezvous
-   (:mod:`nbaccel._rendezvous`) and their output forwarded into the cell;
+   initialised) with the rank environment, torch's own TCPStore rendezvous
+   listening on loopback only (:mod:`nbaccel._rendezvous`) and their output
+   forwarded into the cell;
 3. supervision (:mod:`nbaccel._supervise`): results, the first real failure
    re-raised with its type, rank and remote traceback, hangs reported with
    every stuck worker's stack, interrupts and clean-up.
@@ -84,8 +85,11 @@ def notebook_launcher(
         start_method: "auto" (fork, or spawn when CUDA is already initialised in the
             kernel), "fork" (refuses with ``CUDAInitializedError`` in that case) or "spawn".
         max_restarts: how often a failed group of workers is started again.
-        timeout: seconds a collective may block (passed to the process group); ranks
-            that stop making progress for longer are reported as stuck, with stacks.
+        timeout: seconds a collective may block (passed to the process group as
+            ``NBACCEL_TIMEOUT``). When a rank's collective times out while other ranks
+            still run, or ranks still run ``timeout`` seconds after a peer finished,
+            those ranks are reported as stuck (``WorkerTimeoutError``) with their
+            Python stacks, and everything is cleaned up.
         rdzv_backend: "static" or "c10d" (both use torch's TCPStore on node 0).
         rdzv_endpoint: "host:port", overriding ``master_addr``/``use_port``.
         monitor_interval: seconds between checks of the workers.
