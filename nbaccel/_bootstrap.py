@@ -238,6 +238,25 @@ def _setup(spec: WorkerSpec) -> None:
     _drop_inherited_state()
 
 
+def _ship(value: Any) -> tuple[str, bytes]:
+    try:
+        return dumps(value)
+    except Exception as err:
+        raise TypeError(
+            f"the function's return value (a {type(value).__name__}) cannot be sent back to "
+            f"the kernel: {type(err).__name__}: {err}. Return plain data instead: numbers, "
+            "tensors, lists/dicts of them, or model.state_dict()."
+        ) from err
+
+
+def _flush_c_stdio() -> None:
+    """os._exit skips libc's buffers: flush what C extensions printed."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+
+
 def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
     """Run the function; report the outcome; return the exit code. Never raises."""
     channel = _channel
@@ -257,10 +276,7 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
             if exc.code not in (None, 0):
                 raise
             value = None
-        if spec.send_value:
-            codec, data = dumps(value)
-        else:
-            codec, data = "none", b""
+        codec, data = _ship(value) if spec.send_value else ("none", b"")
         channel.send(("result", spec.rank, codec, data, time.time()))
     except BaseException as exc:  # ship every failure, KeyboardInterrupt included
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
@@ -291,6 +307,7 @@ def fork_main(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> None:
         with contextlib.suppress(BaseException):
             traceback.print_exc()
     finally:
+        _flush_c_stdio()
         os._exit(code)
 
 

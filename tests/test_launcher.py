@@ -124,6 +124,10 @@ def own_init_method(port):
     return t.item()
 
 
+def returns_generator():
+    return (i for i in range(3))
+
+
 def publish_steps(steps, delay):
     from nbaccel._bootstrap import publish
 
@@ -281,6 +285,12 @@ def test_failure_classification_and_choice():
     abort = Failure(3, 103, 0.5, "signal", code=signal.SIGABRT, stack="distributed_c10d.py")
     segv = Failure(3, 103, 0.5, "signal", code=signal.SIGSEGV)
     assert abort.secondary and not segv.secondary
+
+
+def test_unpicklable_return_value_is_explained():
+    with pytest.raises(TypeError, match="cannot be sent back to the kernel") as info:
+        notebook_launcher(returns_generator, num_processes=2)
+    assert info.value.rank == 0 and "generator" in str(info.value)
 
 
 def test_death_by_signal_names_rank_and_signal():
