@@ -156,10 +156,11 @@ class Accelerator:
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.project_configuration = project_config or ProjectConfiguration()
-        if project_dir is not None:
-            self.project_configuration.project_dir = project_dir
-            if self.project_configuration.logging_dir is None:
-                self.project_configuration.logging_dir = project_dir
+        if project_dir is not None:  # overrides the config's directory (and its default logs)
+            config, previous = self.project_configuration, self.project_configuration.project_dir
+            config.project_dir = project_dir
+            if config.logging_dir in (None, previous):
+                config.logging_dir = project_dir
         self.log_with = log_with
         self.trackers: list[Any] = []
         self.gradient_state = GradientState(steps)

@@ -193,12 +193,16 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         if not self.gradient_state.sync_gradients:
             return
-        if closure is not None:
-            raise ValueError(
-                "step(closure) is not supported on a prepared optimizer: call the closure "
-                "yourself before optimizer.step()."
-            )
-        taken = bool(self.precision.step(self.optimizer))
+        if closure is not None:  # e.g. LBFGS; loss scaling cannot re-run a closure
+            if getattr(self.precision, "scaler", None) is not None:
+                raise ValueError(
+                    "optimizer.step(closure) cannot be combined with mixed_precision='fp16' "
+                    "(the loss scaler needs the gradients first): use bf16 or fp32."
+                )
+            self.optimizer.step(closure)
+            taken = True
+        else:
+            taken = bool(self.precision.step(self.optimizer))
         if xla.is_xla(self.optimizer):
             xla.mark_step()  # run the update now: XLA tensors are lazy graphs until cut
         self.step_was_skipped = not taken
