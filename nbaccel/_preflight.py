@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,14 +140,25 @@ def cuda_fork_error() -> CUDAInitializedError:
 
 
 def _start_method(requested: str) -> str:
-    unsafe = environment.cuda_initialized() or environment.cuda_driver_loaded()
+    initialized = environment.cuda_initialized()  # the real torch.cuda.is_initialized()
+    # cudaGetDeviceCount (e.g. torch.cuda.is_available()) loads and initialises the driver
+    # without setting torch's flag; forked children then fail on their first CUDA call.
+    driver = not initialized and environment.cuda_driver_loaded()
     if requested == "fork":
         if not hasattr(os, "fork"):
             raise ConfigError("start_method='fork' is not available on this platform; use 'spawn'.")
-        if unsafe:
+        if initialized:
             raise cuda_fork_error()
+        if driver:
+            warnings.warn(
+                "the CUDA driver is already loaded in this kernel (torch.cuda.is_available() "
+                "or device_count() without NVML do that), so forked workers may fail on their "
+                "first CUDA call; use start_method='spawn' if they do.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return "fork"
-    if requested == "spawn" or unsafe or not environment.fork_preferred():
+    if requested == "spawn" or initialized or driver or not environment.fork_preferred():
         return "spawn"
     return "fork"
 
