@@ -21,6 +21,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -49,6 +50,12 @@ def _worker(
     results: Any,
 ) -> None:
     os.environ.update(env)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # OMP_NUM_THREADS is read once, at torch's import: a forked child inherits the
+        # parent's OpenMP pool, and a bf16/fp16 CPU matmul in it hangs if the parent ran
+        # one before forking. Resizing the pool in the child avoids that.
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     try:
         value = fn(*args)
         payload = pickle.dumps((rank, True, value))
