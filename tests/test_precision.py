@@ -140,3 +140,109 @@ def test_fp16_disabled_scaler_steps_plainly():
     before = model.weight.detach().clone()
     assert p.step(opt) is True
     assert not torch.equal(before, model.weight)
+
+
+# -- through the Accelerator, on 1 and 2 real processes -------------------------------------
+
+
+def _accelerator(**kwargs):
+    from nbaccel import Accelerator
+    from nbaccel.state import reset_state
+
+    reset_state()
+    return Accelerator(cpu=True, **kwargs)
+
+
+def _regression_loader(batch_size):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
+
+
+def _bf16_worker():
+    acc = _accelerator(mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
+    model, optimizer, loader = acc.prepare(model, optimizer, _regression_loader(8))
+    losses, dtypes = [], set()
+    for _ in range(4):
+        for x, y in loader:
+            out = model(x)
+            dtypes.add(out.dtype)
+            loss = torch.nn.functional.mse_loss(out, y)
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(acc.reduce(loss.detach(), "mean").item())
+    with acc.autocast():
+        inner = torch.nn.functional.linear(x, torch.ones(1, 8)).dtype
+    return losses, dtypes, inner
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_bf16_training_step_on_cpu_and_the_loss_decreases(num_processes):
+    from nbaccel.testing import run_on_workers
+
+    for losses, dtypes, inner in run_on_workers(_bf16_worker, num_processes):
+        assert dtypes == {torch.float32}  # outputs come back in float32
+        assert inner == torch.bfloat16  # accelerator.autocast() really is bf16
+        first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+        assert last < 0.5 * first, losses
+
+
+def _fp16_overflow_worker():
+    from nbaccel.options import GradScalerKwargs
+
+    acc = _accelerator(
+        mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)]
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer, scheduler, loader = acc.prepare(
+        model, optimizer, scheduler, _regression_loader(8)
+    )
+    batches = iter(loader)
+    record = []
+    for poison in (False, True, False):
+        x, y = next(batches)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if poison:
+            loss = loss * float("inf")  # every gradient becomes inf/nan, on every rank
+        before = [p.detach().clone() for p in model.parameters()]
+        acc.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        changed = any(
+            not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)
+        )
+        record.append(
+            {
+                "skipped": acc.optimizer_step_was_skipped,
+                "changed": changed,
+                "lr": scheduler.get_last_lr()[0],
+                "scale": acc.precision.scaler.get_scale(),
+                "step": acc.step,
+            }
+        )
+    return record
+
+
+@pytest.mark.integration
+def test_fp16_overflow_skips_the_step_and_keeps_the_scheduler_still():
+    from nbaccel.testing import run_on_workers
+
+    for clean, poisoned, after in run_on_workers(_fp16_overflow_worker, 2):
+        assert not clean["skipped"] and clean["changed"] and clean["step"] == 1
+        assert poisoned["skipped"] and not poisoned["changed"]
+        assert poisoned["lr"] == clean["lr"]  # the scheduler did not step
+        assert poisoned["scale"] == clean["scale"] / 2
+        assert poisoned["step"] == 1
+        assert not after["skipped"] and after["changed"] and after["step"] == 2
+        assert after["lr"] < clean["lr"]
