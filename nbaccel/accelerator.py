@@ -6,14 +6,20 @@ objects, and delegates: placement and wrapping to :mod:`nbaccel.wrappers`, shard
 :mod:`nbaccel.checkpoint`, trackers to :mod:`nbaccel.trackers`.
 
 Example:
-    >>> from nbaccel import Accelerator  # doctest: +SKIP
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
     >>> accelerator = Accelerator()
+    >>> model = torch.nn.Linear(3, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> loader = DataLoader(TensorDataset(torch.randn(8, 3), torch.randn(8, 1)), batch_size=4)
     >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     >>> for x, y in loader:
     ...     optimizer.zero_grad()
     ...     loss = torch.nn.functional.mse_loss(model(x), y)
     ...     accelerator.backward(loss)
     ...     optimizer.step()
+    >>> accelerator.step
+    2
 """
 
 from __future__ import annotations
