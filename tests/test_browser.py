@@ -3,7 +3,8 @@
 Serves JupyterLab (random free port, token, tmp root dir) with a notebook whose
 cell shows a LaunchPanel, opens it in Debian's /usr/bin/chromium through
 Playwright (never a Playwright-downloaded browser), runs the cell, changes the
-number of processes, clicks Launch, waits for both ranks' output under the cell,
+number of processes, clicks Launch, waits for both ranks' output and rank 0's
+progress bar under the cell,
 saves a screenshot to test-artifacts/, then stops the server and checks that no
 process (server, kernel, workers) is left.
 
@@ -47,8 +48,11 @@ PANEL_CELL = """\
 from nbaccel.widgets import LaunchPanel
 
 def train(greeting):
-    from nbaccel import Accelerator
+    import time
+    from nbaccel import Accelerator, tqdm
     accelerator = Accelerator()
+    for _ in tqdm(range(20), desc="steps"):
+        time.sleep(0.02)
     print(f"{greeting} from rank {accelerator.process_index} of {accelerator.num_processes}")
     return accelerator.process_index
 
@@ -205,6 +209,7 @@ def test_launch_panel_in_jupyterlab(lab, tmp_path):
             output = panel.locator(".widget-output")
             expect(output).to_contain_text("[rank0] hello from rank 0 of 2", timeout=120_000)
             expect(output).to_contain_text("[rank1] hello from rank 1 of 2", timeout=30_000)
+            expect(output).to_contain_text("steps: 100%")  # rank 0 draws the progress bar
             expect(panel).to_contain_text("Finished", timeout=30_000)
             panel.scroll_into_view_if_needed()
             page.screenshot(path=str(ARTIFACTS / "launch_panel_jupyterlab.png"), full_page=True)
