@@ -449,6 +449,12 @@ class Accelerator:
         if self.is_main_process:
             print(*args, **kwargs)
 
+    def tqdm(self, *args: Any, **kwargs: Any) -> Any:
+        """A progress bar drawn by the main process only (see :func:`nbaccel.progress.tqdm`)."""
+        from .progress import tqdm
+
+        return tqdm(*args, **kwargs)
+
     def _only_on(self, condition: Callable[[], bool], function: F) -> F:
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -226,3 +226,33 @@ def test_mlflow_local_store(tmp_path, monkeypatch):
     assert len(run.data.params["name"]) == 500
     [point] = client.get_metric_history(run_id, "eval/acc")
     assert (point.step, point.value) == (3, 0.75)
+
+
+def _log_on_two_ranks(logdir: str) -> dict:
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(log_with=["jsonl", "tensorboard"], project_dir=logdir)
+    accelerator.init_trackers("run", config={"lr": 0.1})
+    for step in range(3):
+        accelerator.log({"loss": 1.0 / (step + 1), "rank": accelerator.process_index}, step=step)
+    writer = accelerator.get_tracker("tensorboard", unwrap=True)
+    bar = accelerator.tqdm(range(2))
+    result = {"writer": type(writer).__name__, "bar_disabled": bar.disable}
+    bar.close()
+    accelerator.end_training()
+    return result
+
+
+@pytest.mark.integration
+def test_accelerator_trackers_write_on_the_main_process_only(tmp_path):
+    pytest.importorskip("tensorboard")
+    from nbaccel.testing import run_on_workers
+
+    results = run_on_workers(_log_on_two_ranks, num_processes=2, args=(str(tmp_path),))
+    assert results[0] == {"writer": "SummaryWriter", "bar_disabled": False}
+    assert results[1] == {"writer": "NoneType", "bar_disabled": True}  # rank 1: no trackers, no bar
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [(r["step"], r["rank"]) for r in rows] == [(0, 0), (1, 0), (2, 0)]
+    assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"lr": 0.1}
