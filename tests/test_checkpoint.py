@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch._dynamo  # optimizers import it lazily (~3 s): once here, not in every forked worker
 from torch.utils.data import DataLoader, TensorDataset
 
 from nbaccel.checkpoint import MANIFEST

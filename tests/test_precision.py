@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # optimizers import it lazily (~3 s): once here, not in every forked worker
 
 from nbaccel.errors import ConfigError
 from nbaccel.precision import FullPrecision, make_precision
