@@ -188,6 +188,7 @@ def _save_and_get_killed(root, ready):
     """Child process: one good checkpoint, then a second save that stops half-way."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
+    torch.set_num_threads(1)  # a fresh OpenMP pool, as run_on_workers does
     import nbaccel.checkpoint as checkpoint
 
     acc, model, optimizer, scheduler, loader = _build(0, project_config=_auto(root))

@@ -247,3 +247,39 @@ def test_fp16_overflow_skips_the_step_and_keeps_the_scheduler_still():
         assert poisoned["step"] == 1
         assert not after["skipped"] and after["changed"] and after["step"] == 2
         assert after["lr"] < clean["lr"]
+
+
+def test_fp8_names_the_compute_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ConfigError, match=r"compute capability >= 8\.9.*A100 has 8\.0"):
+        make_precision("fp8", torch.device("cuda", 0))
+
+
+def test_fp8_names_the_missing_library(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes the import fail
+    with pytest.raises(ConfigError, match="pip install torchao"):
+        make_precision("fp8", torch.device("cuda", 0))
+
+
+def _accelerator_precision_errors():
+    errors = {}
+    for mode in ("int8", "fp8"):
+        try:
+            _accelerator(mixed_precision=mode)
+            errors[mode] = None
+        except ConfigError as err:
+            errors[mode] = str(err)
+    return errors
+
+
+@pytest.mark.integration
+def test_accelerator_rejects_unknown_and_unavailable_precisions():
+    from nbaccel.testing import run_on_workers
+
+    (errors,) = run_on_workers(_accelerator_precision_errors, 1)
+    assert "mixed_precision='int8' is unknown" in errors["int8"]
+    assert "fp8" in errors["fp8"] and "CUDA GPU" in errors["fp8"]
