@@ -8,11 +8,13 @@ Used by :mod:`nbaccel.checkpoint`; nothing here is public API.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import shutil
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -62,27 +64,37 @@ def all_ok(acc: Any, error: BaseException | None, what: str) -> None:
 # -- weights-only-safe encoding of arbitrary state dicts (numpy arrays inside RNG states) --
 
 
+def _rebuild(original: Any, items: list[Any]) -> Any:
+    if isinstance(original, tuple):
+        return type(original)(*items) if hasattr(original, "_fields") else tuple(items)
+    return items
+
+
 def encode(obj: Any) -> Any:
+    """Replace numpy arrays/scalars so that ``torch.load(weights_only=True)`` accepts ``obj``."""
     if isinstance(obj, np.ndarray):
         raw = torch.from_numpy(np.frombuffer(obj.tobytes(), dtype=np.uint8).copy())
         return {_NDARRAY: raw, "dtype": obj.dtype.str, "shape": list(obj.shape)}
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
-        return type(obj)((k, encode(v)) for k, v in obj.items())
+        encoded = {k: encode(v) for k, v in obj.items()}
+        return OrderedDict(encoded) if isinstance(obj, OrderedDict) else encoded
     if isinstance(obj, list | tuple):
-        return type(obj)(encode(v) for v in obj)
+        return _rebuild(obj, [encode(v) for v in obj])
     return obj
 
 
 def decode(obj: Any) -> Any:
+    """Undo :func:`encode`."""
     if isinstance(obj, dict) and _NDARRAY in obj:
         raw = obj[_NDARRAY].numpy().tobytes()
         return np.frombuffer(raw, dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
     if isinstance(obj, dict):
-        return type(obj)((k, decode(v)) for k, v in obj.items())
+        decoded = {k: decode(v) for k, v in obj.items()}
+        return OrderedDict(decoded) if isinstance(obj, OrderedDict) else decoded
     if isinstance(obj, list | tuple):
-        return type(obj)(decode(v) for v in obj)
+        return _rebuild(obj, [decode(v) for v in obj])
     return obj
 
 
@@ -205,7 +217,9 @@ def publish(acc: Any, tmp: Path, target: Path, token: str, safe_serialization: b
         os.replace(target, old)
     os.replace(tmp, target)
     fsync_path(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    # this save's displaced copy, and leftovers of earlier saves to the same place that died
+    for stale in (old, *target.parent.glob(f".{glob.escape(target.name)}.tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def prune(acc: Any, root: Path) -> None:
