@@ -197,6 +197,8 @@ def test_launch_button_calls_the_launcher_with_the_panels_config(monkeypatch):
     assert panel.result == "result" and "Finished" in panel.status.value
     assert not panel.launch_button.disabled
     assert panel.launch() == "result" and len(calls) == 2
+    panel.launch(block=False)  # the launcher would return a LaunchHandle
+    assert calls[-1][2]["block"] is False and "background" in panel.status.value
 
 
 def test_launch_failure_is_shown_in_the_output_area(monkeypatch):

@@ -303,7 +303,9 @@ class LaunchPanel(widgets.VBox):
             raise
         finally:
             self._refresh()
-        self.status.value = "Finished."
+        # block=False: the launcher returned a LaunchHandle and the workers are still running.
+        background = not options.get("block", True)
+        self.status.value = "Started; running in the background." if background else "Finished."
         return self.result
 
     def _on_launch_click(self) -> None:
