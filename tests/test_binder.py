@@ -30,19 +30,27 @@ ROOT = Path(__file__).resolve().parents[1]
 BINDER = ROOT / "binder"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 COPY_IGNORE = shutil.ignore_patterns(
-    ".git",
-    ".venv",
-    ".xla-venv",
-    "__pycache__",
-    "*.egg-info",
-    "build",
-    "dist",
-    ".pytest_cache",
-    ".mypy_cache",
-    ".ruff_cache",
-    ".ipynb_checkpoints",
-    "test-artifacts",
+    ".git", "*venv*", "__pycache__", "*.egg-info", "build", "dist", ".*_cache", "test-artifacts"
 )
+
+
+def copy_checkout(destination: Path) -> None:
+    """Copy what a clone would contain: git's tracked and unignored files (else a filtered tree)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=False,
+    )
+    if listed.returncode != 0:  # not a git checkout (e.g. an sdist): copy, minus local clutter
+        shutil.copytree(ROOT, destination, ignore=COPY_IGNORE)
+        return
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        source = ROOT / name
+        if source.is_file():  # listed but deleted in the working tree: skip
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
 
 
 def local_requirements(text: str, torch_spec: str) -> str:
@@ -88,7 +96,7 @@ def test_binder_environment_installs_and_runs_quickstart(tmp_path):
     from notebook_runner import execute_notebook
 
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=COPY_IGNORE)
+    copy_checkout(repo)
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
     python = venv / "bin" / "python"
