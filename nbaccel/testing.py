@@ -27,6 +27,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._forksafe import release_openmp_threads
 from .errors import LaunchError, WorkerError
 
 
@@ -52,9 +53,8 @@ def _worker(
     os.environ.update(env)
     torch = sys.modules.get("torch")
     if torch is not None:
-        # OMP_NUM_THREADS is read once, at torch's import: a forked child inherits the
-        # parent's OpenMP pool, and a bf16/fp16 CPU matmul in it hangs if the parent ran
-        # one before forking. Resizing the pool in the child avoids that.
+        # OMP_NUM_THREADS is read once, at torch's import, so the child sizes its pool
+        # explicitly (the parent released its own pool before forking: see _forksafe).
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     try:
         value = fn(*args)
@@ -100,6 +100,7 @@ def run_on_workers(
         ``[result_of_rank_0, result_of_rank_1, ...]``.
     """
     ctx = mp.get_context("fork")
+    release_openmp_threads()  # else children hang in their first multi-threaded op
     results = ctx.Queue()
     port = find_free_port()
     procs = []

@@ -1,0 +1,28 @@
+"""Forked workers must not hang when the parent already used torch's OpenMP pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbaccel._forksafe import release_openmp_threads
+from nbaccel.testing import run_on_workers
+
+
+def _two_thread_matmul() -> int:
+    # the exact pattern that hangs after fork with an un-released libgomp pool
+    torch.set_num_threads(2)
+    a = torch.randn(256, 256)
+    return int((a @ a).shape[0])
+
+
+@pytest.mark.integration
+def test_workers_run_multithreaded_ops_after_the_parent_used_openmp():
+    a = torch.randn(256, 256)
+    (a @ a).sum()  # start the parent's OpenMP pool, as any notebook cell would
+    assert run_on_workers(_two_thread_matmul, num_processes=2, timeout=60) == [256, 256]
+
+
+def test_release_reports_whether_a_runtime_was_paused():
+    torch.ones(1)  # torch (and with it its OpenMP runtime) is loaded in this process
+    assert release_openmp_threads() is True
