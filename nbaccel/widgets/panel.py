@@ -47,7 +47,7 @@ _MULTI_NODE = ("node_rank", "master_addr", "master_port")
 _INT_MAXIMUMS = {"master_port": MAX_PORT}  # others: effectively unbounded, kept sane for typing
 _SANE_MAX = 4096
 _STYLE = {"description_width": "190px"}
-_ROW = widgets.Layout(width="360px")
+_ROW_WIDTH = "360px"  # a fresh Layout per control: no widget may be created at import time
 
 
 def _label(name: str) -> str:
@@ -189,7 +189,7 @@ class LaunchPanel(widgets.VBox):
             "description": _label(name),
             "tooltip": field_help().get(name, ""),
             "style": _STYLE,
-            "layout": _ROW,
+            "layout": widgets.Layout(width=_ROW_WIDTH),
         }
         if choices:
             return widgets.Dropdown(options=list(choices), value=value, **common)
@@ -209,7 +209,7 @@ class LaunchPanel(widgets.VBox):
     # ------------------------------------------------------------------ state
     def _values(self) -> dict[str, Any]:
         values = {name: control.value for name, control in self.controls.items()}
-        if values["num_nodes"] == 1:
+        if values["num_nodes"] == 1:  # one machine: the launcher picks a free port
             values["node_rank"], values["master_port"] = 0, None
         values["gpu_ids"] = (values["gpu_ids"] or "").strip() or None
         values["timeout"] = values["timeout"] or None
