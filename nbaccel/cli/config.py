@@ -120,7 +120,10 @@ def _ask_field(name: str, current: dict[str, Any], ask: Callable[[str], str]) ->
     """Ask for one field until the answer is valid; return the parsed value."""
     kind, choices = field_kind(name)
     hint = "/".join(choices) if choices else ("yes/no" if kind is bool else kind.__name__)
-    prompt = f"{name} [{hint}] ({field_help().get(name, '')})\n  default {_text(current[name])}: "
+    prompt = (
+        f"\n{name}: {field_help().get(name, '')}\n"
+        f"  {name} [{hint}] (default {_text(current[name])}): "
+    )
     while True:
         answer = ask(prompt).strip()
         if not answer:
@@ -157,7 +160,7 @@ def questionnaire(path: Path, ask: Callable[[str], str] = input) -> LaunchConfig
     """Ask for every relevant field (defaults from ``path`` or the hardware) and validate."""
     current = dataclasses.asdict(_starting_point(path))
     print(f"Configuring nbaccel; the answers are saved to {path}.")
-    print("Press Enter to keep the default shown.\n")
+    print("Press Enter to keep the default shown.")
     for field in dataclasses.fields(LaunchConfig):
         name = field.name
         if name in _MULTI_NODE and current["num_nodes"] == 1:
