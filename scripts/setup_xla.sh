@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .xla-venv: torch==2.9.0 + torch_xla==2.9.0 + nbaccel (editable), for the tests marked
-# `xla` (tests/test_xla.py runs its training function there with PJRT_DEVICE=CPU).
+# `xla` (tests/test_xla.py runs tests/xla_scenarios.py there with PJRT_DEVICE=CPU).
 #
 # Cheap on purpose. PyPI's Linux x86_64 torch wheel is the CUDA build and pulls ~2.8 GB of
 # nvidia-* wheels (about 7 GB installed); the XLA tests run on the CPU and never call CUDA.
@@ -10,8 +10,8 @@
 # compiler) or torch still does not import, the real NVIDIA wheels are installed instead.
 # NBACCEL_XLA_FULL_TORCH=1 forces that path.
 #
-# Idempotent: when .xla-venv already imports torch_xla and this checkout's nbaccel it only
-# prints so.
+# Idempotent: when .xla-venv already imports torch_xla, this checkout's nbaccel and its
+# requirements, it only prints so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,9 +19,24 @@ VENV=.xla-venv
 TORCH_VERSION=2.9.0
 VPY="$VENV/bin/python"
 
+# nbaccel's own requirements, minus torch, from setup.cfg (the single source of truth).
+mapfile -t NBACCEL_DEPS < <("$PY" - <<'PYEOF'
+import configparser, re
+cfg = configparser.ConfigParser()
+cfg.read("setup.cfg")
+for req in cfg["options"]["install_requires"].split("\n"):
+    req = req.strip()
+    if req and re.split(r"[<>=!~ ;\[]", req)[0].lower() != "torch":
+        print(req)
+PYEOF
+)
+
 check() {
-  # Imports everything the xla tests need, without touching CUDA; prints the versions.
-  PJRT_DEVICE=CPU "$VPY" - "$PWD" <<'EOF'
+  # Imports what the xla tests need without touching CUDA, checks that nbaccel's
+  # requirements are installed (setup.cfg may have gained one), prints the versions.
+  PJRT_DEVICE=CPU "$VPY" - "$PWD" "${NBACCEL_DEPS[@]}" <<'PYEOF'
+import importlib.metadata
+import re
 import sys
 from pathlib import Path
 
@@ -30,11 +45,14 @@ import torch_xla
 import torch_xla.runtime as xr
 import nbaccel
 
-assert Path(nbaccel.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), nbaccel.__file__
-assert torch.__version__.split("+")[0] == torch_xla.__version__.split("+")[0], (torch.__version__, torch_xla.__version__)
+root = Path(sys.argv[1]).resolve()
+assert Path(nbaccel.__file__).resolve().is_relative_to(root), nbaccel.__file__
+assert torch.__version__.split("+")[0] == torch_xla.__version__.split("+")[0]
+for req in sys.argv[2:]:
+    importlib.metadata.version(re.split(r"[<>=!~ ;\[]", req)[0])  # raises if missing
 print(f"{sys.prefix}: torch {torch.__version__}, torch_xla {torch_xla.__version__}, "
       f"cuda available: {torch.cuda.is_available()}, PJRT device: {xr.device_type()}")
-EOF
+PYEOF
 }
 
 if [ -x "$VPY" ] && check 2>/dev/null; then
@@ -45,18 +63,6 @@ if [ ! -x "$VPY" ]; then
   "$PY" -m venv "$VENV"
 fi
 PIP=("$VPY" -m pip install -q --disable-pip-version-check)
-
-# nbaccel's own requirements, minus torch, from setup.cfg (the single source of truth).
-mapfile -t NBACCEL_DEPS < <("$VPY" - <<'EOF'
-import configparser, re
-cfg = configparser.ConfigParser()
-cfg.read("setup.cfg")
-for req in cfg["options"]["install_requires"].split("\n"):
-    req = req.strip()
-    if req and re.split(r"[<>=!~ ;\[]", req)[0].lower() != "torch":
-        print(req)
-EOF
-)
 
 # One --no-deps install: torch/torch_xla, their pure-Python requirements (torch: filelock,
 # typing-extensions, sympy, networkx, jinja2, fsspec; torch_xla: absl-py, numpy, pyyaml,
