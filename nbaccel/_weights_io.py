@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import xla
 from .errors import ConfigError, NbaccelError
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -120,7 +121,10 @@ def dedupe_tied(
         if tensor.device.type == "meta":
             raise ConfigError(f"parameter {name!r} is on the meta device and has no data to save")
         if tensor.numel():
-            ptr = tensor.untyped_storage().data_ptr()
+            if tensor.device.type == "xla":  # no storage pointer on XLA
+                ptr = xla.storage_id(tensor)
+            else:
+                ptr = tensor.untyped_storage().data_ptr()
             view = (
                 tensor.device,
                 ptr,

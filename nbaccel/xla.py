@@ -153,6 +153,13 @@ def is_xla(obj: Any) -> bool:
     return False
 
 
+def storage_id(tensor: torch.Tensor) -> int:
+    """What identifies an XLA tensor's data (XLA tensors have no storage pointer)."""
+    import torch_xla
+
+    return int(torch_xla._XLAC._xla_get_tensor_id(tensor))
+
+
 def reduce_gradients(optimizer: Any) -> None:
     """Average the gradients of ``optimizer``'s parameters across XLA workers.
 
@@ -430,6 +437,7 @@ __all__ = [
     "reduce_gradients",
     "rendezvous",
     "runtime_initialized",
+    "storage_id",
     "xla_available",
     "xla_device",
     "xla_requested",
