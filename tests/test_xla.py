@@ -106,6 +106,7 @@ def _trained_on_xla(run: dict[str, Any]) -> None:
     assert run["weight_device"] == "cpu"  # the returned XLA tensor arrives on the CPU
     assert run["weight"][0][1] == pytest.approx(-2.0, abs=0.5)
     assert run["environ_restored"] and not run["state_left_behind"]
+    assert run["checkpoint_restored"]  # save_state/load_state of XLA tensors
 
 
 @pytest.mark.xla

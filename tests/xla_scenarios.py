@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import traceback
 from typing import Any
 
@@ -46,7 +47,15 @@ def train(epochs: int) -> dict[str, Any]:
             accelerator.backward(loss)
             optimizer.step()
             losses.append(loss.item())
+    with tempfile.TemporaryDirectory() as tmp:  # checkpoints of XLA tensors round-trip
+        accelerator.save_state(tmp)
+        trained = model.weight.detach().cpu().clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        accelerator.load_state(tmp)
+        restored = torch.equal(model.weight.detach().cpu(), trained)
     return {
+        "checkpoint_restored": restored,
         "losses": losses,
         "distributed_type": accelerator.distributed_type.value,
         "device": str(accelerator.device),
