@@ -64,11 +64,18 @@ if [ ! -x "$VPY" ]; then
 fi
 PIP=("$VPY" -m pip install -q --disable-pip-version-check)
 
+# The two big wheels (980 MB) are kept in a cache folder of their own (pip's HTTP cache does
+# not keep them here), so re-creating the environment on the same machine downloads nothing.
+TAG=$("$VPY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+WHEELS=${NBACCEL_XLA_WHEELS:-$HOME/.cache/pip/nbaccel-xla-wheels}/$TAG
+"$VPY" -m pip download -q --disable-pip-version-check --no-deps -d "$WHEELS" \
+  "torch==$TORCH_VERSION" "torch_xla==$TORCH_VERSION"
+
 # One --no-deps install: torch/torch_xla, their pure-Python requirements (torch: filelock,
 # typing-extensions, sympy, networkx, jinja2, fsspec; torch_xla: absl-py, numpy, pyyaml,
 # requests) with theirs, nbaccel's, and nbaccel itself.
 "${PIP[@]}" --no-deps \
-  "torch==$TORCH_VERSION" "torch_xla==$TORCH_VERSION" \
+  "$WHEELS"/torch-"$TORCH_VERSION"-*.whl "$WHEELS"/torch_xla-"$TORCH_VERSION"-*.whl \
   filelock "typing-extensions>=4.10" "sympy>=1.13.3" mpmath "networkx>=2.5.1" jinja2 markupsafe \
   "fsspec>=0.8.5" absl-py numpy pyyaml requests charset-normalizer idna urllib3 certifi \
   "${NBACCEL_DEPS[@]}" dill \
