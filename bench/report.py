@@ -7,10 +7,12 @@ measured in the same run; each is marked PASS or MISS as measured.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import statistics
+import subprocess
 from typing import Any
 
 import psutil
@@ -38,8 +40,20 @@ def machine_info(versions: dict[str, Any], python: str) -> dict[str, Any]:
             )
     except (OSError, StopIteration):
         pass
+    commit = "unknown"
+    with contextlib.suppress(Exception):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        git = ["git", "-C", root]
+        commit = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", "nbaccel"], capture_output=True, text=True
+        ).stdout.strip()
+        commit += " + uncommitted changes in nbaccel/" if dirty else ""
     return {
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "commit": commit,
         "cpu": cpu,
         "cores": os.cpu_count(),
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
@@ -185,7 +199,8 @@ def render_markdown(res: dict) -> str:
         "# nbaccel benchmark results",
         "",
         f"{m.get('date', '')} · {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('ram_gib', '?')} GiB RAM, "
-        f"{m.get('os', '')} · Python {m.get('python', '?')}, torch {m.get('torch', '?')}, nbaccel {m.get('nbaccel', '?')}, "
+        f"{m.get('os', '')} · Python {m.get('python', '?')}, torch {m.get('torch', '?')}, nbaccel {m.get('nbaccel', '?')} "
+        f"(commit {m.get('commit', '?')}), "
         f"accelerate {m.get('accelerate', '–')}, lightning {m.get('lightning', '–')} · 2 processes, backend {m.get('backend', 'gloo')} · "
         f"load average before/after {m.get('load_before')} / {m.get('load_after')} · whole run {res.get('wall_s')} s",
         "",
