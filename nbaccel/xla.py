@@ -5,6 +5,9 @@ torch_xla is never imported when this module is imported: :func:`xla_available` 
 inside the process that trains. :func:`launch_xla` starts the workers through
 ``torch_xla``'s own ``xmp.spawn`` and refuses to run when the XLA runtime was
 already initialised in the kernel (``xmp.spawn`` cannot start workers then).
+With several workers, :mod:`nbaccel.state` joins them in a ``torch.distributed``
+group with torch_xla's ``"xla"`` backend, so DDP and :mod:`nbaccel.ops` need no
+XLA-specific collectives.
 
 Example:
     >>> from nbaccel import xla
@@ -158,54 +161,6 @@ def storage_id(tensor: torch.Tensor) -> int:
     import torch_xla
 
     return int(torch_xla._XLAC._xla_get_tensor_id(tensor))
-
-
-def reduce_gradients(optimizer: Any) -> None:
-    """Average the gradients of ``optimizer``'s parameters across XLA workers.
-
-    Needed only when the model is *not* wrapped in ``DistributedDataParallel``
-    (DDP over the ``"xla"`` process group already averages them).
-    """
-    import torch_xla.core.xla_model as xm
-
-    xm.reduce_gradients(getattr(optimizer, "optimizer", optimizer))
-
-
-def optimizer_step(optimizer: Any, **step_kwargs: Any) -> Any:
-    """Average gradients across workers, step, and cut the graph (one training update)."""
-    import torch_xla.core.xla_model as xm
-
-    result = xm.optimizer_step(optimizer, optimizer_args=step_kwargs)
-    mark_step()
-    return result
-
-
-def rendezvous(tag: str = "nbaccel") -> None:
-    """Barrier across XLA workers (no-op with one)."""
-    import torch_xla.core.xla_model as xm
-
-    xm.rendezvous(tag)
-
-
-def all_gather(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Concatenate every worker's ``tensor`` along ``dim``."""
-    import torch_xla.core.xla_model as xm
-
-    return xm.all_gather(tensor, dim=dim)
-
-
-def all_reduce(tensor: torch.Tensor, op: str = "sum", scale: float = 1.0) -> torch.Tensor:
-    """All-reduce one tensor across workers; ``op`` is "sum", "mean", "min" or "max"."""
-    import torch_xla.core.xla_model as xm
-
-    ops = {"sum": xm.REDUCE_SUM, "mean": xm.REDUCE_SUM, "min": xm.REDUCE_MIN, "max": xm.REDUCE_MAX}
-    if op not in ops:
-        raise ValueError(f"all_reduce(op={op!r}): use one of {sorted(ops)}.")
-    if op == "mean":
-        import torch_xla.runtime as xr
-
-        scale = scale / max(1, int(xr.world_size()))
-    return xm.all_reduce(ops[op], tensor, scale=scale)
 
 
 # ------------------------------------------------------------------ launching
@@ -427,15 +382,10 @@ __all__ = [
     "TPU_ENV_MARKERS",
     "XLA_BACKEND",
     "XlaWorld",
-    "all_gather",
-    "all_reduce",
     "init_process_group_kwargs",
     "is_xla",
     "launch_xla",
     "mark_step",
-    "optimizer_step",
-    "reduce_gradients",
-    "rendezvous",
     "runtime_initialized",
     "storage_id",
     "xla_available",
