@@ -233,14 +233,15 @@ def long_training():
             print(f"training-started-{accelerator.process_index}", flush=True)
         time.sleep(0.01)
 
-notebook_launcher(long_training, num_processes=2)
+notebook_launcher(long_training, num_processes=2, start_method="START_METHOD")
 """
 
 
 @pytest.mark.timeout(120)
-def test_interrupt_during_training_kills_every_worker(kernel):
+@pytest.mark.parametrize("start_method", ["auto", "spawn"])
+def test_interrupt_during_training_kills_every_worker(kernel, start_method):
     with kernel.watch_descendants() as seen:
-        msg_id = kernel.submit(LONG_TRAINING_CELL)
+        msg_id = kernel.submit(LONG_TRAINING_CELL.replace("START_METHOD", start_method))
         kernel.wait_for_output(msg_id, r"training-started-\d", count=2, timeout=60)
         workers = dict(seen)
         interrupted_at = time.monotonic()
