@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import io
 import linecache
 import os
 import pickle
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._wire import HEADER, Channel, dumps
+from ._worker_os import die_with_parent, flush_c_stdio, redirect_output, reset_signals
 
 STACK_SIGNAL = signal.SIGUSR1
 
@@ -118,69 +118,6 @@ def _error_info(exc: BaseException) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ process set-up
-def _redirect_output(spec: WorkerSpec) -> None:
-    """fds 1/2 -> the launcher's pipes; fresh sys.stdout/sys.stderr on them."""
-    old_streams = (sys.stdout, sys.stderr)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    for name, target in (("stdout", 1), ("stderr", 2)):
-        if spec.fds[name] != target:  # spawned workers get the pipes as fds 1/2 already
-            os.dup2(spec.fds[name], target)
-            os.close(spec.fds[name])
-    # These streams live as long as the process, hence no context managers.
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115
-    out = open(1, "wb", buffering=0, closefd=False)  # noqa: SIM115
-    err = open(2, "wb", buffering=0, closefd=False)  # noqa: SIM115
-    sys.stdout = io.TextIOWrapper(out, line_buffering=True, write_through=True)
-    sys.stderr = io.TextIOWrapper(
-        err, line_buffering=True, write_through=True, errors="backslashreplace"
-    )
-    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]
-    # logging handlers created in the kernel still point at the kernel's stream objects
-    import logging
-
-    new = {id(old_streams[0]): sys.stdout, id(old_streams[1]): sys.stderr}
-    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-        for handler in getattr(logger, "handlers", []):
-            stream = getattr(handler, "stream", None)
-            if stream is not None and id(stream) in new:
-                handler.stream = new[id(stream)]
-
-
-def _reset_signals() -> None:
-    """Default handlers (SIGINT raises KeyboardInterrupt); no kernel wakeup fd."""
-    with contextlib.suppress(ValueError, OSError):
-        signal.set_wakeup_fd(-1)
-    for sig in signal.valid_signals():
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        try:
-            handler = signal.getsignal(sig)
-        except (ValueError, OSError):
-            continue
-        if sig == signal.SIGINT:
-            signal.signal(sig, signal.default_int_handler)
-        elif callable(handler):
-            signal.signal(sig, signal.SIG_DFL)
-    for sig in (signal.SIGTERM, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: get SIGKILL when the launching kernel thread dies (no orphans)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def _forget_channel() -> None:
     """In grandchildren (e.g. forked DataLoader workers): the control pipe is not theirs."""
     global _channel
@@ -220,12 +157,12 @@ def _setup(spec: WorkerSpec) -> None:
     if spec.new_session:
         os.setsid()
     if spec.die_with_parent:
-        _die_with_parent(spec.parent_pid)
+        die_with_parent(spec.parent_pid)
     for fd in spec.close_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _reset_signals()
-    _redirect_output(spec)
+    reset_signals()
+    redirect_output(spec.fds["stdout"], spec.fds["stderr"])
     import faulthandler
 
     stack_file = open(spec.fds["stack"], "w", closefd=False)  # noqa: SIM115
@@ -247,14 +184,6 @@ def _ship(value: Any) -> tuple[str, bytes]:
             f"the kernel: {type(err).__name__}: {err}. Return plain data instead: numbers, "
             "tensors, lists/dicts of them, or model.state_dict()."
         ) from err
-
-
-def _flush_c_stdio() -> None:
-    """os._exit skips libc's buffers: flush what C extensions printed."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
 
 
 def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
@@ -307,7 +236,7 @@ def fork_main(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> None:
         with contextlib.suppress(BaseException):
             traceback.print_exc()
     finally:
-        _flush_c_stdio()
+        flush_c_stdio()
         os._exit(code)
 
 

@@ -25,18 +25,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
-import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._bootstrap import WorkerSpec
-from ._output import LineForwarder
+from ._attempt import start_attempt
 from ._preflight import LaunchPlan
-from ._rendezvous import Rendezvous
-from ._spawn import start_workers
 from ._supervise import Stopped, Supervisor
 
 Listener = Callable[[int, str, dict], Any]
@@ -174,76 +170,11 @@ class LaunchHandle:
 
     # ------------------------------------------------------------------ running
     def _start_attempt(self) -> None:
-        cfg = self._plan.config
-        rdzv = Rendezvous.reserve(
-            cfg.master_addr, cfg.master_port, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank
+        self._supervisor = start_attempt(
+            self._plan, self.ranks, self._want, self._streams, self._on_event
         )
-        try:
-            self._start_workers(rdzv)
-        finally:
-            rdzv.close()  # rank 0 owns the listening socket now; the kernel keeps no copy
         if self._stopping.is_set():
-            assert self._supervisor is not None
             self._supervisor.stop_requested.set()
-
-    def _start_workers(self, rdzv: Rendezvous) -> None:
-        plan, cfg = self._plan, self._plan.config
-        if cfg.node_rank != 0:
-            rdzv.check_reachable(cfg.timeout)  # before any worker exists
-        nproc = len(self.ranks)
-        specs = []
-        for local_rank, rank in enumerate(self.ranks):
-            env = {
-                **plan.env,
-                **rdzv.worker_env(),
-                "RANK": str(rank),
-                "WORLD_SIZE": str(plan.world_size),
-                "LOCAL_RANK": str(local_rank),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "GROUP_RANK": str(cfg.node_rank),
-                "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(plan.world_size),
-            }
-            on_main = threading.current_thread() is threading.main_thread()
-            specs.append(
-                WorkerSpec(
-                    rank,
-                    local_rank,
-                    env,
-                    {},
-                    rank in self._want,
-                    plan.threads,
-                    os.getpid(),
-                    new_session=not plan.block,
-                    die_with_parent=on_main,
-                    timeout=cfg.timeout,
-                )
-            )
-        listen_fd = rdzv.listen_fd()
-        if listen_fd is not None:  # global rank 0 hosts the store on the reserved socket
-            specs[0].store_fd, specs[0].store_port = listen_fd, rdzv.port
-            specs[0].store_host = rdzv.store_host()
-        procs = start_workers(
-            specs,
-            plan.method,
-            plan.function,
-            plan.args,
-            plan.payload,
-            close_in_children=(listen_fd,) if listen_fd is not None else (),
-        )
-        callback = plan.output if callable(plan.output) else None
-        info = {r: (lr, cfg.node_rank, plan.world_size) for lr, r in enumerate(self.ranks)}
-        forwarder = LineForwarder(
-            *self._streams, plan.template, callback=callback, rank_info=info, num_processes=nproc
-        )
-        self._supervisor = Supervisor(
-            procs,
-            forwarder,
-            timeout=cfg.timeout,
-            interval=plan.monitor_interval,
-            want=self._want,
-            on_event=self._on_event,
-        )
 
     def _finish(self, ok: bool, value: Any) -> None:
         final = "stopped" if isinstance(value, Stopped) else "terminated"
@@ -275,10 +206,18 @@ class LaunchHandle:
                 self._finish(True, values)
                 return
         except BaseException as err:
+            self.abort()
             if not self._done.is_set():
                 self._finish(False, err)
             if isinstance(err, KeyboardInterrupt) or not self._plan.block:
                 raise
+
+    def abort(self) -> None:
+        """Kill and reap the current workers right now (used when starting is interrupted)."""
+        supervisor = self._supervisor
+        if supervisor is not None:
+            supervisor.terminate()
+            supervisor.close()
 
     def _announce_restart(self, err: BaseException) -> None:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__

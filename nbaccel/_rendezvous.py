@@ -32,7 +32,8 @@ import datetime
 import errno
 import os
 import socket
-from typing import Any
+import time
+from typing import Any, NoReturn
 
 from . import environment
 from .errors import ConfigError, LaunchError
@@ -77,21 +78,40 @@ class Rendezvous:
         return self.addr
 
     def check_reachable(self, timeout: float | None) -> None:
-        """Other nodes: fail clearly when node 0's store does not answer in time."""
+        """Other nodes: fail clearly when node 0's store does not answer in time.
+
+        A plain TCP connect is retried in short rounds (quiet, and an interrupt gets
+        through between them; a long TCPStore connect would block in C++ and log every
+        retry), then torch's own store client confirms that a store answers there.
+        """
         import torch.distributed as dist
 
-        delta = datetime.timedelta(seconds=timeout or DEFAULT_TIMEOUT)
+        seconds = timeout or DEFAULT_TIMEOUT
+        deadline = time.monotonic() + seconds
+        error: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((self.addr, self.port), timeout=1.0):
+                    break
+            except OSError as err:
+                error = err
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        else:
+            self._unreachable(seconds, error)
+        left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
         try:
-            dist.TCPStore(self.addr, self.port, None, False, delta, wait_for_workers=False)
+            dist.TCPStore(self.addr, self.port, None, False, left, wait_for_workers=False)
         except Exception as err:
-            raise LaunchError(
-                f"node {self.node_rank} could not reach the rendezvous at "
-                f"{self.addr}:{self.port} within {delta.total_seconds():g}s "
-                f"({type(err).__name__}: {err}). Fix: run the same launch on node 0 "
-                "(node_rank=0) with the same use_port, check master_addr is node 0's "
-                "address as seen from this machine and that the port is not firewalled, "
-                "or raise timeout=..."
-            ) from None
+            self._unreachable(seconds, err)
+
+    def _unreachable(self, seconds: float, error: Exception | None) -> NoReturn:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0]}" if error else "no answer"
+        raise LaunchError(
+            f"node {self.node_rank} could not reach the rendezvous at {self.addr}:{self.port} "
+            f"within {seconds:g}s ({reason}). Fix: run the same launch on node 0 "
+            "(node_rank=0) with the same use_port, check master_addr is node 0's address as "
+            "seen from this machine and that the port is not firewalled, or raise timeout=..."
+        ) from None
 
     def worker_env(self) -> dict[str, str]:
         """Variables that point the workers' ``env://`` rendezvous at this store."""

@@ -273,7 +273,9 @@ class Supervisor:
                 child.kill()
 
     def close(self) -> None:
-        """Drain what is left of the output briefly, then close every pipe."""
+        """Drain what is left of the output briefly, then close every pipe (idempotent)."""
+        if self._selector.get_map() is None:
+            return
         deadline = time.time() + self.DRAIN
         while self._open and time.time() < deadline:
             self._pump(0.05)

@@ -141,10 +141,14 @@ def notebook_launcher(
     if plan.method == "xla":
         return _run_xla(plan)
     handle = LaunchHandle(plan)
-    handle._start_attempt()
-    if not block:
-        handle._run_in_background()
-        return handle
+    try:
+        handle._start_attempt()
+        if not block:
+            handle._run_in_background()
+            return handle
+    except BaseException:
+        handle.abort()  # an interrupt between starting and supervising leaves no worker
+        raise
     handle._run()
     return handle.result()
 

@@ -182,7 +182,7 @@ def no_workers(monkeypatch):
         raise AssertionError("a worker process was started")
 
     monkeypatch.setattr(_spawn, "start_workers", refuse)
-    monkeypatch.setattr("nbaccel._handle.start_workers", refuse)
+    monkeypatch.setattr("nbaccel._attempt.start_workers", refuse)
     before = _child_pids()
     yield
     assert _child_pids() == before
@@ -546,14 +546,24 @@ def test_block_false_stop_terminates_every_worker():
         handle.result()
 
 
+def env_after_rendezvous():
+    join_group(30)
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return env_of_worker() | {"sum": t.item()}
+
+
 def test_two_nodes_in_one_process():
     port = _free_port()
     node0 = notebook_launcher(
-        env_of_worker, num_processes=1, num_nodes=2, node_rank=0, use_port=port, block=False
+        env_after_rendezvous, num_processes=1, num_nodes=2, node_rank=0, use_port=port, block=False
     )
     node1 = notebook_launcher(
-        env_of_worker, num_processes=1, num_nodes=2, node_rank=1, use_port=port
+        env_after_rendezvous, num_processes=1, num_nodes=2, node_rank=1, use_port=port
     )
+    assert node1["sum"] == 2.0
     rank0 = node0.result(timeout=30)
     assert (rank0["RANK"], rank0["WORLD_SIZE"], rank0["GROUP_RANK"]) == ("0", "2", "0")
     assert (node1["RANK"], node1["WORLD_SIZE"], node1["GROUP_RANK"]) == ("1", "2", "1")
