@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from . import _cudatrace
+from ._failures import WorkerTimeoutError
 from ._handle import LaunchHandle
 from ._preflight import LaunchPlan, plan_launch
 from .config import LaunchConfig
@@ -113,6 +114,8 @@ def notebook_launcher(
         WorkerError: a worker failed. When its exception type can be re-created in
             the kernel, the error is also an instance of that type (``except ValueError``
             works); the message names the rank and carries the remote traceback.
+        WorkerTimeoutError: ranks stopped making progress (see ``timeout``); names the
+            stuck ranks (``err.stuck_ranks``) with every worker's stack (``err.stacks``).
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
     plan = plan_launch(
@@ -216,4 +219,4 @@ def _run_xla(plan: LaunchPlan) -> Any:
     return list(results) if plan.return_all_ranks else results[0]
 
 
-__all__ = ["LaunchHandle", "debug_launcher", "notebook_launcher"]
+__all__ = ["LaunchHandle", "WorkerTimeoutError", "debug_launcher", "notebook_launcher"]
