@@ -120,6 +120,14 @@ def _collectives():
             errors.append(str(err))
     out["errors"] = errors
     out["still_works"] = ops.gather(torch.tensor([rank])).tolist()  # the group is not poisoned
+    # a structure too large for the fixed-size signature header takes the general path
+    wide = ops.gather({f"k{i}": torch.full((1, 1, 1), rank + i) for i in range(20)})
+    out["wide"] = [wide[f"k{i}"].flatten().tolist() for i in (0, 19)]
+    try:  # the general path still detects mismatches
+        ops.gather({f"k{i}": torch.zeros(1, 1, rank + 1) for i in range(20)})
+        out["wide_error"] = None
+    except ValueError as err:
+        out["wide_error"] = str(err)
     return out
 
 
@@ -146,3 +154,5 @@ def test_collectives_on_two_processes():
         assert "shapes differ" in inner
         assert red.startswith("reduce:") and bcast.startswith("broadcast:")
         assert out["still_works"] == [0, 1]
+        assert out["wide"] == [[0, 1], [19, 20]]
+        assert "shapes differ" in out["wide_error"]
