@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._bootstrap import WorkerSpec, fork_main
+from ._forksafe import release_openmp_threads
 from ._wire import HEADER
 from .errors import LaunchError
 
@@ -155,15 +156,25 @@ def start_workers(
 
 
 def _preload_runtime() -> None:
-    """Import the worker-side runtime in the kernel so that forked workers inherit it.
+    """Prepare the kernel so that forked workers inherit a warm, fork-safe runtime.
 
     A training function that imports ``Accelerator`` inside itself would otherwise
     import ``nbaccel.accelerator`` and its modules again in every worker of every
-    launch (tens of ms; far more without bytecode caches). The import has no side
-    effects (no CUDA, no threads); a failure is left for the worker to report.
+    launch (tens of ms; far more without bytecode caches). On a CPU-only torch build
+    ``torch._dynamo`` is imported too: ``DistributedDataParallel`` and the optimizers
+    import it lazily, which costs seconds in every worker of every launch. (On CUDA
+    builds it is left alone: we cannot prove here that the import never touches the
+    CUDA driver, which would make the fork unsafe.) Last, the OpenMP pool is released:
+    a child would otherwise hang in its first multi-threaded op. None of this starts
+    CUDA or threads; a failure is left for the worker to report.
     """
     with contextlib.suppress(Exception):
         from . import accelerator  # noqa: F401
+    torch = sys.modules.get("torch")
+    if torch is not None and not torch.cuda._is_compiled():
+        with contextlib.suppress(Exception):
+            import torch._dynamo
+    release_openmp_threads()
 
 
 def _fork(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:

@@ -435,6 +435,18 @@ def test_threads_per_worker(monkeypatch):
     assert [r[1] for r in results] == ["3", "3"]
 
 
+def two_thread_matmul() -> int:
+    torch.set_num_threads(2)  # a parallel region in the child, as real training has
+    a = torch.randn(256, 256)
+    return int((a @ a).shape[0])
+
+
+def test_fork_after_the_kernel_used_openmp_does_not_hang():
+    a = torch.randn(256, 256)
+    (a @ a).sum()  # the kernel's OpenMP pool is running, as after any notebook cell
+    assert notebook_launcher(two_thread_matmul, num_processes=2, timeout=60) == 256
+
+
 def test_output_is_forwarded_whole_lines_with_prefix():
     out = io.StringIO()
     notebook_launcher(
