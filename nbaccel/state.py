@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import enum
@@ -252,6 +253,11 @@ def _init_process_group(
         )
     try:
         dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
+        # torch aborts at interpreter exit (status 134, about 1 run in 3) when a script
+        # leaves the group open; destroy the group we created. Registered once per process.
+        if _CACHE.get("atexit_pid") != os.getpid():
+            atexit.register(_destroy_group_at_exit)
+            _CACHE["atexit_pid"] = os.getpid()
     except Exception as err:
         seconds = timeout.total_seconds() if timeout is not None else 1800.0
         raise LaunchError(
@@ -262,6 +268,14 @@ def _init_process_group(
             "make sure rank 0 is running and reachable at that address and the port is free "
             "(pass another use_port=...), or raise the timeout (NBACCEL_TIMEOUT=seconds)."
         ) from err
+
+
+def _destroy_group_at_exit() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # at exit there is nobody left to tell
+        pass
 
 
 def _adopted_environment(env: EnvironmentSnapshot) -> EnvironmentSnapshot:
@@ -296,7 +310,10 @@ def current_state() -> ProcessState | None:
 
 def reset_state() -> None:
     """Forget the cached state (call right after fork, and between tests)."""
+    atexit_pid = _CACHE.get("atexit_pid")
     _CACHE.clear()
+    if atexit_pid is not None:
+        _CACHE["atexit_pid"] = atexit_pid
 
 
 def _check_conflict(state: ProcessState, cpu: bool, init_kwargs: Mapping[str, Any]) -> None:

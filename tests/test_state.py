@@ -167,3 +167,27 @@ def test_two_processes_form_one_real_gloo_group():
         assert "conflicts with the running process group" in out["conflict"]
         assert out["adopted"] == (2, rank, "gloo")
         assert out["sum"] == 3.0
+
+
+def _exit_handlers_destroy_the_group() -> tuple[int, bool, bool]:
+    import atexit
+
+    from nbaccel import state
+
+    reset_state()
+    handlers = atexit._ncallbacks()
+    get_state()
+    registered = atexit._ncallbacks() - handlers
+    before = dist.is_initialized()
+    # what the interpreter runs at a script's normal exit (running every exit function
+    # here would also run multiprocessing's, which joins this very worker)
+    state._destroy_group_at_exit()
+    return registered, before, dist.is_initialized()
+
+
+@pytest.mark.integration
+def test_group_created_by_nbaccel_is_destroyed_at_exit():
+    # a group left open at exit makes torch abort (status 134) in some runs of a script
+    assert (
+        run_on_workers(_exit_handlers_destroy_the_group, num_processes=2) == [(1, True, False)] * 2
+    )
