@@ -46,33 +46,32 @@ _EXPORTS: dict[str, str] = {
     "WorkerError": "errors",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [*sorted(_EXPORTS), "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .accelerator import Accelerator
-    from .checkpoint import load_checkpoint_in_model
-    from .config import LaunchConfig
-    from .data import skip_first_batches
-    from .errors import (
-        ConfigError,
-        CUDAInitializedError,
-        LaunchError,
-        NbaccelError,
-        WorkerError,
-    )
-    from .launcher import LaunchHandle, debug_launcher, notebook_launcher
-    from .options import (
-        AutocastKwargs,
-        DataLoaderConfiguration,
-        DistributedDataParallelKwargs,
-        GradScalerKwargs,
-        InitProcessGroupKwargs,
-        ProjectConfiguration,
-    )
-    from .progress import tqdm
-    from .rng import set_seed
-    from .state import DistributedType, ProcessState
-    from .trackers import GeneralTracker
+    from .accelerator import Accelerator as Accelerator
+    from .checkpoint import load_checkpoint_in_model as load_checkpoint_in_model
+    from .config import LaunchConfig as LaunchConfig
+    from .data import skip_first_batches as skip_first_batches
+    from .errors import ConfigError as ConfigError
+    from .errors import CUDAInitializedError as CUDAInitializedError
+    from .errors import LaunchError as LaunchError
+    from .errors import NbaccelError as NbaccelError
+    from .errors import WorkerError as WorkerError
+    from .launcher import LaunchHandle as LaunchHandle
+    from .launcher import debug_launcher as debug_launcher
+    from .launcher import notebook_launcher as notebook_launcher
+    from .options import AutocastKwargs as AutocastKwargs
+    from .options import DataLoaderConfiguration as DataLoaderConfiguration
+    from .options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from .options import GradScalerKwargs as GradScalerKwargs
+    from .options import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from .options import ProjectConfiguration as ProjectConfiguration
+    from .progress import tqdm as tqdm
+    from .rng import set_seed as set_seed
+    from .state import DistributedType as DistributedType
+    from .state import ProcessState as ProcessState
+    from .trackers import GeneralTracker as GeneralTracker
 
 
 def __getattr__(name: str) -> Any:

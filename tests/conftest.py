@@ -6,6 +6,7 @@ process group a test left behind, and fail a test that leaks child processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -54,8 +55,27 @@ def _restore_process_state():
         time.sleep(0.1)
     if leaked:
         for pid in leaked:
-            try:
+            with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
         pytest.fail(f"test left child processes running: {leaked}")
+
+
+# Markers whose tests must really run in the full suite: a skip there (a missing browser,
+# .xla-venv, kernel) would hide that the capability is untested, so it fails instead.
+_REQUIRED_MARKERS = ("browser", "xla", "kernel", "integration")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or os.environ.get("NBACCEL_REQUIRE_ALL") != "1":
+        return
+    required = [m for m in _REQUIRED_MARKERS if item.get_closest_marker(m) is not None]
+    if required:
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.longrepr = (
+            f"NBACCEL_REQUIRE_ALL=1 and this {'/'.join(required)} test was skipped: {reason}. "
+            "Run scripts/setup_browser.sh and scripts/setup_xla.sh (scripts/test.sh does)."
+        )
