@@ -63,6 +63,18 @@ def format_prefix(
         return template
 
 
+def _visible(line: str) -> str:
+    """What a terminal shows of a finished line: the text after its last carriage return.
+
+    A progress bar's final redraw is ``"\\r100%|...|\\n"``; writing the prefix before that
+    ``"\\r"`` would let the redraw overwrite it, so the overwritten parts are dropped here.
+    """
+    if "\r" not in line:
+        return line
+    pieces = [piece for piece in line.split("\r") if piece]
+    return pieces[-1] if pieces else ""
+
+
 class LineForwarder:
     """Thread-safe line assembler and writer for every worker's stdout/stderr.
 
@@ -133,7 +145,7 @@ class LineForwarder:
             buffer = self._buffers.get(key, "") + decoder.decode(data)
             *lines, rest = buffer.split("\n")
             for line in lines:
-                self._emit(rank, stream, line, "\n")
+                self._emit(rank, stream, _visible(line), "\n")
             if "\r" in rest:  # progress bars redraw the line with "\r": show them live
                 done, rest = rest.rsplit("\r", 1)
                 for piece in done.split("\r"):
@@ -148,7 +160,7 @@ class LineForwarder:
             decoder = self._decoders.pop(key, None)
             rest = self._buffers.pop(key, "") + (decoder.decode(b"", final=True) if decoder else "")
             if rest:
-                self._emit(rank, stream, rest, "\n")
+                self._emit(rank, stream, _visible(rest), "\n")
         if self._callback is None:
             target = self._streams.get(stream)
             if target is not None:

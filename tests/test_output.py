@@ -1,0 +1,32 @@
+"""Line assembly of worker output (pure logic; the launcher tests cover real workers)."""
+
+from __future__ import annotations
+
+import io
+
+from nbaccel._output import LineForwarder
+
+
+def _forward(chunks: list[bytes], num_processes: int = 2) -> str:
+    out = io.StringIO()
+    forwarder = LineForwarder(out, io.StringIO(), num_processes=num_processes)
+    for chunk in chunks:
+        forwarder.feed(1, "stdout", chunk)
+    forwarder.close(1, "stdout")
+    return out.getvalue()
+
+
+def test_lines_split_across_reads_are_written_whole_with_the_prefix():
+    assert _forward([b"hel", b"lo\nwor", b"ld\n"]) == "[rank1] hello\n[rank1] world\n"
+
+
+def test_a_progress_bars_final_redraw_keeps_the_prefix():
+    text = _forward([b"\r 50%|##   |", b"\r100%|#####|\n"])
+    # live redraws end in "\r"; the finished line must not start with "\r" after the prefix
+    assert text.endswith("[rank1] 100%|#####|\n")
+    assert "[rank1] \r" not in text
+
+
+def test_unterminated_last_line_is_flushed_on_close_and_one_process_has_no_prefix():
+    assert _forward([b"done\r100%"], num_processes=1).endswith("100%\n")
+    assert _forward([b"\xc3", b"\xa9t\xc3\xa9\n"], num_processes=1) == "été\n"
