@@ -17,7 +17,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _cudatrace
+
 __version__ = "0.1.0"
+
+# Remember where CUDA is first initialised, so that a refused fork can quote the cell and
+# line that did it. This wraps one torch.cuda function (or, when torch is not loaded yet,
+# adds a one-shot import hook for torch.cuda): it imports nothing, initialises no CUDA and
+# starts no thread.
+_cudatrace.install()
 
 # public name -> submodule that defines it (one source of truth for lazy loading)
 _EXPORTS: dict[str, str] = {

@@ -7,7 +7,7 @@ funnels every lazy CUDA initialisation (``.cuda()``, ``torch.zeros(device="cuda"
 that one attribute records the Python stack of the first call that initialised
 CUDA.
 
-:func:`install` is called when :mod:`nbaccel.launcher` is imported. It never
+:func:`install` is called when :mod:`nbaccel` is imported. It never
 imports torch: if ``torch.cuda`` is not imported yet, a one-shot import hook
 wraps it right after it is loaded.
 

@@ -34,15 +34,10 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import _cudatrace
 from ._failures import WorkerTimeoutError
 from ._handle import LaunchHandle
 from ._preflight import LaunchPlan, plan_launch
 from .config import LaunchConfig
-
-# Record where CUDA gets initialised from now on, so that a refused fork can say
-# which line did it. Cheap, and never imports torch (see nbaccel._cudatrace).
-_cudatrace.install()
 
 
 def notebook_launcher(

@@ -65,3 +65,19 @@ def test_import_runtime_modules_initialises_no_cuda_thread_or_logging():
     assert result["threads"] == 0
     assert result["root_handlers_added"] == 0 and result["root_level"] == 30
     assert result["nbaccel_loggers_with_handlers"] == []
+
+
+def test_importing_nbaccel_starts_recording_the_first_cuda_initialisation():
+    # so a refused fork can quote the line that initialised CUDA, whatever the user
+    # imported first; the recorder only wraps torch.cuda._lazy_init, importing nothing
+    code = (
+        "import sys, nbaccel\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torch\n"
+        "print(getattr(torch.cuda._lazy_init, '_nbaccel_cudatrace', False))"
+    )
+    for order in (code, "import torch\n" + code.replace("assert 'torch' not", "assert 'torch'")):
+        out = subprocess.run(
+            [sys.executable, "-c", order], capture_output=True, text=True, timeout=120, check=True
+        )
+        assert out.stdout.strip() == "True"
