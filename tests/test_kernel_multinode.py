@@ -36,6 +36,9 @@ def all_reduce_ranks():
 node_results = notebook_launcher(all_reduce_ranks, num_processes={nproc}, num_nodes=2,
                                  node_rank={node_rank}, master_addr="127.0.0.1",
                                  use_port={port}, return_all_ranks=True)
+# Even with one process per node the work ran in a worker, not in the kernel itself.
+import nbaccel.state
+kernel_untouched = [not torch.distributed.is_initialized(), nbaccel.state.current_state() is None]
 """
 
 LONELY_CELL = """
@@ -98,6 +101,7 @@ def test_two_kernels_form_one_world(nodes, nproc):
     for node_rank, node in enumerate(nodes):
         results = node.evaluate_json("node_results")
         assert isinstance(results, list) and len(results) == nproc, results
+        assert node.evaluate_json("kernel_untouched") == [True, True], "the kernel joined the group"
         for rank, world_size, group_rank, total in results:
             assert world_size == world, results
             assert total == expected_sum, f"all_reduce over {world} ranks gave {total}: {results}"
