@@ -31,6 +31,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _rendezvous
 from ._wire import HEADER, Channel, dumps
 from ._worker_os import die_with_parent, flush_c_stdio, redirect_output, reset_signals
 
@@ -193,11 +194,16 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
     channel.send(("hello", spec.rank, os.getpid(), time.time()))
     code = 0
     store = None
+    world_size = int(spec.env.get("WORLD_SIZE", "1"))
     try:
         if spec.store_fd is not None:
-            from ._rendezvous import host_store
-
-            store = host_store(spec.store_fd, spec.store_host, spec.store_port, spec.timeout)
+            store = _rendezvous.host_store(
+                spec.store_fd, spec.store_host, spec.store_port, spec.timeout
+            )
+        elif world_size > 1 and "MASTER_PORT" in spec.env:
+            store = _rendezvous.connect_exit_client(
+                spec.env["MASTER_ADDR"], int(spec.env["MASTER_PORT"]), spec.timeout
+            )
         _set_threads(spec.threads)
         try:
             value = function(*args)
@@ -214,6 +220,7 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
         except Exception:
             traceback.print_exc()
     finally:
+        _rendezvous.leave(store, is_host=spec.store_fd is not None, world_size=world_size)
         _destroy_process_group()
         del store  # stops rank 0's store server
         for stream in (sys.stdout, sys.stderr):

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import os
@@ -157,6 +158,55 @@ def host_store(fd: int, host: str, port: int, timeout: float | None) -> Any:
     except TypeError:
         os.close(fd)
         return None
+
+
+# How long a finished rank waits for its peers to finish. Only the start-up race needs
+# it (a peer still joining while a fast rank tears its group and store down); a peer
+# that needs this rank for longer has a bug that its own collective will report.
+EXIT_GRACE = 10.0
+_EXITED, _ALL_EXITED = "nbaccel/exited", "nbaccel/all_exited"
+_LEFT, _ALL_LEFT = "nbaccel/left", "nbaccel/all_left"
+
+
+def connect_exit_client(host: str, port: int, timeout: float | None) -> Any:
+    """Worker side (ranks other than 0): a store client for :func:`leave`, or None.
+
+    Connected at start-up, while rank 0's store is certainly up, so that leaving
+    never waits for a store that is already gone.
+    """
+    import torch.distributed as dist
+
+    try:
+        delta = datetime.timedelta(seconds=timeout or DEFAULT_TIMEOUT)
+        return dist.TCPStore(host, port, None, False, delta, wait_for_workers=False)
+    except Exception:  # the rendezvous itself will report an unreachable store
+        return None
+
+
+def _count(store: Any, key: str, done_key: str, total: int) -> None:
+    if store.add(key, 1) == total:
+        store.set(done_key, "1")
+
+
+def leave(store: Any, *, is_host: bool, world_size: int) -> None:
+    """Exit barrier on the launcher's store, run before a worker tears its group down.
+
+    A rank that destroyed its process group (and rank 0, its store) while a slower
+    peer was still joining made that peer fail with "connection closed" or "got 0
+    bytes". So every rank first waits until all have finished (phase 1); then rank 0,
+    which hosts the store, waits until all others have stopped using it (phase 2).
+    Each wait is bounded by :data:`EXIT_GRACE`.
+    """
+    if store is None or world_size < 2:
+        return
+    grace = datetime.timedelta(seconds=EXIT_GRACE)
+    with contextlib.suppress(Exception):
+        _count(store, _EXITED, _ALL_EXITED, world_size)
+        store.wait([_ALL_EXITED], grace)
+        if is_host:
+            store.wait([_ALL_LEFT], grace)
+        else:
+            _count(store, _LEFT, _ALL_LEFT, world_size - 1)
 
 
 def _bind(addr: str, port: int, *, allow_wildcard: bool) -> socket.socket:
