@@ -406,3 +406,24 @@ def test_script_runner_destroys_the_process_group_after_success(cli_env, tmp_pat
     assert out.returncode == 0, out.stderr
     assert f"main: __main__ argv: ['{script}', 'x']" in out.stdout
     assert "alive at exit: False" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "stderr"),
+    [
+        ("import sys\nsys.exit(3)\n", 3, ""),
+        ("import sys\nsys.exit('bad input')\n", 1, "bad input"),
+        ("raise ValueError('boom')\n", 1, "ValueError: boom"),
+    ],
+)
+def test_script_runner_exits_with_the_scripts_own_code(cli_env, tmp_path, body, code, stderr):
+    # the runner leaves through os._exit (no C++ teardown abort), so it must carry the code
+    script = tmp_path / "exits.py"
+    script.write_text("import atexit\natexit.register(lambda: print('handlers ran'))\n" + body)
+    out = subprocess.run(
+        [sys.executable, "-m", "nbaccel.cli._run_script", str(script)],
+        env=cli_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == code, out.stderr
+    assert stderr in out.stderr
+    assert "handlers ran" in out.stdout
