@@ -36,7 +36,7 @@ import torch
 
 from . import ops
 from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value, no_sync
-from .config import normalize_precision
+from .config import normalize_precision, resolve_launch_config
 from .data import PreparedDataLoader, prepare_data_loader, skip_first_batches
 from .errors import ConfigError
 from .options import (
@@ -69,10 +69,6 @@ def _launch_defaults(mixed_precision: Any, steps: Any) -> tuple[str, int]:
     """Fill unset precision / accumulation steps from ``NBACCEL_*`` env and the config file."""
     if mixed_precision is not None and steps is not None:
         return normalize_precision(mixed_precision), steps
-    try:
-        from .config import resolve_launch_config
-    except ImportError:  # pragma: no cover - config.py without the resolver
-        return normalize_precision(mixed_precision), 1 if steps is None else steps
     overrides = {"mixed_precision": mixed_precision, "gradient_accumulation_steps": steps}
     cfg = resolve_launch_config({k: v for k, v in overrides.items() if v is not None})
     return cfg.mixed_precision, cfg.gradient_accumulation_steps
