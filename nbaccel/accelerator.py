@@ -143,15 +143,12 @@ class Accelerator:
             cpu=cpu, init_kwargs=init.to_kwargs() if init else None
         )
         scaler, autocast = handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs)
-        try:
-            self.precision = make_precision(
-                mixed_precision,
-                self.device,
-                scaler_kwargs=scaler.to_kwargs() if scaler else None,
-                autocast_kwargs=autocast.to_kwargs() if autocast else None,
-            )
-        except NotImplementedError as err:
-            raise ConfigError(f"mixed_precision={mixed_precision!r}: {err}") from err
+        self.precision = make_precision(  # unsupported modes raise ConfigError here
+            mixed_precision,
+            self.device,
+            scaler_kwargs=scaler.to_kwargs() if scaler else None,
+            autocast_kwargs=autocast.to_kwargs() if autocast else None,
+        )
         self.mixed_precision: str = mixed_precision
         ddp = handlers.get(DistributedDataParallelKwargs)
         self.ddp_kwargs: dict[str, Any] = ddp.to_kwargs() if ddp else {}
