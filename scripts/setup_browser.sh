@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the browser test (pytest -m browser) needs, idempotently:
 #   - Debian's chromium at /usr/bin/chromium (Playwright never downloads a browser of its own);
-#   - playwright and jupyterlab>=4 into .venv (the `browser` extra in setup.cfg).
+#   - playwright, jupyterlab>=4 and notebook>=7 (the classic Notebook UI) into .venv
+#     (the `browser` extra in setup.cfg).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x /usr/bin/chromium ]; then

@@ -1,6 +1,6 @@
-"""The LaunchPanel in a real browser: JupyterLab on localhost, driven in headless Chromium.
+"""The LaunchPanel in a real browser: JupyterLab and Notebook 7 on localhost, headless Chromium.
 
-Serves JupyterLab (random free port, token, tmp root dir) with a notebook whose
+Serves Jupyter (random free port, token, tmp root dir) with a notebook whose
 cell shows a LaunchPanel, opens it in Debian's /usr/bin/chromium through
 Playwright (never a Playwright-downloaded browser), runs the cell, changes the
 number of processes, clicks Launch, waits for both ranks' output and rank 0's
@@ -8,12 +8,15 @@ progress bar under the cell,
 saves a screenshot to test-artifacts/, then stops the server and checks that no
 process (server, kernel, workers) is left.
 
+The same scenario runs in both faces of the ipywidgets 8 front-end that one
+jupyter_server serves: JupyterLab (/lab/tree/<nb>) and the classic Notebook UI,
+Jupyter Notebook 7 (/notebooks/<nb>).
+
 Needs ``bash scripts/setup_browser.sh``; skipped with the reason otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -23,6 +26,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -44,6 +48,21 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 
+
+class UI(NamedTuple):
+    path: str  # where the notebook opens, relative to the server
+    module: str  # the Python package that serves this UI
+    page_png: str  # full-page screenshot under test-artifacts/
+    panel_png: str  # the panel alone
+
+
+UIS = {
+    "jupyterlab": UI("/lab/tree/panel.ipynb", "jupyterlab", "launch_panel_jupyterlab.png",
+                     "launch_panel.png"),
+    "notebook7": UI("/notebooks/panel.ipynb", "notebook", "notebook7-panel.png",
+                    "notebook7-panel-widget.png"),
+}  # fmt: skip
+
 PANEL_CELL = """\
 from nbaccel.widgets import LaunchPanel
 
@@ -61,13 +80,15 @@ panel
 """
 
 
-def _require_browser() -> None:
+def _require_browser(ui: str) -> None:
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"{CHROMIUM} is missing: run `bash scripts/setup_browser.sh` (Debian chromium)")
     if importlib.util.find_spec("playwright") is None:
         pytest.skip("playwright is not installed: run `bash scripts/setup_browser.sh`")
     if importlib.util.find_spec("jupyterlab") is None:
         pytest.skip("jupyterlab>=4 is not installed: run `bash scripts/setup_browser.sh`")
+    if importlib.util.find_spec(UIS[ui].module) is None:
+        pytest.skip(f"{UIS[ui].module} is not installed: run `bash scripts/setup_browser.sh`")
 
 
 def _write_notebook(path: Path) -> None:
@@ -94,10 +115,41 @@ def _get(url: str, token: str, method: str = "GET", timeout: float = 5) -> int:
         return int(response.status)
 
 
+def _idle_kernels(base: str, token: str) -> int:
+    request = urllib.request.Request(
+        f"{base}/api/kernels", headers={"Authorization": f"token {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        kernels = json.load(response)
+    return sum(kernel.get("execution_state") == "idle" for kernel in kernels)
+
+
+def _wait_for_idle_kernel(page, base: str, token: str, timeout: float = 90) -> None:
+    """Wait until the notebook's kernel runs and is idle, accepting "Select Kernel" if asked.
+
+    The dialog appears only when the notebook's kernel is unknown, and the page may show an
+    idle status before it does; a kernel exists on the server only once one is chosen.
+    """
+    dialog = page.locator(".jp-Dialog .jp-mod-accept")
+    idle = page.locator('.jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status="idle"]')
+    deadline = time.monotonic() + timeout
+    while True:
+        if dialog.count() and dialog.first.is_visible():
+            dialog.first.click()
+        elif idle.count() and _idle_kernels(base, token):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the notebook's kernel was not idle within {timeout:.0f} s")
+        page.wait_for_timeout(200)
+
+
 @pytest.fixture
-def lab(tmp_path):
-    """A JupyterLab server in tmp_path; yields (base_url, token, server process)."""
-    _require_browser()
+def lab(tmp_path, ui):
+    """A Jupyter server (JupyterLab and, when installed, Notebook 7) in tmp_path.
+
+    Yields (base_url, token, server process); ``ui`` is the test's parameter.
+    """
+    _require_browser(ui)
     root = tmp_path / "root"
     root.mkdir()
     _write_notebook(root / "panel.ipynb")
@@ -163,8 +215,8 @@ def _stop_server(base: str, token: str, server: subprocess.Popen) -> None:
         pytest.fail("JupyterLab did not exit within 30 s of /api/shutdown")
 
 
-def test_launch_panel_in_jupyterlab(lab, tmp_path):
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+@pytest.mark.parametrize("ui", list(UIS))
+def test_launch_panel_in_browser(lab, tmp_path, ui):
     from playwright.sync_api import expect, sync_playwright
 
     base, token, server = lab
@@ -180,20 +232,16 @@ def test_launch_panel_in_jupyterlab(lab, tmp_path):
         )
         try:
             page = context.pages[0] if context.pages else context.new_page()
-            page.goto(f"{base}/lab/tree/panel.ipynb?token={token}")
+            page.goto(f"{base}{UIS[ui].path}?token={token}")
             page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
-            # "Select Kernel" appears only when the notebook's kernel is unknown
-            with contextlib.suppress(PlaywrightTimeout):
-                page.locator(".jp-Dialog .jp-mod-accept").click(timeout=5_000)
-            idle = page.locator(
-                '.jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status="idle"]'
-            )
-            idle.first.wait_for(timeout=90_000)
+            _wait_for_idle_kernel(page, base, token)
 
             page.locator(".jp-Cell .jp-InputArea-editor").first.click()
             page.keyboard.press("Shift+Enter")
-            panel = page.locator(".nbaccel-launch-panel")
+            panel = page.locator(".jp-OutputArea-output .nbaccel-launch-panel")
             panel.wait_for(timeout=90_000)
+            # Rendered by the widget manager, not the kernel's text repr "LaunchPanel(train, {...})".
+            expect(page.locator(".jp-OutputArea-output", has_text="LaunchPanel(")).to_have_count(0)
             expect(panel).to_contain_text("Hardware:")
 
             processes = panel.locator(".widget-inline-hbox", has_text="num processes").locator(
@@ -203,6 +251,8 @@ def test_launch_panel_in_jupyterlab(lab, tmp_path):
             processes.fill("2")
             processes.press("Enter")
             launch = panel.get_by_role("button", name="Launch")
+            expect(launch).to_be_visible()
+            expect(panel.get_by_role("button", name="Save as default")).to_be_visible()
             expect(launch).to_be_enabled()
             launch.click()
 
@@ -212,8 +262,8 @@ def test_launch_panel_in_jupyterlab(lab, tmp_path):
             expect(output).to_contain_text("steps: 100%")  # rank 0 draws the progress bar
             expect(panel).to_contain_text("Finished", timeout=30_000)
             panel.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "launch_panel_jupyterlab.png"), full_page=True)
-            panel.screenshot(path=str(ARTIFACTS / "launch_panel.png"))
+            page.screenshot(path=str(ARTIFACTS / UIS[ui].page_png), full_page=True)
+            panel.screenshot(path=str(ARTIFACTS / UIS[ui].panel_png))
         finally:
             context.close()
 
@@ -229,4 +279,4 @@ def test_launch_panel_in_jupyterlab(lab, tmp_path):
             pass
     assert not leftovers, f"processes left after JupyterLab stopped: {leftovers}"
     assert server.returncode is not None
-    print(f"browser test body took {time.monotonic() - started:.1f}s")
+    print(f"browser test body ({ui}) took {time.monotonic() - started:.1f}s")
