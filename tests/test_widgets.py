@@ -174,6 +174,34 @@ def test_save_as_default_button(tmp_path):
     assert "Saved to" in panel.status.value
 
 
+class FakeHandle:
+    """What the panel needs of a LaunchHandle: events for the live view, then the result."""
+
+    def __init__(self) -> None:
+        self.listeners: list = []
+        self.ranks = {0: {"state": "running", "step": 0, "scalars": {}}}
+
+    def add_listener(self, callback):
+        self.listeners.append(callback)
+        return callback
+
+    def remove_listener(self, callback):
+        self.listeners.remove(callback)
+
+    def status(self):
+        return {rank: dict(entry) for rank, entry in self.ranks.items()}
+
+    def result(self, timeout=None):
+        # a worker logs while the panel waits, then finishes
+        self.ranks[0] = {"state": "running", "step": 3, "scalars": {"loss": 0.5}}
+        for callback in list(self.listeners):
+            callback(0, "log", {"step": 3, "values": {"loss": 0.5}})
+        self.ranks[0] = dict(self.ranks[0], state="finished")
+        for callback in list(self.listeners):
+            callback(0, "state", {"state": "finished"})
+        return "result"
+
+
 def test_launch_button_calls_the_launcher_with_the_panels_config(monkeypatch):
     import nbaccel.launcher
 
@@ -182,7 +210,7 @@ def test_launch_button_calls_the_launcher_with_the_panels_config(monkeypatch):
     def fake_launcher(function, args=(), **kwargs):
         calls.append((function, args, kwargs))
         print("fake run")
-        return "result"
+        return FakeHandle()
 
     monkeypatch.setattr(nbaccel.launcher, "notebook_launcher", fake_launcher)
     panel = LaunchPanel(train, args=(7,), hardware=CPU, launcher_kwargs={"return_all_ranks": True})
@@ -194,11 +222,15 @@ def test_launch_button_calls_the_launcher_with_the_panels_config(monkeypatch):
     assert kwargs["config"] == panel.config
     assert kwargs["return_all_ranks"] is True
     assert kwargs["output"] is panel.sink  # worker lines go to the panel's output area
+    # started in the background so the live view follows it, then waited for
+    assert kwargs["block"] is False
     assert panel.result == "result" and "Finished" in panel.status.value
+    assert panel.monitor.widget in panel.children
+    assert "loss" in panel.monitor.text() and "finished" in panel.monitor.text()
     assert not panel.launch_button.disabled
     assert panel.launch() == "result" and len(calls) == 2
-    panel.launch(block=False)  # the launcher would return a LaunchHandle
-    assert calls[-1][2]["block"] is False and "background" in panel.status.value
+    handle = panel.launch(block=False)  # returns the LaunchHandle at once
+    assert isinstance(handle, FakeHandle) and "background" in panel.status.value
 
 
 def test_launch_failure_is_shown_in_the_output_area(monkeypatch):

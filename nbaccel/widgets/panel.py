@@ -42,6 +42,7 @@ from ..config import (
 )
 from ..errors import ConfigError
 from ..hardware import Hardware, default_num_processes, detect_hardware
+from ..monitor import RunMonitor
 
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
 _INT_MAXIMUMS = {"master_port": MAX_PORT}  # others: effectively unbounded, kept sane for typing
@@ -164,6 +165,9 @@ class LaunchPanel(widgets.VBox):
             layout=widgets.Layout(border="1px solid #ddd", min_height="2em", padding="4px")
         )
         self.sink = OutputSink(self.output)
+        # the live per-rank view (state, step, latest logged scalars, rank 0's progress),
+        # the same component as nbaccel.monitor.watch(handle) in a plain cell
+        self.monitor = RunMonitor(widget=True, stream=None)
         self.launch_button.on_click(lambda _button: self._on_launch_click())
         self.save_button.on_click(lambda _button: self._on_save_click())
         for control in self.controls.values():
@@ -176,6 +180,7 @@ class LaunchPanel(widgets.VBox):
                 ),
                 *self.rows.values(),
                 widgets.HBox([self.launch_button, self.save_button, self.status]),
+                self.monitor.widget,
                 self.output,
             ]
         )
@@ -290,12 +295,25 @@ class LaunchPanel(widgets.VBox):
             **self.launcher_kwargs,
             **kwargs,
         }
+        # Always start in the background so the live view can follow the run; a blocking
+        # launch (the default) then waits here, as notebook_launcher(block=True) would.
+        block = bool(options.pop("block", True))
         try:
-            # Output printed by the kernel itself (one-process runs, warnings) lands here too.
+            # Output printed by the kernel itself (warnings, errors) lands here too.
             with self.output:
-                self.result = launcher.notebook_launcher(
-                    self.training_function, self.args, config=cfg, **options
+                handle = launcher.notebook_launcher(
+                    self.training_function, self.args, config=cfg, block=False, **options
                 )
+            self.monitor.attach(handle)
+            if not block:
+                self.result = handle
+                self.status.value = "Started; running in the background."
+                return handle
+            try:
+                self.result = handle.result()
+            except KeyboardInterrupt:  # the interrupt button: stop every worker, then raise
+                handle.stop()
+                raise
         except BaseException as err:
             self.status.value = (
                 f"<span style='color:#c62828'>Failed: {html.escape(type(err).__name__)}</span>"
@@ -303,9 +321,7 @@ class LaunchPanel(widgets.VBox):
             raise
         finally:
             self._refresh()
-        # block=False: the launcher returned a LaunchHandle and the workers are still running.
-        background = not options.get("block", True)
-        self.status.value = "Started; running in the background." if background else "Finished."
+        self.status.value = "Finished."
         return self.result
 
     def _on_launch_click(self) -> None:
