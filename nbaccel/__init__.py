@@ -17,36 +17,35 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _cudatrace
-
-__version__ = "0.1.0"
+from ._version import __version__
+from .platform import cudatrace
 
 # Remember where CUDA is first initialised, so that a refused fork can quote the cell and
 # line that did it. This wraps one torch.cuda function (or, when torch is not loaded yet,
 # adds a one-shot import hook for torch.cuda): it imports nothing, initialises no CUDA and
 # starts no thread.
-_cudatrace.install()
+cudatrace.install()
 
 # public name -> submodule that defines it (one source of truth for lazy loading)
 _EXPORTS: dict[str, str] = {
-    "Accelerator": "accelerator",
-    "notebook_launcher": "launcher",
-    "debug_launcher": "launcher",
-    "LaunchHandle": "launcher",
-    "DistributedType": "state",
-    "ProcessState": "state",
+    "Accelerator": "runtime.accelerator",
+    "notebook_launcher": "launch.launcher",
+    "debug_launcher": "launch.launcher",
+    "LaunchHandle": "launch.launcher",
+    "DistributedType": "runtime.state",
+    "ProcessState": "runtime.state",
     "LaunchConfig": "config",
-    "AutocastKwargs": "options",
-    "DataLoaderConfiguration": "options",
-    "DistributedDataParallelKwargs": "options",
-    "GradScalerKwargs": "options",
-    "InitProcessGroupKwargs": "options",
-    "ProjectConfiguration": "options",
-    "set_seed": "rng",
-    "skip_first_batches": "data",
-    "load_checkpoint_in_model": "checkpoint",
-    "tqdm": "progress",
-    "GeneralTracker": "trackers",
+    "AutocastKwargs": "runtime.options",
+    "DataLoaderConfiguration": "runtime.options",
+    "DistributedDataParallelKwargs": "runtime.options",
+    "GradScalerKwargs": "runtime.options",
+    "InitProcessGroupKwargs": "runtime.options",
+    "ProjectConfiguration": "runtime.options",
+    "set_seed": "runtime.rng",
+    "skip_first_batches": "runtime.data",
+    "load_checkpoint_in_model": "runtime.model_io",
+    "tqdm": "tracking.progress",
+    "GeneralTracker": "tracking.base",
     "NbaccelError": "errors",
     "ConfigError": "errors",
     "LaunchError": "errors",
@@ -57,29 +56,29 @@ _EXPORTS: dict[str, str] = {
 __all__ = [*sorted(_EXPORTS), "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .accelerator import Accelerator as Accelerator
-    from .checkpoint import load_checkpoint_in_model as load_checkpoint_in_model
     from .config import LaunchConfig as LaunchConfig
-    from .data import skip_first_batches as skip_first_batches
     from .errors import ConfigError as ConfigError
     from .errors import CUDAInitializedError as CUDAInitializedError
     from .errors import LaunchError as LaunchError
     from .errors import NbaccelError as NbaccelError
     from .errors import WorkerError as WorkerError
-    from .launcher import LaunchHandle as LaunchHandle
-    from .launcher import debug_launcher as debug_launcher
-    from .launcher import notebook_launcher as notebook_launcher
-    from .options import AutocastKwargs as AutocastKwargs
-    from .options import DataLoaderConfiguration as DataLoaderConfiguration
-    from .options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
-    from .options import GradScalerKwargs as GradScalerKwargs
-    from .options import InitProcessGroupKwargs as InitProcessGroupKwargs
-    from .options import ProjectConfiguration as ProjectConfiguration
-    from .progress import tqdm as tqdm
-    from .rng import set_seed as set_seed
-    from .state import DistributedType as DistributedType
-    from .state import ProcessState as ProcessState
-    from .trackers import GeneralTracker as GeneralTracker
+    from .launch.launcher import LaunchHandle as LaunchHandle
+    from .launch.launcher import debug_launcher as debug_launcher
+    from .launch.launcher import notebook_launcher as notebook_launcher
+    from .runtime.accelerator import Accelerator as Accelerator
+    from .runtime.data import skip_first_batches as skip_first_batches
+    from .runtime.model_io import load_checkpoint_in_model as load_checkpoint_in_model
+    from .runtime.options import AutocastKwargs as AutocastKwargs
+    from .runtime.options import DataLoaderConfiguration as DataLoaderConfiguration
+    from .runtime.options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from .runtime.options import GradScalerKwargs as GradScalerKwargs
+    from .runtime.options import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from .runtime.options import ProjectConfiguration as ProjectConfiguration
+    from .runtime.rng import set_seed as set_seed
+    from .runtime.state import DistributedType as DistributedType
+    from .runtime.state import ProcessState as ProcessState
+    from .tracking.base import GeneralTracker as GeneralTracker
+    from .tracking.progress import tqdm as tqdm
 
 
 def __getattr__(name: str) -> Any:

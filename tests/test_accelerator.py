@@ -19,8 +19,8 @@ from nbaccel import (
     InitProcessGroupKwargs,
 )
 from nbaccel.errors import ConfigError
-from nbaccel.state import reset_state
-from nbaccel.testing import run_on_workers
+from nbaccel.launch.testing import run_on_workers
+from nbaccel.runtime.state import reset_state
 
 
 @pytest.fixture(autouse=True)

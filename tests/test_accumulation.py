@@ -7,14 +7,14 @@ import torch
 import torch._dynamo  # optimizers import it lazily (~3 s): once here, not in every forked worker
 from torch.utils.data import DataLoader, TensorDataset
 
-from nbaccel.testing import run_on_workers
+from nbaccel.launch.testing import run_on_workers
 
 pytestmark = pytest.mark.integration
 
 
 def _accelerator(**kwargs):
     from nbaccel import Accelerator
-    from nbaccel.state import reset_state
+    from nbaccel.runtime.state import reset_state
 
     reset_state()
     return Accelerator(cpu=True, **kwargs)

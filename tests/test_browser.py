@@ -31,7 +31,7 @@ from typing import NamedTuple
 import psutil
 import pytest
 
-from nbaccel.testing import find_free_port
+from nbaccel.launch.testing import find_free_port
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

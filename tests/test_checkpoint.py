@@ -19,17 +19,17 @@ import torch
 import torch._dynamo  # optimizers import it lazily (~3 s): once here, not in every forked worker
 from torch.utils.data import DataLoader, TensorDataset
 
-from nbaccel.checkpoint import MANIFEST
 from nbaccel.errors import ConfigError, WorkerError
-from nbaccel.options import ProjectConfiguration
-from nbaccel.testing import run_on_workers
+from nbaccel.launch.testing import run_on_workers
+from nbaccel.runtime.checkpointing import MANIFEST
+from nbaccel.runtime.options import ProjectConfiguration
 
 pytestmark = pytest.mark.integration
 
 
 def _accelerator(**kwargs):
     from nbaccel import Accelerator
-    from nbaccel.state import reset_state
+    from nbaccel.runtime.state import reset_state
 
     reset_state()
     return Accelerator(cpu=True, **kwargs)
@@ -189,7 +189,7 @@ def _save_and_get_killed(root, ready):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
     torch.set_num_threads(1)  # a fresh OpenMP pool, as run_on_workers does
-    import nbaccel.checkpoint as checkpoint
+    import nbaccel.runtime.checkpointing as checkpoint
 
     acc, model, optimizer, scheduler, loader = _build(0, project_config=_auto(root))
     batches = _stream(loader)
@@ -212,7 +212,7 @@ def _save_and_get_killed(root, ready):
 
 
 def _after_kill_worker(root, leftover):
-    from nbaccel.checkpoint import CheckpointError
+    from nbaccel.runtime.checkpointing import CheckpointError
 
     acc, *_ = _build(0, project_config=_auto(root))
     loaded = Path(acc.load_state()).name
@@ -312,7 +312,7 @@ def test_total_limit_zero_is_rejected():
 
 
 def _bad_inputs_worker(root):
-    from nbaccel.checkpoint import CheckpointError
+    from nbaccel.runtime.checkpointing import CheckpointError
 
     acc, *_ = _build(0)
     errors = {}
@@ -359,7 +359,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
 
 
 def _unsafe_worker(root):
-    from nbaccel.checkpoint import CheckpointError
+    from nbaccel.runtime.checkpointing import CheckpointError
 
     acc = _accelerator()
     acc.register_for_checkpointing(Pickles())

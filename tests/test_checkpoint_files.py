@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nbaccel import load_checkpoint_in_model
-from nbaccel._weights_io import CheckpointError, parse_size, read_weights, save_model_files
-from nbaccel.checkpoint import MANIFEST, latest_checkpoint, read_manifest
+from nbaccel.checkpoint.weights import CheckpointError, parse_size, read_weights, save_model_files
 from nbaccel.errors import ConfigError
+from nbaccel.runtime.checkpointing import MANIFEST, latest_checkpoint, read_manifest
 
 
 class Tied(torch.nn.Module):

@@ -393,7 +393,7 @@ def test_script_runner_destroys_the_process_group_after_success(cli_env, tmp_pat
     script.write_text(
         "import atexit, sys\n"
         "import torch.distributed as dist\n"
-        "from nbaccel.testing import find_free_port\n"
+        "from nbaccel.launch.testing import find_free_port\n"
         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{find_free_port()}',\n"
         "                        rank=0, world_size=1)\n"
         "atexit.register(lambda: print('alive at exit:', dist.is_initialized()))\n"

@@ -29,7 +29,7 @@ from nbaccel.config import (
     save_config,
     write_basic_config,
 )
-from nbaccel.config_file import RENAMED_KEYS
+from nbaccel.config.file import RENAMED_KEYS
 from nbaccel.errors import ConfigError
 
 # ------------------------------------------------------------------------ validation
@@ -125,7 +125,7 @@ def test_yaml_round_trip(tmp_path):
 
 def test_save_is_atomic_and_leaves_no_temp_files(tmp_path, monkeypatch):
     path = save_config(LaunchConfig(num_processes=2), tmp_path / "c.yaml")
-    import nbaccel.config_file as cf
+    import nbaccel.config.file as cf
 
     def boom(*args, **kwargs):
         raise OSError("disk full")

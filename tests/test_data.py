@@ -1,4 +1,4 @@
-"""nbaccel.data: sharding any (batch) sampler, even batches, shuffles, resume; real 2-process runs."""
+"""nbaccel.runtime.data: sharding any (batch) sampler, even batches, shuffles, resume; real 2-process runs."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from nbaccel.data import (
+from nbaccel.errors import ConfigError
+from nbaccel.launch.testing import run_on_workers
+from nbaccel.runtime.data import (
     BatchSamplerShard,
     IterableDatasetShard,
     prepare_data_loader,
     skip_first_batches,
 )
-from nbaccel.errors import ConfigError
-from nbaccel.testing import run_on_workers
 
 
 def _ranks(batch_sampler, p, **kw):
@@ -292,7 +292,7 @@ def _loader_for(n, bs, shuffle, drop_last, kind):
 
 def _shard_everything():
     from nbaccel import Accelerator
-    from nbaccel.state import reset_state
+    from nbaccel.runtime.state import reset_state
 
     reset_state()
     out = []

@@ -1,4 +1,4 @@
-"""nbaccel.environment: pure detection, no CUDA/XLA initialisation, no torch import."""
+"""nbaccel.platform.environment: pure detection, no CUDA/XLA initialisation, no torch import."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from nbaccel import environment
+from nbaccel.platform import environment
 
 
 def _run(code: str) -> str:
@@ -29,7 +29,7 @@ def test_detection_does_not_import_torch_or_touch_cuda():
     out = _run(
         """
         import sys
-        import nbaccel.launcher, nbaccel.environment as env
+        import nbaccel.launcher, nbaccel.platform.environment as env
         print(env.cuda_initialized(), env.in_notebook(), "torch" in sys.modules)
         env.gpu_count()  # may import torch, must not initialise CUDA
         import torch

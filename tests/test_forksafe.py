@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbaccel._forksafe import release_openmp_threads
-from nbaccel.testing import run_on_workers
+from nbaccel.launch.testing import run_on_workers
+from nbaccel.platform.forksafe import release_openmp_threads
 
 
 def _two_thread_matmul() -> int:

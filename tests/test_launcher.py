@@ -24,9 +24,11 @@ import pytest
 import torch
 
 import nbaccel
-from nbaccel import LaunchHandle, _cudatrace, _preflight, _spawn, debug_launcher, notebook_launcher
-from nbaccel._failures import Failure, WorkerTimeoutError, pick_failure
+from nbaccel import LaunchHandle, debug_launcher, notebook_launcher
 from nbaccel.errors import CUDAInitializedError, LaunchError, WorkerError
+from nbaccel.launch import _preflight, _spawn
+from nbaccel.launch._failures import Failure, WorkerTimeoutError, pick_failure
+from nbaccel.platform import cudatrace as _cudatrace
 
 pytestmark = pytest.mark.integration
 ENV_KEYS = (
@@ -129,7 +131,7 @@ def returns_generator():
 
 
 def publish_steps(steps, delay):
-    from nbaccel._bootstrap import publish
+    from nbaccel.tracking.events import publish
 
     for step in range(steps):
         publish("log", step=step, values={"loss": 1.0 / (step + 1)})
@@ -157,7 +159,7 @@ def fails_first_time(marker):
 
 
 def world_size_from_state():
-    from nbaccel.state import get_state
+    from nbaccel.runtime.state import get_state
 
     state = get_state()
     return state.world_size, state.device.type, os.environ.get("NBACCEL_USE_CPU")
@@ -182,7 +184,7 @@ def no_workers(monkeypatch):
         raise AssertionError("a worker process was started")
 
     monkeypatch.setattr(_spawn, "start_workers", refuse)
-    monkeypatch.setattr("nbaccel._attempt.start_workers", refuse)
+    monkeypatch.setattr("nbaccel.launch._attempt.start_workers", refuse)
     before = _child_pids()
     yield
     assert _child_pids() == before
@@ -348,7 +350,7 @@ def test_a_call_result_is_not_a_function(no_workers, function):
 
 
 def test_accelerator_already_in_kernel_is_refused(no_workers):
-    from nbaccel import state
+    from nbaccel.runtime import state
 
     state.reset_state()
     state.get_state(cpu=True)
@@ -427,7 +429,7 @@ def test_first_cuda_init_is_recorded(monkeypatch):
 # ---------------------------------------------------------------- while it runs
 def test_threads_per_worker(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    expected = max(1, nbaccel.environment.cpu_count() // 2)
+    expected = max(1, nbaccel.platform.environment.cpu_count() // 2)
     results = notebook_launcher(threads_of_worker, num_processes=2, return_all_ranks=True)
     assert results == [(expected, str(expected))] * 2
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins

@@ -1,4 +1,4 @@
-"""nbaccel.ops: structure handling in one process, collectives over a real 2-process group."""
+"""nbaccel.runtime.ops: structure handling in one process, collectives over a real 2-process group."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections import namedtuple
 import pytest
 import torch
 
-from nbaccel import ops
-from nbaccel.state import get_state, reset_state
-from nbaccel.testing import run_on_workers
+from nbaccel.launch.testing import run_on_workers
+from nbaccel.runtime import ops
+from nbaccel.runtime.state import get_state, reset_state
 
 Pair = namedtuple("Pair", ["x", "y"])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from nbaccel._output import LineForwarder
+from nbaccel.launch._output import LineForwarder
 
 
 def _forward(chunks: list[bytes], num_processes: int = 2) -> str:

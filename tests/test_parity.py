@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from nbaccel.state import reset_state
-from nbaccel.testing import run_on_workers
+from nbaccel.launch.testing import run_on_workers
+from nbaccel.runtime.state import reset_state
 
 
 def _train(batch_size, split_batches=False, accumulation=1):

@@ -1,4 +1,4 @@
-"""Precision modes: unit tests of nbaccel.precision, then Accelerator-level training.
+"""Precision modes: unit tests of nbaccel.runtime.precision, then Accelerator-level training.
 
 The Accelerator-level tests run real 1- and 2-process gloo groups on CPU.
 """
@@ -10,7 +10,7 @@ import torch
 import torch._dynamo  # optimizers import it lazily (~3 s): once here, not in every forked worker
 
 from nbaccel.errors import ConfigError
-from nbaccel.precision import FullPrecision, make_precision
+from nbaccel.runtime.precision import FullPrecision, make_precision
 
 CPU = torch.device("cpu")
 
@@ -148,7 +148,7 @@ def test_fp16_disabled_scaler_steps_plainly():
 
 def _accelerator(**kwargs):
     from nbaccel import Accelerator
-    from nbaccel.state import reset_state
+    from nbaccel.runtime.state import reset_state
 
     reset_state()
     return Accelerator(cpu=True, **kwargs)
@@ -186,7 +186,7 @@ def _bf16_worker():
 @pytest.mark.integration
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_bf16_training_step_on_cpu_and_the_loss_decreases(num_processes):
-    from nbaccel.testing import run_on_workers
+    from nbaccel.launch.testing import run_on_workers
 
     for losses, dtypes, inner in run_on_workers(_bf16_worker, num_processes):
         assert dtypes == {torch.float32}  # outputs come back in float32
@@ -196,7 +196,7 @@ def test_bf16_training_step_on_cpu_and_the_loss_decreases(num_processes):
 
 
 def _fp16_overflow_worker():
-    from nbaccel.options import GradScalerKwargs
+    from nbaccel.runtime.options import GradScalerKwargs
 
     acc = _accelerator(
         mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)]
@@ -237,7 +237,7 @@ def _fp16_overflow_worker():
 
 @pytest.mark.integration
 def test_fp16_overflow_skips_the_step_and_keeps_the_scheduler_still():
-    from nbaccel.testing import run_on_workers
+    from nbaccel.launch.testing import run_on_workers
 
     for clean, poisoned, after in run_on_workers(_fp16_overflow_worker, 2):
         assert not clean["skipped"] and clean["changed"] and clean["step"] == 1
@@ -278,7 +278,7 @@ def _accelerator_precision_errors():
 
 @pytest.mark.integration
 def test_accelerator_rejects_unknown_and_unavailable_precisions():
-    from nbaccel.testing import run_on_workers
+    from nbaccel.launch.testing import run_on_workers
 
     (errors,) = run_on_workers(_accelerator_precision_errors, 1)
     assert "mixed_precision='int8' is unknown" in errors["int8"]

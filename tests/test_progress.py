@@ -6,12 +6,11 @@ import io
 import subprocess
 import sys
 import textwrap
-import types
 
 import pytest
 
 import nbaccel
-from nbaccel import progress
+from nbaccel.tracking import progress
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -64,18 +63,16 @@ def test_public_names_and_old_positional_flag(monkeypatch):
     assert list(progress.trange(1, 4, file=io.StringIO())) == [1, 2, 3]
 
 
-def test_redraws_are_published_for_the_live_view(monkeypatch):
+def test_redraws_are_published_for_the_live_view(monkeypatch, request):
     events = []
 
     def publish(kind, **data):
         events.append((kind, data))
 
-    try:
-        from nbaccel import _bootstrap
-    except ImportError:  # launcher not built yet: a stand-in module with the same function
-        _bootstrap = types.ModuleType("nbaccel._bootstrap")
-        monkeypatch.setitem(sys.modules, "nbaccel._bootstrap", _bootstrap)
-    monkeypatch.setattr(_bootstrap, "publish", publish, raising=False)
+    from nbaccel.tracking import events as channel
+
+    channel.install_sink(lambda kind, data: publish(kind, **data))
+    request.addfinalizer(lambda: channel.install_sink(None))
     monkeypatch.setattr(progress, "_rank", lambda: 0)
 
     for _ in progress.tqdm(range(4), desc="epoch", file=io.StringIO(), mininterval=0):
@@ -104,7 +101,7 @@ def test_kernel_bar_is_a_widget_and_forked_child_falls_back_to_text(tmp_path):
             textwrap.dedent(
                 """
                 import io, multiprocessing as mp
-                from nbaccel import progress
+                from nbaccel.tracking import progress
                 ctx = mp.get_context("fork")
                 q = ctx.SimpleQueue()
                 def child():

@@ -1,4 +1,4 @@
-"""nbaccel.state: environment parsing, device/backend choice, the cached process group."""
+"""nbaccel.runtime.state: environment parsing, device/backend choice, the cached process group."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from nbaccel.errors import ConfigError, LaunchError
-from nbaccel.state import (
+from nbaccel.launch.testing import find_free_port, run_on_workers
+from nbaccel.runtime.state import (
     DistributedType,
     ProcessState,
     current_state,
@@ -19,7 +20,6 @@ from nbaccel.state import (
     read_environment,
     reset_state,
 )
-from nbaccel.testing import find_free_port, run_on_workers
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 
@@ -172,7 +172,7 @@ def test_two_processes_form_one_real_gloo_group():
 def _exit_handlers_destroy_the_group() -> tuple[int, bool, bool]:
     import atexit
 
-    from nbaccel import state
+    from nbaccel.runtime import state
 
     reset_state()
     handlers = atexit._ncallbacks()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nbaccel.errors import ConfigError
-from nbaccel.trackers import (
+from nbaccel.tracking.trackers import (
     CSVTracker,
     GeneralTracker,
     JSONLTracker,
@@ -246,7 +246,7 @@ def _log_on_two_ranks(logdir: str) -> dict:
 @pytest.mark.integration
 def test_accelerator_trackers_write_on_the_main_process_only(tmp_path):
     pytest.importorskip("tensorboard")
-    from nbaccel.testing import run_on_workers
+    from nbaccel.launch.testing import run_on_workers
 
     results = run_on_workers(_log_on_two_ranks, num_processes=2, args=(str(tmp_path),))
     assert results[0] == {"writer": "SummaryWriter", "bar_disabled": False}

@@ -24,7 +24,7 @@ from nbaccel.config import (
     save_config,
 )
 from nbaccel.errors import ConfigError
-from nbaccel.hardware import Hardware
+from nbaccel.platform.hardware import Hardware
 from nbaccel.widgets import LaunchPanel
 
 CPU = Hardware("cpu", 4, (), 4)
@@ -203,7 +203,7 @@ class FakeHandle:
 
 
 def test_launch_button_calls_the_launcher_with_the_panels_config(monkeypatch):
-    import nbaccel.launcher
+    import nbaccel.launch.launcher
 
     calls = []
 
@@ -212,7 +212,7 @@ def test_launch_button_calls_the_launcher_with_the_panels_config(monkeypatch):
         print("fake run")
         return FakeHandle()
 
-    monkeypatch.setattr(nbaccel.launcher, "notebook_launcher", fake_launcher)
+    monkeypatch.setattr(nbaccel.launch.launcher, "notebook_launcher", fake_launcher)
     panel = LaunchPanel(train, args=(7,), hardware=CPU, launcher_kwargs={"return_all_ranks": True})
     panel.controls["num_processes"].value = 2
     panel.controls["compute_device"].value = "cpu"
@@ -234,12 +234,12 @@ def test_launch_button_calls_the_launcher_with_the_panels_config(monkeypatch):
 
 
 def test_launch_failure_is_shown_in_the_output_area(monkeypatch):
-    import nbaccel.launcher
+    import nbaccel.launch.launcher
 
     def failing_launcher(function, args=(), **kwargs):
         raise RuntimeError("workers exploded")
 
-    monkeypatch.setattr(nbaccel.launcher, "notebook_launcher", failing_launcher)
+    monkeypatch.setattr(nbaccel.launch.launcher, "notebook_launcher", failing_launcher)
     panel = LaunchPanel(train, hardware=CPU)
     panel.launch_button.click()  # must not raise into the front-end
     assert "Failed" in panel.status.value
@@ -263,7 +263,7 @@ def test_real_two_process_cpu_launch():
 def test_output_sink_redraws_carriage_returns_and_trims():
     import ipywidgets
 
-    from nbaccel.widgets.panel import OutputSink
+    from nbaccel.ui.panel import OutputSink
 
     out = ipywidgets.Output()
     sink = OutputSink(out, max_lines=3)

@@ -1,6 +1,6 @@
 """The torch_xla (TPU) path.
 
-Unit tests of :mod:`nbaccel.xla` run here, without torch_xla. The tests marked
+Unit tests of :mod:`nbaccel.platform.xla`, :mod:`nbaccel.runtime.xla` and :mod:`nbaccel.launch._xla` run here, without torch_xla. The tests marked
 ``xla`` run ``tests/xla_scenarios.py`` in the separate environment ``.xla-venv``
 (torch 2.9.0 + torch_xla 2.9.0, made by ``scripts/setup_xla.sh``) with
 ``PJRT_DEVICE=CPU``: ``notebook_launcher`` trains through the ``Accelerator`` on
@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 
-from nbaccel import xla
 from nbaccel.errors import LaunchError
+from nbaccel.launch import _xla as xla_launch
+from nbaccel.platform import xla
+from nbaccel.runtime import xla as xla_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 XLA_PYTHON = ROOT / ".xla-venv" / "bin" / "python"
@@ -53,9 +55,9 @@ def test_nothing_is_requested_without_torch_xla(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_launch_without_torch_xla_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(xla, "xla_available", lambda: False)
+    monkeypatch.setattr(xla_launch, "xla_available", lambda: False)
     with pytest.raises(LaunchError, match="torch_xla is not installed"):
-        xla.launch_xla(print, (), 1, {})
+        xla_launch.launch_xla(print, (), 1, {})
 
 
 def test_helpers_do_nothing_when_torch_xla_is_not_loaded() -> None:
@@ -64,10 +66,10 @@ def test_helpers_do_nothing_when_torch_xla_is_not_loaded() -> None:
     if "torch_xla" in __import__("sys").modules:
         pytest.skip("torch_xla is loaded in this interpreter")
     assert xla.runtime_initialized() is False
-    xla.mark_step()  # no-op
-    assert not xla.is_xla(torch.device("cpu"))
-    assert not xla.is_xla(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
-    assert xla.is_xla(torch.device("xla", 0))
+    xla_runtime.mark_step()  # no-op
+    assert not xla_runtime.is_xla(torch.device("cpu"))
+    assert not xla_runtime.is_xla(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    assert xla_runtime.is_xla(torch.device("xla", 0))
 
 
 # ---------------------------------------------------------------- the real thing, in .xla-venv

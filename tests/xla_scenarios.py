@@ -18,7 +18,7 @@ from typing import Any
 import nbaccel
 import nbaccel.accelerator
 import nbaccel.launcher
-import nbaccel.state
+import nbaccel.runtime.state
 
 IMPORTED_TORCH_XLA = "torch_xla" in sys.modules  # importing nbaccel must not import it
 
@@ -90,7 +90,7 @@ def launched(num_processes: int | None) -> dict[str, Any]:
         "weight_device": weight.device.type,
         "weight": weight.tolist(),
         "environ_restored": dict(os.environ) == before,
-        "state_left_behind": nbaccel.state.current_state() is not None,
+        "state_left_behind": nbaccel.runtime.state.current_state() is not None,
         "launcher_pid": os.getpid(),
     }
 
@@ -108,7 +108,7 @@ def expect_error(function: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
 
 def main(path: str) -> None:
-    from nbaccel import xla
+    from nbaccel.platform import xla
 
     out: dict[str, Any] = {"imported_torch_xla_at_import": IMPORTED_TORCH_XLA}
     steps = [

@@ -30,7 +30,7 @@ NPROCS = 2
 def _bench_gpu_count():
     # Count GPUs without initialising CUDA in the kernel (fork must stay possible).
     try:
-        from nbaccel.environment import gpu_count
+        from nbaccel.platform.environment import gpu_count
 
         return gpu_count()
     except Exception:

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from ..config import LaunchConfig, field_help, field_kind, field_names
-from ..config_file import RENAMED_KEYS
+from ..config.file import RENAMED_KEYS
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:

@@ -17,7 +17,6 @@ from typing import Any
 from ..config import PRECISIONS as _PRECISIONS
 from ..config import (
     LaunchConfig,
-    _coerce,
     default_config_path,
     field_help,
     field_kind,
@@ -25,6 +24,7 @@ from ..config import (
     save_config,
     write_basic_config,
 )
+from ..config.launch_config import coerce
 from ..errors import ConfigError
 
 EPILOG = """\
@@ -99,7 +99,7 @@ def _starting_point(path: Path) -> LaunchConfig:
             return load_config(path)
         except ConfigError as err:
             print(f"(ignoring the existing file: {err})")
-    from ..hardware import detect_hardware
+    from ..platform.hardware import detect_hardware
 
     hw = detect_hardware()
     return LaunchConfig(
@@ -129,7 +129,7 @@ def _ask_field(name: str, current: dict[str, Any], ask: Callable[[str], str]) ->
         if not answer:
             return current[name]
         try:
-            value = _coerce(name, answer, "your answer", from_text=True)
+            value = coerce(name, answer, "your answer", from_text=True)
             _check_alone(name, value, current)
             return value
         except ConfigError as err:
@@ -151,7 +151,7 @@ def _check_alone(name: str, value: Any, current: dict[str, Any]) -> None:
 def _may_use_gpus(compute_device: str) -> bool:
     if compute_device == "gpu":
         return True
-    from ..hardware import cuda_device_count
+    from ..platform.hardware import cuda_device_count
 
     return compute_device == "auto" and cuda_device_count() > 0
 

@@ -44,7 +44,7 @@ def _version(name: str) -> str:
 def report() -> list[tuple[str, str]]:
     """``[(label, value), ...]`` describing this environment."""
     from .. import __version__
-    from ..hardware import detect_hardware
+    from ..platform.hardware import detect_hardware
 
     rows = [
         ("nbaccel", __version__),

@@ -63,7 +63,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def processes_per_node(cfg: LaunchConfig) -> int:
     """``cfg.num_processes``, else one per usable GPU, else 1."""
-    from ..hardware import default_num_processes
+    from ..platform.hardware import default_num_processes
 
     if cfg.num_processes is not None:
         return cfg.num_processes
@@ -77,7 +77,7 @@ def worker_environment(
     config_file: str | os.PathLike[str] | None = None,
 ) -> dict[str, str]:
     """The environment for the script: ``base`` plus the resolved ``NBACCEL_*`` settings."""
-    from ..hardware import cpu_count
+    from ..platform.hardware import cpu_count
 
     env = dict(base)
     env["NBACCEL_MIXED_PRECISION"] = cfg.mixed_precision

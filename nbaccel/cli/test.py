@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = cfg.replace(timeout=cfg.timeout or 120.0)
     nproc = processes_per_node(cfg)
     if args.num_processes is None and nproc < 2 and cfg.compute_device in ("auto", "cpu"):
-        from ..hardware import cuda_device_count
+        from ..platform.hardware import cuda_device_count
 
         if cfg.compute_device == "cpu" or cuda_device_count() == 0:
             nproc = 2  # a distributed check needs at least two processes

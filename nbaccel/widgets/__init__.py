@@ -12,12 +12,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_EXPORTS = {"LaunchPanel": "panel"}
+_EXPORTS = {"LaunchPanel": "nbaccel.ui.panel"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .panel import LaunchPanel as LaunchPanel
+    from ..ui.panel import LaunchPanel as LaunchPanel
 
 
 def __getattr__(name: str) -> Any:
@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'nbaccel.widgets' has no attribute {name!r}")
     try:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        value = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as err:
         if err.name and err.name.split(".")[0] == "ipywidgets":
             raise ImportError(

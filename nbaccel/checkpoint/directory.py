@@ -1,0 +1,232 @@
+"""The on-disk layout of a checkpoint directory: manifest, validation, naming, publishing.
+
+Also the two collectives checkpointing needs (agree on a value, exchange success
+flags) and a weights-only-safe encoding of state dicts that contain numpy arrays
+(numpy RNG states), so every file loads with ``torch.load(weights_only=True)``.
+Used by :mod:`nbaccel.checkpoint`; nothing here is public API.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._version import __version__
+from ..errors import ConfigError
+from ..platform.process_env import distributed_active
+from .weights import CheckpointError, fsync_path
+
+MANIFEST = "nbaccel_checkpoint.json"
+FORMAT = "nbaccel-checkpoint"
+VERSION = 1
+AUTO_NAME = re.compile(r"checkpoint_(\d+)")
+_NDARRAY = "__nbaccel_ndarray__"
+
+
+# -- collectives (no-ops on one process) ---------------------------------------------------
+
+
+def from_main(acc: Any, value: Any) -> Any:
+    if not distributed_active():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_ok(acc: Any, error: BaseException | None, what: str) -> None:
+    """Exchange success flags; every rank raises if any failed (instead of hanging later)."""
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    texts = [text]
+    if distributed_active():
+        texts = [None] * acc.state.world_size
+        torch.distributed.all_gather_object(texts, text)
+    if error is not None:
+        raise error
+    failed = [(rank, t) for rank, t in enumerate(texts) if t is not None]
+    if failed:
+        rank, t = failed[0]
+        raise CheckpointError(f"{what} failed on rank {rank}: {t}")
+
+
+# -- weights-only-safe encoding of arbitrary state dicts (numpy arrays inside RNG states) --
+
+
+def _rebuild(original: Any, items: list[Any]) -> Any:
+    if isinstance(original, tuple):
+        return type(original)(*items) if hasattr(original, "_fields") else tuple(items)
+    return items
+
+
+def encode(obj: Any) -> Any:
+    """Replace numpy arrays/scalars so that ``torch.load(weights_only=True)`` accepts ``obj``."""
+    if isinstance(obj, np.ndarray):
+        raw = torch.from_numpy(np.frombuffer(obj.tobytes(), dtype=np.uint8).copy())
+        return {_NDARRAY: raw, "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        encoded = {k: encode(v) for k, v in obj.items()}
+        return OrderedDict(encoded) if isinstance(obj, OrderedDict) else encoded
+    if isinstance(obj, list | tuple):
+        return _rebuild(obj, [encode(v) for v in obj])
+    return obj
+
+
+def decode(obj: Any) -> Any:
+    """Undo :func:`encode`."""
+    if isinstance(obj, dict) and _NDARRAY in obj:
+        raw = obj[_NDARRAY].numpy().tobytes()
+        return np.frombuffer(raw, dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+    if isinstance(obj, dict):
+        decoded = {k: decode(v) for k, v in obj.items()}
+        return OrderedDict(decoded) if isinstance(obj, OrderedDict) else decoded
+    if isinstance(obj, list | tuple):
+        return _rebuild(obj, [decode(v) for v in obj])
+    return obj
+
+
+# -- manifest and directory validation -----------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Return the manifest of the complete checkpoint at ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: ``path`` is not an nbaccel checkpoint, or is incomplete/damaged.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no checkpoint at {str(path)!r}: check the path (or save_state first)."
+        )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{str(path)!r} is a file; a checkpoint is a directory written by save_state()."
+        )
+    if ".tmp-" in path.name or ".old-" in path.name:
+        raise CheckpointError(
+            f"{str(path)!r} is the leftover of an interrupted save_state(), not a checkpoint; "
+            "load the previous checkpoint instead (load_state() picks the latest complete one)."
+        )
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{str(path)!r} is not an nbaccel checkpoint: it has no {MANIFEST}. Pass a directory "
+            "written by accelerator.save_state(); for bare model weights use "
+            "load_checkpoint_in_model()."
+        ) from None
+    except ValueError as err:
+        raise CheckpointError(
+            f"{str(path / MANIFEST)!r} is damaged ({err}); use another checkpoint."
+        ) from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{str(path)!r} is not an nbaccel checkpoint (its {MANIFEST} is foreign)."
+        )
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"{str(path)!r} was written by a newer nbaccel (format {manifest['version']}); upgrade nbaccel."
+        )
+    for name, size in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != size:
+            raise CheckpointError(
+                f"{str(path)!r} is incomplete or damaged: {name} is missing or has the wrong size."
+            )
+    return manifest
+
+
+def checkpoints_root(acc: Any) -> Path:
+    """``project_dir/checkpoints``, where automatic naming puts checkpoints."""
+    project_dir = acc.project_configuration.project_dir
+    if project_dir is None:
+        raise ConfigError(
+            "automatic checkpoint naming needs ProjectConfiguration(project_dir=...)."
+        )
+    return Path(project_dir) / "checkpoints"
+
+
+def _numbered(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            match = AUTO_NAME.fullmatch(child.name)
+            if match and child.is_dir():
+                found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete ``checkpoint_{i}`` under ``root`` with the highest ``i``, or None."""
+    for _, path in reversed(_numbered(Path(root))):
+        try:
+            read_manifest(path)
+        except (CheckpointError, OSError) as err:
+            warnings.warn(f"skipping {path}: {err}", stacklevel=3)
+            continue
+        return path
+    return None
+
+
+def _manifest(acc: Any, tmp: Path, safe_serialization: bool) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "nbaccel_version": __version__,
+        "step": int(acc.step),
+        "world_size": acc.state.world_size,
+        "safe_serialization": safe_serialization,
+        "counts": {
+            "models": len(acc._models),
+            "optimizers": len(acc._optimizers),
+            "schedulers": len(acc._schedulers),
+            "dataloaders": len(acc._dataloaders),
+            "custom_objects": len(acc._custom_objects),
+        },
+        "scaler": (tmp / "scaler.pt").exists(),
+        "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+    }
+
+
+def publish(acc: Any, tmp: Path, target: Path, token: str, safe_serialization: bool) -> None:
+    if not tmp.is_dir():  # another node's main already renamed it (shared filesystem)
+        return
+    manifest_path = tmp / MANIFEST
+    manifest_path.write_text(json.dumps(_manifest(acc, tmp, safe_serialization), indent=2) + "\n")
+    fsync_path(manifest_path)
+    fsync_path(tmp)
+    old = target.parent / f".{target.name}.old-{token}"
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_path(target.parent)
+    # this save's displaced copy, and leftovers of earlier saves to the same place that died
+    for stale in (old, *target.parent.glob(f".{glob.escape(target.name)}.tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def prune(acc: Any, root: Path) -> None:
+    """Drop stale temporary dirs and the oldest checkpoints beyond ``total_limit``."""
+    for child in root.iterdir() if root.is_dir() else ():
+        if child.name.startswith(".checkpoint_") and (
+            ".tmp-" in child.name or ".old-" in child.name
+        ):
+            shutil.rmtree(child, ignore_errors=True)
+    limit = acc.project_configuration.total_limit
+    ours = [path for _, path in _numbered(root) if (path / MANIFEST).is_file()]
+    if limit is not None:
+        for path in ours[: max(0, len(ours) - limit)]:
+            shutil.rmtree(path)

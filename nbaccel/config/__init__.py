@@ -1,0 +1,50 @@
+"""Launch configuration: one dataclass, one YAML file, one precedence rule.
+
+* :mod:`~nbaccel.config.choices` -- precision modes, start methods, compute devices;
+* :mod:`~nbaccel.config.launch_config` -- :class:`LaunchConfig` and its field facts;
+* :mod:`~nbaccel.config.file` / :mod:`~nbaccel.config.store` -- the YAML file;
+* :mod:`~nbaccel.config.precedence` -- arguments > ``NBACCEL_*`` > file > defaults.
+
+Example:
+    >>> from nbaccel.config import LaunchConfig, resolve_launch_config
+    >>> resolve_launch_config({"num_processes": 2}, environ={}, config_file=False).num_processes
+    2
+"""
+
+from .choices import (
+    COMPUTE_DEVICES,
+    PRECISIONS,
+    START_METHODS,
+    ComputeDeviceType,
+    PrecisionType,
+    StartMethodType,
+    normalize_precision,
+)
+from .file import CONFIG_VERSION, RENAMED_KEYS, default_config_path
+from .launch_config import INT_MINIMUMS, MAX_PORT, LaunchConfig, field_help, field_kind, field_names
+from .precedence import ENV_VARS, resolve_launch_config
+from .store import load_config, save_config, write_basic_config
+
+__all__ = [
+    "COMPUTE_DEVICES",
+    "CONFIG_VERSION",
+    "ENV_VARS",
+    "INT_MINIMUMS",
+    "MAX_PORT",
+    "PRECISIONS",
+    "RENAMED_KEYS",
+    "START_METHODS",
+    "ComputeDeviceType",
+    "LaunchConfig",
+    "PrecisionType",
+    "StartMethodType",
+    "default_config_path",
+    "field_help",
+    "field_kind",
+    "field_names",
+    "load_config",
+    "normalize_precision",
+    "resolve_launch_config",
+    "save_config",
+    "write_basic_config",
+]

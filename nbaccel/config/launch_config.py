@@ -1,0 +1,287 @@
+"""The one launch configuration: :class:`LaunchConfig`, its validation and field facts.
+
+Each field carries its help text in ``dataclasses.field(metadata={"help": ...})``;
+the CLI flags, the questionnaire and the widget panel read names, types, choices
+and help from the fields, so they can never drift apart. Where settings come from
+is :mod:`nbaccel.config.precedence`; the YAML file is :mod:`nbaccel.config.store`.
+
+Example:
+    >>> cfg = LaunchConfig(num_processes=2, mixed_precision="bf16")
+    >>> cfg.mixed_precision
+    'bf16'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union, get_args
+
+from ..errors import ConfigError
+from .choices import (
+    COMPUTE_DEVICES,
+    PRECISIONS,
+    START_METHODS,
+    ComputeDeviceType,
+    PrecisionType,
+    StartMethodType,
+    normalize_precision,
+)
+
+#: smallest valid value of each int field (the widget's lower bounds come from here too)
+INT_MINIMUMS: dict[str, int] = {
+    "num_processes": 1,
+    "gradient_accumulation_steps": 1,
+    "num_nodes": 1,
+    "node_rank": 0,
+    "master_port": 1,
+    "max_restarts": 0,
+}
+MAX_PORT = 65535
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    # bool is an int subclass; True as a process count is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} must be an int >= {minimum}.")
+    if value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an int >= {minimum}.")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is unknown; use one of {', '.join(choices)}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """How to launch a training function. Validated on construction.
+
+    Every field's description is in its ``metadata["help"]`` (see :func:`field_help`):
+    the CLI, the questionnaire and the widget panel show that text.
+
+    Example:
+        >>> LaunchConfig(num_nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
+        ... # doctest: +ELLIPSIS
+        LaunchConfig(...)
+    """
+
+    compute_device: ComputeDeviceType = field(
+        default="auto",
+        metadata={"help": '"auto" (GPUs, else TPU, else CPU), "cpu", "gpu" or "tpu".'},
+    )
+    num_processes: int | None = field(
+        default=None,
+        metadata={"help": "processes per node; ``None`` means one per visible device."},
+    )
+    mixed_precision: PrecisionType = field(
+        default="no",
+        metadata={"help": '"no", "fp16", "bf16" or "fp8".'},
+    )
+    gradient_accumulation_steps: int = field(
+        default=1,
+        metadata={"help": "micro-steps per optimizer update (>= 1)."},
+    )
+    num_nodes: int = field(
+        default=1,
+        metadata={"help": "machines taking part (>= 1)."},
+    )
+    node_rank: int = field(
+        default=0,
+        metadata={"help": "this machine's index, ``0 <= node_rank < num_nodes``."},
+    )
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address of node 0's rendezvous."},
+    )
+    master_port: int | None = field(
+        default=None,
+        metadata={"help": "rendezvous port; ``None`` picks a free one (single node only)."},
+    )
+    start_method: StartMethodType = field(
+        default="auto",
+        metadata={"help": '"auto" (fork when safe, else spawn), "fork" or "spawn".'},
+    )
+    gpu_ids: str | None = field(
+        default=None,
+        metadata={"help": 'GPUs to use, e.g. ``"0,1"`` or ``"all"``; ``None`` means all.'},
+    )
+    max_restarts: int = field(
+        default=0,
+        metadata={"help": "how often a failed worker group is restarted (>= 0)."},
+    )
+    timeout: float | None = field(
+        default=None,
+        metadata={"help": "seconds a collective may block before the run is declared hung."},
+    )
+    debug: bool = field(
+        default=False,
+        metadata={"help": "record CUDA-initialisation stacks and worker stacks on hangs."},
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice("compute_device", self.compute_device, COMPUTE_DEVICES)
+        if self.num_processes is not None:
+            _check_int("num_processes", self.num_processes, INT_MINIMUMS["num_processes"])
+        # Normalise aliases ("fp32", None, "BF16") in place; frozen needs object.__setattr__.
+        object.__setattr__(self, "mixed_precision", normalize_precision(self.mixed_precision))
+        _check_int(
+            "gradient_accumulation_steps",
+            self.gradient_accumulation_steps,
+            INT_MINIMUMS["gradient_accumulation_steps"],
+        )
+        _check_int("num_nodes", self.num_nodes, INT_MINIMUMS["num_nodes"])
+        _check_int("node_rank", self.node_rank, INT_MINIMUMS["node_rank"])
+        if self.node_rank >= self.num_nodes:
+            raise ConfigError(
+                f"node_rank={self.node_rank} must be < num_nodes={self.num_nodes}; "
+                "number machines 0..num_nodes-1 and give each its own node_rank."
+            )
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ConfigError(f"master_addr={self.master_addr!r} must be a host name or IP.")
+        if self.master_port is not None:
+            _check_int("master_port", self.master_port, INT_MINIMUMS["master_port"])
+            if self.master_port > MAX_PORT:
+                raise ConfigError(f"master_port={self.master_port} must be <= {MAX_PORT}.")
+        if self.num_nodes > 1 and self.master_port is None:
+            raise ConfigError(
+                "master_port=None with num_nodes > 1: every node must agree on one port; "
+                "pass the same master_port (use_port) on each machine, e.g. 29500."
+            )
+        _check_choice("start_method", self.start_method, START_METHODS)
+        if self.gpu_ids is not None and not isinstance(self.gpu_ids, str):
+            raise ConfigError(f"gpu_ids={self.gpu_ids!r} must be a string such as '0,1' or 'all'.")
+        _check_int("max_restarts", self.max_restarts, INT_MINIMUMS["max_restarts"])
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, int | float)
+            or self.timeout <= 0
+        ):
+            raise ConfigError(f"timeout={self.timeout!r} must be a number of seconds > 0.")
+        if not isinstance(self.debug, bool):
+            raise ConfigError(f"debug={self.debug!r} must be True or False.")
+
+    def replace(self, **changes: object) -> LaunchConfig:
+        """Return a copy with ``changes`` applied (and validated).
+
+        Example:
+            >>> LaunchConfig().replace(num_processes=4).num_processes
+            4
+        """
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - fields)
+        if unknown:
+            raise ConfigError(
+                f"unknown LaunchConfig field(s) {unknown}; valid fields: {sorted(fields)}."
+            )
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- field types
+def field_names() -> tuple[str, ...]:
+    """The :class:`LaunchConfig` field names, in declaration order (CLI/widget derive from it)."""
+    return tuple(f.name for f in dataclasses.fields(LaunchConfig))
+
+
+def field_help() -> dict[str, str]:
+    """``{field: one-line description}`` from each field's ``metadata["help"]``.
+
+    Example:
+        >>> field_help()["num_nodes"]
+        'machines taking part (>= 1).'
+    """
+    return {
+        f.name: str(f.metadata.get("help", "")).replace("``", "")
+        for f in dataclasses.fields(LaunchConfig)
+    }
+
+
+def field_kind(name: str) -> tuple[Any, tuple[str, ...] | None]:
+    """``(python type, choices or None)`` of a LaunchConfig field."""
+    hint, _ = _split_optional(typing.get_type_hints(LaunchConfig)[name])
+    if typing.get_origin(hint) is Literal:
+        return str, tuple(get_args(hint))
+    return hint, None
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(LaunchConfig)
+
+
+def _split_optional(hint: Any) -> tuple[Any, bool]:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        return (args[0] if len(args) == 1 else hint), len(args) < len(get_args(hint))
+    return hint, False
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def coerce(name: str, value: Any, source: str, *, from_text: bool = False) -> Any:
+    """Check (and for environment text, parse) one field value; errors name key and source."""
+    hint, optional = _split_optional(_field_types()[name])
+    if value is None or (from_text and value.strip().lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{name} in {source} must not be empty/null.")
+    if typing.get_origin(hint) is Literal:
+        choices = get_args(hint)
+        if name == "mixed_precision" and (value is False or isinstance(value, str)):
+            # YAML 1.1 reads a bare `no` as False; that is what the user meant by "no".
+            with contextlib.suppress(ConfigError):
+                return normalize_precision("no" if value is False else value)
+        elif isinstance(value, str) and value.strip().lower() in choices:
+            return value.strip().lower()
+        raise ConfigError(
+            f"{name}={value!r} in {source} is unknown; use one of {', '.join(choices)}."
+        )
+    if from_text:
+        text = value.strip()
+        try:
+            if hint is bool:
+                if text.lower() not in TRUE_WORDS + FALSE_WORDS:
+                    raise ValueError(text)
+                return text.lower() in TRUE_WORDS
+            if hint is int:
+                return int(text)
+            if hint is float:
+                return float(text)
+        except ValueError:
+            raise ConfigError(
+                f"{name}={value!r} in {source} is not a valid {hint.__name__}."
+            ) from None
+        return text
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str) or (name == "gpu_ids" and isinstance(value, int)),
+    }.get(hint, True)
+    if not ok:
+        kind = getattr(hint, "__name__", str(hint)) + (" or null" if optional else "")
+        raise ConfigError(
+            f"{name}={value!r} in {source} has the wrong type "
+            f"({type(value).__name__}); expected {kind}."
+        )
+    return str(value) if hint is str else value
+
+
+__all__ = [
+    "COMPUTE_DEVICES",
+    "FALSE_WORDS",
+    "INT_MINIMUMS",
+    "MAX_PORT",
+    "PRECISIONS",
+    "START_METHODS",
+    "TRUE_WORDS",
+    "LaunchConfig",
+    "coerce",
+    "field_help",
+    "field_kind",
+    "field_names",
+]

@@ -1,0 +1,11 @@
+"""Starting and supervising workers from the kernel (the kernel's side of the fork).
+
+* :mod:`~nbaccel.launch.launcher` -- ``notebook_launcher`` and ``debug_launcher``;
+* :mod:`~nbaccel.launch.handle` -- ``LaunchHandle`` (``block=False``), restarts;
+* ``_preflight`` checks everything before anything starts; ``_attempt``, ``_spawn``,
+  ``_rendezvous`` start one group of workers (fork, or spawn with multiprocess/dill);
+  ``_supervise``, ``_output``, ``_failures``, ``_wire`` bring output, results and the
+  first real error back; ``_bootstrap`` and ``_worker_os`` run in the worker before the
+  user's function; ``_xla`` starts TPU workers through ``xmp.spawn``;
+* :mod:`~nbaccel.launch.testing` -- ``run_on_workers`` for tests.
+"""

@@ -1,0 +1,235 @@
+"""Turn what went wrong in the workers into one exception in the kernel.
+
+Three jobs:
+
+* classify each worker failure as *real* (the user's exception, a death by
+  signal, an unexpected exit) or *secondary* (a healthy rank noticing that a
+  peer vanished: "Connection closed by peer", a collective timing out), so the
+  kernel reports the first real failure;
+* re-create the remote exception's type where possible: the raised object is an
+  instance of a dynamic subclass of both the original type and
+  :class:`~nbaccel.errors.WorkerError`, so ``except ValueError`` keeps working
+  and ``err.rank``/``err.remote_traceback`` are there too;
+* build the hang report (:class:`WorkerTimeoutError`) naming the stuck ranks
+  with each worker's Python stack.
+
+Example:
+    >>> info = {"type_module": "builtins", "type_qualname": "ValueError",
+    ...         "message": "bad", "traceback": "Traceback ...", "time": 0.0}
+    >>> err = remote_exception(Failure(rank=1, pid=42, time=0.0, kind="exception", info=info))
+    >>> isinstance(err, ValueError), err.rank
+    (True, 1)
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from ..errors import WorkerError
+from ._wire import loads
+
+_SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
+# Generic types torch/gloo use for "a peer went away"; a user's ValueError("timeout") stays real.
+_PEER_LOST_TYPES = {
+    "RuntimeError",
+    "ConnectionError",
+    "ConnectionResetError",
+    "ConnectionAbortedError",
+    "BrokenPipeError",
+    "TimeoutError",
+}
+_SECONDARY_TEXT = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|timed out|timeout"
+    r"|nccl communicator was aborted|socket timeout|connection refused|recvbytes|sendbytes"
+    r"|peer .* (?:closed|disconnected)|process group .* (?:aborted|destroyed)",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class Failure:
+    """One worker's failure as seen by the kernel.
+
+    ``kind`` is "exception" (``info`` holds the remote type, message, traceback),
+    "signal" (``code`` is the signal number) or "exit" (``code`` is the exit code).
+    """
+
+    rank: int
+    pid: int | None
+    time: float
+    kind: str
+    info: dict[str, Any] = field(default_factory=dict)
+    code: int = 0
+    stack: str = ""
+
+    @property
+    def secondary(self) -> bool:
+        """True for a healthy rank reacting to a peer's failure (not the cause)."""
+        if self.kind == "signal":
+            # NCCL's watchdog aborts a rank whose collective timed out: SIGABRT while the
+            # Python stack (faulthandler's dump) is inside torch.distributed.
+            return self.code == signal.SIGABRT and "distributed" in self.stack
+        if self.kind != "exception":
+            return False
+        name = self.info.get("type_qualname", "").split(".")[-1]
+        if name in _SECONDARY_TYPES:
+            return True
+        return name in _PEER_LOST_TYPES and bool(
+            _SECONDARY_TEXT.search(self.info.get("message", ""))
+        )
+
+    def summary(self) -> str:
+        """One line, e.g. ``"rank 0: DistBackendError: Connection closed by peer"``."""
+        if self.kind == "signal":
+            return f"rank {self.rank}: killed by {signal_name(self.code)}"
+        if self.kind == "exit":
+            return f"rank {self.rank}: exited with code {self.code}"
+        first = (self.info.get("message") or "").strip().splitlines()[:1]
+        return f"rank {self.rank}: {self.info.get('type_qualname')}: {first[0] if first else ''}"
+
+
+def signal_name(number: int) -> str:
+    """``9`` -> ``"SIGKILL (9)"``."""
+    try:
+        return f"{signal.Signals(number).name} ({number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def pick_failure(failures: list[Failure]) -> Failure:
+    """The first real failure by time, else the first secondary one."""
+    real = [f for f in failures if not f.secondary]
+    return min(real or failures, key=lambda f: (f.time, f.rank))
+
+
+def _locate(module: str, qualname: str) -> type | None:
+    """The exception class, if its module is (or its package already was) imported here."""
+    mod = sys.modules.get(module)
+    if mod is None and module.split(".")[0] in sys.modules:
+        try:
+            mod = importlib.import_module(module)
+        except Exception:
+            return None
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        return obj
+    return None
+
+
+_DYNAMIC: dict[type, type[WorkerError]] = {}
+
+
+def _reduce(self: WorkerError) -> tuple[Any, ...]:
+    args = (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback)
+    return (WorkerError, args)
+
+
+def _combined(original: type) -> type[WorkerError] | None:
+    """A subclass of ``original`` and WorkerError (cached), or None if Python refuses."""
+    if original in _DYNAMIC:
+        return _DYNAMIC[original]
+    if issubclass(original, (WorkerError, SystemExit, GeneratorExit)):
+        return None  # SystemExit in a cell would look like a request to quit the kernel
+    try:
+        combined = type(
+            original.__name__,
+            (original, WorkerError),
+            {
+                "__module__": original.__module__,
+                "__qualname__": original.__qualname__,
+                "__str__": BaseException.__str__,
+                "__reduce__": _reduce,
+                "__doc__": f"{original.__qualname__} raised in a worker (also a WorkerError).",
+            },
+        )
+    except TypeError:  # instance lay-out conflicts, final classes
+        return None
+    _DYNAMIC[original] = combined
+    return cast("type[WorkerError]", combined)
+
+
+def remote_exception(failure: Failure) -> WorkerError:
+    """The exception to raise in the kernel for ``failure``."""
+    if failure.kind == "signal":
+        name = signal_name(failure.code)
+        hint = " (SIGKILL is often the out-of-memory killer)" if failure.code == 9 else ""
+        message = f"the worker was killed by signal {name}{hint}"
+        return WorkerError(failure.rank, failure.pid, name.split()[0], message, failure.stack)
+    if failure.kind == "exit":
+        message = f"the worker exited with code {failure.code} before the function returned"
+        return WorkerError(failure.rank, failure.pid, "ExitCode", message, failure.stack)
+    info = failure.info
+    qualname = info.get("type_qualname", "Exception")
+    args = (failure.rank, failure.pid, qualname, info.get("message", ""), info.get("traceback", ""))
+    original = _locate(info.get("type_module", ""), qualname)
+    cls = _combined(original) if original is not None else None
+    if cls is None:
+        return WorkerError(*args)
+    err: WorkerError = BaseException.__new__(cls)  # the original __init__ may need other args
+    WorkerError.__init__(err, *args)
+    _copy_attributes(err, info)
+    return err
+
+
+def _copy_attributes(err: BaseException, info: dict[str, Any]) -> None:
+    """Carry the remote exception's own attributes (e.g. ``err.code``) over, if any."""
+    for name, data in (info.get("attributes") or {}).items():
+        if hasattr(WorkerError, name) or name in ("rank", "pid", "exc_type", "message"):
+            continue
+        try:
+            setattr(err, name, loads(*data))
+        except Exception:
+            continue
+
+
+class WorkerTimeoutError(WorkerError):
+    """Some ranks stopped making progress: a collective timed out or peers never finished.
+
+    Attributes:
+        stuck_ranks: ranks that were still running when the hang was declared.
+        stacks: rank -> that worker's Python stack (faulthandler dump) or traceback.
+    """
+
+    def __init__(
+        self, stuck_ranks: list[int], stacks: dict[int, str], reason: str, pid: int | None = None
+    ) -> None:
+        self.stuck_ranks = list(stuck_ranks)
+        self.stacks = dict(stacks)
+        self.reason = reason
+        rank = self.stuck_ranks[0] if self.stuck_ranks else -1
+        super().__init__(rank, pid, "Timeout", reason, "")
+
+    def _render(self) -> str:
+        stuck = ", ".join(str(r) for r in self.stuck_ranks) or "none"
+        parts = [f"rank(s) {stuck} appear stuck: {self.reason}"]
+        for rank in sorted(self.stacks):
+            parts.append(f"\n--- where rank {rank} was ---\n{self.stacks[rank].rstrip()}")
+        return "\n".join(parts)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.stuck_ranks, self.stacks, self.reason, self.pid))
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """``err.add_note`` on Python >= 3.11; appended to ``args`` on 3.10."""
+    if hasattr(err, "add_note"):
+        err.add_note(note)
+    elif err.args and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
+
+
+__all__ = [
+    "Failure",
+    "WorkerTimeoutError",
+    "add_note",
+    "pick_failure",
+    "remote_exception",
+    "signal_name",
+]

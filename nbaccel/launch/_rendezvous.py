@@ -1,0 +1,245 @@
+"""The rendezvous of one launch: torch's own TCPStore, listening on loopback only.
+
+A plain ``TCPStore`` server (what ``init_process_group("env://")`` starts on
+rank 0) listens on *all* interfaces, whatever ``MASTER_ADDR`` says. nbaccel
+keeps torch's rendezvous but chooses the socket:
+
+1. the kernel binds the listening socket itself, to ``master_addr`` (127.0.0.1
+   on a single node; never the wildcard there). Binding first also turns a busy
+   ``use_port`` into a clear error before any worker exists;
+2. the socket is handed to global rank 0, whose bootstrap starts the server on
+   it: ``TCPStore(..., multi_tenant=True, master_listen_fd=fd)``;
+3. the kernel closes its copy. When the user's code (or the Accelerator) later
+   calls ``init_process_group`` with ``env://``, torch creates rank 0's store with
+   ``multi_tenant=True`` for the same port and so *reuses* that server instead of
+   binding a new one. User code that picks its own port or init method keeps
+   working unchanged.
+
+On other nodes the kernel checks, before starting any worker, that node 0's
+store answers within the timeout, and fails with the address and port otherwise.
+
+Example:
+    >>> from nbaccel._rendezvous import Rendezvous
+    >>> rdzv = Rendezvous.reserve("127.0.0.1", None, num_nodes=1, node_rank=0)
+    >>> rdzv.port > 0 and rdzv.listen_fd() is not None
+    True
+    >>> rdzv.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import os
+import socket
+import time
+from typing import Any, NoReturn
+
+from ..errors import ConfigError, LaunchError
+from ..platform import environment
+
+DEFAULT_TIMEOUT = 300.0  # torch's own default store timeout
+
+
+class Rendezvous:
+    """Address, port and (on node 0) the reserved listening socket of one launch."""
+
+    def __init__(
+        self, addr: str, port: int, sock: socket.socket | None, num_nodes: int, node_rank: int
+    ) -> None:
+        self.addr, self.port, self._sock = addr, port, sock
+        self.num_nodes, self.node_rank = num_nodes, node_rank
+
+    @classmethod
+    def reserve(
+        cls, master_addr: str, port: int | None, *, num_nodes: int, node_rank: int
+    ) -> Rendezvous:
+        """Bind the rendezvous port on node 0 (``port=None``: a free one); raise if busy."""
+        # Import torch.distributed before the workers are forked: they inherit it instead
+        # of each importing torch again (seconds on a small machine). No CUDA is touched.
+        import torch.distributed  # noqa: F401
+
+        if node_rank != 0:
+            assert port is not None, "LaunchConfig guarantees a port for multi-node runs"
+            return cls(master_addr, port, None, num_nodes, node_rank)
+        if num_nodes == 1 and master_addr in ("0.0.0.0", "::", ""):
+            master_addr = "127.0.0.1"  # one machine: never listen on every interface
+        sock = _bind(master_addr, port or 0, allow_wildcard=num_nodes > 1)
+        return cls(master_addr, int(sock.getsockname()[1]), sock, num_nodes, node_rank)
+
+    def listen_fd(self) -> int | None:
+        """The reserved listening socket's fd, for global rank 0 (None on other nodes)."""
+        return self._sock.fileno() if self._sock is not None else None
+
+    def store_host(self) -> str:
+        """Address rank 0's own store client connects to."""
+        if self._sock is not None and self._sock.getsockname()[0] in ("0.0.0.0", "::"):
+            return "127.0.0.1"
+        return self.addr
+
+    def check_reachable(self, timeout: float | None) -> None:
+        """Other nodes: fail clearly when node 0's store does not answer in time.
+
+        A plain TCP connect is retried in short rounds (quiet, and an interrupt gets
+        through between them; a long TCPStore connect would block in C++ and log every
+        retry), then torch's own store client confirms that a store answers there.
+        """
+        import torch.distributed as dist
+
+        seconds = timeout or DEFAULT_TIMEOUT
+        deadline = time.monotonic() + seconds
+        error: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((self.addr, self.port), timeout=1.0):
+                    break
+            except OSError as err:
+                error = err
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        else:
+            self._unreachable(seconds, error)
+        left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        try:
+            dist.TCPStore(self.addr, self.port, None, False, left, wait_for_workers=False)
+        except Exception as err:
+            self._unreachable(seconds, err)
+
+    def _unreachable(self, seconds: float, error: Exception | None) -> NoReturn:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0]}" if error else "no answer"
+        raise LaunchError(
+            f"node {self.node_rank} could not reach the rendezvous at {self.addr}:{self.port} "
+            f"within {seconds:g}s ({reason}). Fix: run the same launch on node 0 "
+            "(node_rank=0) with the same use_port, check master_addr is node 0's address as "
+            "seen from this machine and that the port is not firewalled, or raise timeout=..."
+        ) from None
+
+    def worker_env(self) -> dict[str, str]:
+        """Variables that point the workers' ``env://`` rendezvous at this store."""
+        env = {"MASTER_ADDR": self.addr, "MASTER_PORT": str(self.port)}
+        if self.num_nodes == 1 and environment.is_loopback(self.addr):
+            # gloo/NCCL pick their own listening interface from the host name, which
+            # may be a public one; on a single node keep them on loopback as well.
+            iface = environment.loopback_interface()
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                if iface and var not in os.environ:
+                    env[var] = iface
+        return env
+
+    def close(self) -> None:
+        """Close the kernel's copy of the socket (idempotent); rank 0 keeps its own."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def host_store(fd: int, host: str, port: int, timeout: float | None) -> Any:
+    """Worker side (global rank 0): start torch's store server on the inherited socket.
+
+    Returns the store, which must stay referenced while the function runs (the
+    ``env://`` rendezvous finds the running server through torch's multi-tenant
+    cache). Returns None when this torch cannot adopt a socket; rank 0's
+    ``env://`` store then binds the port itself, as plain torch does.
+    """
+    import torch.distributed as dist
+
+    delta = datetime.timedelta(seconds=timeout or DEFAULT_TIMEOUT)
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            None,
+            True,
+            delta,
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=fd,
+        )
+    except TypeError:
+        os.close(fd)
+        return None
+
+
+# How long a finished rank waits for its peers to finish. Only the start-up race needs
+# it (a peer still joining while a fast rank tears its group and store down); a peer
+# that needs this rank for longer has a bug that its own collective will report.
+EXIT_GRACE = 10.0
+_EXITED, _ALL_EXITED = "nbaccel/exited", "nbaccel/all_exited"
+_LEFT, _ALL_LEFT = "nbaccel/left", "nbaccel/all_left"
+
+
+def connect_exit_client(host: str, port: int, timeout: float | None) -> Any:
+    """Worker side (ranks other than 0): a store client for :func:`leave`, or None.
+
+    Connected at start-up, while rank 0's store is certainly up, so that leaving
+    never waits for a store that is already gone.
+    """
+    import torch.distributed as dist
+
+    try:
+        delta = datetime.timedelta(seconds=timeout or DEFAULT_TIMEOUT)
+        return dist.TCPStore(host, port, None, False, delta, wait_for_workers=False)
+    except Exception:  # the rendezvous itself will report an unreachable store
+        return None
+
+
+def _count(store: Any, key: str, done_key: str, total: int) -> None:
+    if store.add(key, 1) == total:
+        store.set(done_key, "1")
+
+
+def leave(store: Any, *, is_host: bool, world_size: int) -> None:
+    """Exit barrier on the launcher's store, run before a worker tears its group down.
+
+    A rank that destroyed its process group (and rank 0, its store) while a slower
+    peer was still joining made that peer fail with "connection closed" or "got 0
+    bytes". So every rank first waits until all have finished (phase 1); then rank 0,
+    which hosts the store, waits until all others have stopped using it (phase 2).
+    Each wait is bounded by :data:`EXIT_GRACE`.
+    """
+    if store is None or world_size < 2:
+        return
+    grace = datetime.timedelta(seconds=EXIT_GRACE)
+    with contextlib.suppress(Exception):
+        _count(store, _EXITED, _ALL_EXITED, world_size)
+        store.wait([_ALL_EXITED], grace)
+        if is_host:
+            store.wait([_ALL_LEFT], grace)
+        else:
+            _count(store, _LEFT, _ALL_LEFT, world_size - 1)
+
+
+def _bind(addr: str, port: int, *, allow_wildcard: bool) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as err:
+        raise ConfigError(f"master_addr={addr!r} cannot be resolved ({err}).") from None
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+    try:
+        try:
+            sock.bind(sockaddr)
+        except OSError as err:
+            if err.errno != errno.EADDRNOTAVAIL or not allow_wildcard:
+                raise
+            sock.bind(("0.0.0.0", port))  # node 0 behind NAT: its master_addr is not local
+        sock.listen(128)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"use_port={port} is already in use on {addr} (another process is listening "
+                "there, perhaps an earlier run that is still alive). Pass another port, or "
+                "use_port=None to pick a free one."
+            ) from None
+        if err.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(
+                f"master_addr={addr!r} is not an address of this machine, so node 0 cannot "
+                "host the rendezvous there; use 127.0.0.1 on a single machine."
+            ) from None
+        raise ConfigError(f"cannot listen on {addr}:{port} for the rendezvous: {err}") from None
+    return sock
+
+
+__all__ = ["Rendezvous", "host_store"]

@@ -1,0 +1,202 @@
+"""``notebook_launcher``: run a training function on every device from a live kernel.
+
+A launch is "check, then launch":
+
+1. pre-flight (:mod:`nbaccel._preflight`): arguments, settings (explicit
+   arguments > ``NBACCEL_*`` environment > config file > defaults), device count,
+   CUDA-before-fork, an Accelerator already in the kernel, a busy port. Any
+   problem raises here, before a process exists;
+2. one process: the function runs in the kernel itself; TPU: ``torch_xla``;
+   otherwise workers are forked (or spawned with dill when CUDA is already
+   initialised) with the rank environment, torch's own TCPStore rendezvous
+   listening on loopback only (:mod:`nbaccel._rendezvous`) and their output
+   forwarded into the cell;
+3. supervision (:mod:`nbaccel._supervise`): results, the first real failure
+   re-raised with its type, rank and remote traceback, hangs reported with
+   every stuck worker's stack, interrupts and clean-up.
+
+Example:
+    >>> from nbaccel import notebook_launcher
+    >>> def train(scale):
+    ...     import os
+    ...     return int(os.environ["RANK"]) * scale
+    >>> notebook_launcher(train, args=(10,), num_processes=2)  # doctest: +SKIP
+    0
+    >>> notebook_launcher(train, args=(10,), num_processes=2, return_all_ranks=True)  # doctest: +SKIP
+    [0, 10]
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..config import LaunchConfig
+from ._environ import patched_environ
+from ._failures import WorkerTimeoutError
+from ._preflight import LaunchPlan, plan_launch
+from .handle import LaunchHandle
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    num_processes: int | None = None,
+    mixed_precision: str | None = None,
+    use_port: int | None = None,
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    start_method: str = "auto",
+    max_restarts: int = 0,
+    timeout: float | None = None,
+    *,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: str | None = None,
+    config: LaunchConfig | None = None,
+    return_all_ranks: bool = False,
+    block: bool = True,
+    output: Any = None,
+) -> Any:
+    """Run ``function(*args)`` once per device and return rank 0's result.
+
+    Args:
+        function: the training function (define the model, data and ``Accelerator``
+            inside it). Pass the function itself, not ``function()``.
+        args: positional arguments for ``function``.
+        num_processes: processes on this machine; ``None`` = one per visible GPU,
+            else TPU cores, else 1. With one process the function runs in the kernel.
+        mixed_precision: "no", "fp16", "bf16" or "fp8"; reaches the ``Accelerator()``
+            created inside the function (``None``: from the environment/config file).
+        use_port: rendezvous port; ``None`` picks a free one for each launch. A busy
+            port raises ``ValueError`` naming it.
+        master_addr: node 0's address; on one machine the rendezvous listens on
+            127.0.0.1 only.
+        node_rank: this machine's index (multi-node: run the same cell on each machine).
+        num_nodes: machines taking part.
+        start_method: "auto" (fork, or spawn when CUDA is already initialised in the
+            kernel), "fork" (refuses with ``CUDAInitializedError`` in that case) or "spawn".
+        max_restarts: how often a failed group of workers is started again.
+        timeout: seconds a collective may block (passed to the process group as
+            ``NBACCEL_TIMEOUT``). When a rank's collective times out while other ranks
+            still run, or ranks still run ``timeout`` seconds after a peer finished,
+            those ranks are reported as stuck (``WorkerTimeoutError``) with their
+            Python stacks, and everything is cleaned up.
+        rdzv_backend: "static" or "c10d" (both use torch's TCPStore on node 0).
+        rdzv_endpoint: "host:port", overriding ``master_addr``/``use_port``.
+        monitor_interval: seconds between checks of the workers.
+        log_line_prefix_template: prefix of every forwarded output line when more than
+            one process runs here (default "[rank{rank}] "; "" disables). Fields:
+            {rank}, {local_rank}, {node_rank}, {world_size} (or torchrun's ${rank}).
+        config: a complete :class:`~nbaccel.LaunchConfig` to use instead of the
+            environment and config file (explicit arguments still override it).
+        return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).
+        block: ``False`` returns a :class:`LaunchHandle` at once while the workers run.
+        output: where worker output goes: ``None`` (the cell's stdout/stderr), a
+            file-like object, or a callable ``output(rank, stream, line)``.
+
+    Returns:
+        Rank 0's return value with tensors moved to the CPU (on another node: the value
+        of that node's first rank), the list of values, or a ``LaunchHandle``.
+
+    Raises:
+        TypeError, ValueError: bad arguments, before anything is started.
+        CUDAInitializedError: ``start_method="fork"`` after CUDA was initialised.
+        WorkerError: a worker failed. When its exception type can be re-created in
+            the kernel, the error is also an instance of that type (``except ValueError``
+            works); the message names the rank and carries the remote traceback.
+        WorkerTimeoutError: ranks stopped making progress (see ``timeout``); names the
+            stuck ranks (``err.stuck_ranks``) with every worker's stack (``err.stacks``).
+        KeyboardInterrupt: the kernel was interrupted; every worker is gone.
+    """
+    plan = plan_launch(
+        function,
+        args,
+        num_processes,
+        mixed_precision,
+        use_port,
+        master_addr,
+        node_rank,
+        num_nodes,
+        start_method,
+        max_restarts,
+        timeout,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        monitor_interval=monitor_interval,
+        log_line_prefix_template=log_line_prefix_template,
+        config=config,
+        return_all_ranks=return_all_ranks,
+        block=block,
+        output=output,
+    )
+    if plan.method == "kernel":
+        return _run_in_kernel(plan)
+    if plan.method == "xla":
+        return _run_xla(plan)
+    handle = LaunchHandle(plan)
+    try:
+        handle._start_attempt()
+        if not block:
+            handle._run_in_background()
+            return handle
+    except BaseException:
+        handle.abort()  # an interrupt between starting and supervising leaves no worker
+        raise
+    handle._run()
+    return handle.result()
+
+
+def debug_launcher(
+    function: Callable[..., Any], args: tuple[Any, ...] = (), num_processes: int = 2
+) -> Any:
+    """Run ``function`` on ``num_processes`` CPU processes over loopback (gloo).
+
+    For trying distributed code on a laptop: ignores GPUs, the environment and the
+    config file. Returns rank 0's value.
+
+    Example:
+        >>> def check():
+        ...     import torch.distributed as dist
+        ...     from nbaccel.state import get_state
+        ...     return get_state().world_size
+        >>> debug_launcher(check)  # doctest: +SKIP
+        2
+    """
+    config = LaunchConfig(compute_device="cpu", num_processes=num_processes)
+    return notebook_launcher(function, args, num_processes=num_processes, config=config)
+
+
+def _run_in_kernel(plan: LaunchPlan) -> Any:
+    """One process: call the function right here, with the rank environment set."""
+    env = {
+        **plan.env,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+    }
+    state = sys.modules.get("nbaccel.runtime.state")
+    had_state = state is not None and state.current_state() is not None
+    try:
+        with patched_environ(env):
+            value = plan.function(*plan.args)
+    finally:
+        state = sys.modules.get("nbaccel.runtime.state")
+        if state is not None and not had_state:
+            state.reset_state()  # leave the kernel as found: no Accelerator state behind
+    return [value] if plan.return_all_ranks else value
+
+
+def _run_xla(plan: LaunchPlan) -> Any:
+    from ._xla import launch_xla
+
+    results = launch_xla(plan.function, plan.args, plan.num_processes, plan.env)
+    return list(results) if plan.return_all_ranks else results[0]
+
+
+__all__ = ["LaunchHandle", "WorkerTimeoutError", "debug_launcher", "notebook_launcher"]

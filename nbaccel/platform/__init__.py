@@ -1,0 +1,11 @@
+"""Pure detection, the bottom layer: what machine, kernel and devices this is.
+
+Nothing here initialises CUDA or XLA or imports anything of nbaccel above ``errors``.
+
+* :mod:`~nbaccel.platform.environment` -- notebook kernel, Colab/Kaggle, CPU/GPU counts, loopback;
+* :mod:`~nbaccel.platform.hardware` -- the :class:`~nbaccel.platform.hardware.Hardware` summary;
+* :mod:`~nbaccel.platform.process_env` -- ``RANK``/``WORLD_SIZE``/... parsed once;
+* :mod:`~nbaccel.platform.xla` -- whether torch_xla is installed and wanted (TPU markers);
+* :mod:`~nbaccel.platform.cudatrace` -- where CUDA was first initialised in this process;
+* :mod:`~nbaccel.platform.forksafe` -- releasing the OpenMP pool before a fork.
+"""

@@ -1,0 +1,59 @@
+"""Make the OpenMP runtime safe to fork from a process that already used it.
+
+GNU libgomp is not fork-safe: once the parent (a notebook kernel that ran any
+multi-threaded torch op) has started its thread pool, a forked child that runs a
+multi-threaded op waits for ever on pool threads that do not exist in the child.
+OpenMP 5.0's ``omp_pause_resource_all`` releases the pool in the parent; the
+next parallel region (in the parent or a child) simply starts a fresh one.
+
+Example:
+    >>> from nbaccel.platform.forksafe import release_openmp_threads
+    >>> release_openmp_threads() in (True, False)
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+# omp_pause_resource_t values from the OpenMP 5.0 specification
+_OMP_PAUSE_SOFT = 1
+_OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
+
+
+def _loaded_openmp_libraries() -> list[str]:
+    """Paths of OpenMP runtimes mapped into this process (Linux: /proc/self/maps)."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                name = os.path.basename(path)
+                if path.startswith("/") and name.startswith(_OPENMP_NAMES) and path not in paths:
+                    paths.append(path)
+    except OSError:  # not Linux: fork is not the default start method there anyway
+        return []
+    return paths
+
+
+def release_openmp_threads() -> bool:
+    """Release every loaded OpenMP runtime's thread pool before a fork.
+
+    Returns:
+        True if at least one runtime was paused; False if none is loaded or the
+        runtime predates OpenMP 5.0 (then workers fall back to what the runtime does).
+    """
+    paused = False
+    for path in _loaded_openmp_libraries():
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes = [ctypes.c_int]
+        pause.restype = ctypes.c_int
+        paused = pause(_OMP_PAUSE_SOFT) == 0 or paused
+    return paused
+
+
+__all__ = ["release_openmp_threads"]

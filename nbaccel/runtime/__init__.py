@@ -1,0 +1,16 @@
+"""What runs inside the training function, on every rank: the ``Accelerator`` and its parts.
+
+* :mod:`~nbaccel.runtime.accelerator` -- the facade; it delegates to the modules below;
+* :mod:`~nbaccel.runtime.state` -- the frozen process state and the process group;
+* :mod:`~nbaccel.runtime.strategy` -- single process, DDP, XLA: wrap, sync, clip, state dicts;
+* :mod:`~nbaccel.runtime.precision`, :mod:`~nbaccel.runtime.accumulation`,
+  :mod:`~nbaccel.runtime.wrappers` -- mixed precision, micro-steps, prepared optimizers;
+* :mod:`~nbaccel.runtime.data`, :mod:`~nbaccel.runtime.sharding` -- prepared dataloaders;
+* :mod:`~nbaccel.runtime.ops`, :mod:`~nbaccel.runtime.tree`, :mod:`~nbaccel.runtime.rng` --
+  collectives, tensor trees, RNG synchronisation;
+* :mod:`~nbaccel.runtime.checkpointing`, :mod:`~nbaccel.runtime.model_io` -- what a
+  checkpoint holds, written through :mod:`nbaccel.checkpoint`.
+
+The runtime never imports :mod:`nbaccel.launch`, :mod:`nbaccel.ui` or :mod:`nbaccel.cli`:
+it talks to a launcher only through :mod:`nbaccel.tracking.events`.
+"""

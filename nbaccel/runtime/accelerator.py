@@ -1,0 +1,585 @@
+"""The ``Accelerator`` facade: one training loop for CPU, one GPU or many processes.
+
+It holds the process state, the precision, the accumulation state and the prepared
+objects, and delegates: placement and wrapping to :mod:`nbaccel.wrappers`, sharding to
+:mod:`nbaccel.data`, collectives to :mod:`nbaccel.ops`, checkpoints to
+:mod:`nbaccel.checkpoint`, trackers to :mod:`nbaccel.trackers`.
+
+Example:
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> accelerator = Accelerator()
+    >>> model = torch.nn.Linear(3, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> loader = DataLoader(TensorDataset(torch.randn(8, 3), torch.randn(8, 1)), batch_size=4)
+    >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    >>> for x, y in loader:
+    ...     optimizer.zero_grad()
+    ...     loss = torch.nn.functional.mse_loss(model(x), y)
+    ...     accelerator.backward(loss)
+    ...     optimizer.step()
+    >>> accelerator.step
+    2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from ..config import normalize_precision, resolve_launch_config
+from ..errors import ConfigError
+from ..tracking import events
+from . import checkpointing, model_io, ops, tree
+from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
+from .data import PreparedDataLoader, prepare_data_loader, skip_first_batches
+from .options import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProjectConfiguration,
+    check_unexpected_keywords,
+    parse_kwargs_handlers,
+    resolve_dataloader_config,
+)
+from .precision import make_precision
+from .rng import set_seed, validate_rng_types
+from .state import DistributedType, ProcessState, get_state
+from .strategy import Strategy, select_strategy
+from .wrappers import PreparedOptimizer, PreparedScheduler, is_scheduler, prepare_model
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _launch_defaults(mixed_precision: Any, steps: Any) -> tuple[str, int]:
+    """Fill unset precision / accumulation steps from ``NBACCEL_*`` env and the config file."""
+    if mixed_precision is not None and steps is not None:
+        return normalize_precision(mixed_precision), steps
+    overrides = {"mixed_precision": mixed_precision, "gradient_accumulation_steps": steps}
+    cfg = resolve_launch_config({k: v for k, v in overrides.items() if v is not None})
+    return cfg.mixed_precision, cfg.gradient_accumulation_steps
+
+
+class Accelerator:
+    """Prepare a model, optimizer, dataloaders and scheduler for whatever hardware runs this.
+
+    Args:
+        device_placement: move models and batches to :attr:`device`.
+        split_batches: a loader's batch size is the global one, sliced across processes.
+        mixed_precision: "no", "fp16", "bf16" or "fp8"; ``None`` reads
+            ``NBACCEL_MIXED_PRECISION`` / the config file, else "no".
+        gradient_accumulation_steps: micro-steps per update (>= 1); ``None`` reads
+            ``NBACCEL_GRADIENT_ACCUMULATION_STEPS`` / the config file, else 1.
+        cpu: run on the CPU even if a GPU is visible.
+        rng_types: RNGs kept in step across processes: "generator" (default: samplers
+            with a ``generator`` shuffle identically, seeded per epoch) plus any of
+            "torch", "cuda", "python", "numpy" (rank 0's state is copied at every
+            dataloader iteration; add "torch" for custom samplers using the global RNG).
+        log_with: tracker name(s) or ``GeneralTracker`` instances (see :meth:`init_trackers`).
+        project_dir: where checkpoints and tracker logs go.
+        project_config: a ``ProjectConfiguration`` (``project_dir`` overrides its directory).
+        even_batches: wrap around so every process gets the same number of batches.
+        step_scheduler_with_optimizer: step prepared schedulers only with real optimizer steps.
+        kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
+            ``AutocastKwargs``, ``InitProcessGroupKwargs`` (one of each at most).
+        dataloader_config: a ``DataLoaderConfiguration`` (alternative to split/even_batches).
+
+    Raises:
+        TypeError: an unknown keyword (the message lists the valid ones).
+        ConfigError: an invalid value, or a setting that conflicts with the running group.
+        LaunchError: the process group could not be formed.
+    """
+
+    def __init__(
+        self,
+        *,
+        device_placement: bool = True,
+        split_batches: bool | None = None,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        cpu: bool = False,
+        rng_types: list[str] | None = None,
+        log_with: Any = None,
+        project_dir: str | os.PathLike[str] | None = None,
+        project_config: ProjectConfiguration | None = None,
+        even_batches: bool | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: list[KwargsHandler] | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        **unexpected: Any,
+    ) -> None:
+        valid = [p for p in inspect.signature(Accelerator).parameters if p != "unexpected"]
+        check_unexpected_keywords("Accelerator", unexpected, valid)
+        handlers = parse_kwargs_handlers(kwargs_handlers)
+        self.dataloader_config = resolve_dataloader_config(
+            dataloader_config, split_batches, even_batches
+        )
+        steps = gradient_accumulation_steps
+        if steps is not None and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+        ):
+            raise ConfigError(
+                f"gradient_accumulation_steps={steps!r} must be an int >= 1 "
+                "(1 = update after every batch)."
+            )
+        mixed_precision, steps = _launch_defaults(mixed_precision, steps)
+        self.rng_types = validate_rng_types(rng_types)
+        init = handlers.get(InitProcessGroupKwargs)
+        self.state: ProcessState = get_state(
+            cpu=cpu, init_kwargs=init.to_kwargs() if init else None
+        )
+        self.strategy: Strategy = select_strategy(self.state)
+        scaler, autocast = handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs)
+        self.precision = make_precision(  # unsupported modes raise ConfigError here
+            mixed_precision,
+            self.device,
+            scaler_kwargs=scaler.to_kwargs() if scaler else None,
+            autocast_kwargs=autocast.to_kwargs() if autocast else None,
+        )
+        self.mixed_precision: str = mixed_precision
+        ddp = handlers.get(DistributedDataParallelKwargs)
+        self.ddp_kwargs: dict[str, Any] = ddp.to_kwargs() if ddp else {}
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.project_configuration = project_config or ProjectConfiguration()
+        if project_dir is not None:  # overrides the config's directory (and its default logs)
+            config, previous = self.project_configuration, self.project_configuration.project_dir
+            config.project_dir = project_dir
+            if config.logging_dir in (None, previous):
+                config.logging_dir = project_dir
+        self.log_with = log_with
+        self.trackers: list[Any] = []
+        self.gradient_state = GradientState(steps)
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[PreparedOptimizer] = []
+        self._schedulers: list[PreparedScheduler] = []
+        self._dataloaders: list[PreparedDataLoader] = []
+        self._custom_objects: list[Any] = []
+        # parameters the precision replaced in models (fp8), so optimizers can follow them
+        self._replaced_params: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+
+    # -- process facts -------------------------------------------------------------------
+
+    device = property(lambda self: self.state.device, doc="The device this process computes on.")
+    distributed_type = property(lambda self: self.state.distributed_type)
+    num_processes = property(lambda self: self.state.world_size)
+    process_index = property(lambda self: self.state.rank)
+    local_process_index = property(lambda self: self.state.local_rank)
+    is_main_process = property(lambda self: self.state.is_main_process)
+    is_local_main_process = property(lambda self: self.state.is_local_main_process)
+    is_last_process = property(lambda self: self.state.is_last_process)
+    use_distributed = property(lambda self: self.state.use_distributed)
+    split_batches = property(lambda self: self.dataloader_config.split_batches)
+    even_batches = property(lambda self: self.dataloader_config.even_batches)
+    project_dir = property(lambda self: self.project_configuration.project_dir)
+    logging_dir = property(lambda self: self.project_configuration.logging_dir)
+    sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
+    gradient_accumulation_steps = property(lambda self: self.gradient_state.num_steps)
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates done so far (restored by :meth:`load_state`)."""
+        return self.gradient_state.updates
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.gradient_state.updates = int(value)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True if the last optimizer step was skipped (fp16 overflow): don't step the LR."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    def __repr__(self) -> str:
+        s = self.state
+        return (
+            f"Accelerator(distributed_type={s.distributed_type.value}, num_processes="
+            f"{s.world_size}, process_index={s.rank}, device={s.device}, "
+            f"mixed_precision={self.mixed_precision!r})"
+        )
+
+    # -- prepare --------------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare models, optimizers, schedulers and dataloaders; returns them in order.
+
+        Models are handled first, then optimizers, schedulers and loaders, whatever the
+        argument order. Objects prepared before are returned unchanged.
+
+        Raises:
+            TypeError: an argument is none of the four kinds.
+        """
+        if device_placement is not None and len(device_placement) != len(args):
+            raise ValueError(
+                f"device_placement has {len(device_placement)} entries for {len(args)} objects."
+            )
+        placement = device_placement or [self.device_placement] * len(args)
+        kinds = [self._kind(obj, i) for i, obj in enumerate(args)]
+        steps: dict[str, Callable[[Any, bool], Any]] = {
+            "model": self.prepare_model,
+            "optimizer": self.prepare_optimizer,
+            "scheduler": lambda obj, _placement: self.prepare_scheduler(obj),
+            "dataloader": self.prepare_data_loader,
+        }
+        result: list[Any] = list(args)
+        for kind, prepare_one in steps.items():  # models first: optimizers follow their params
+            for i, obj in enumerate(args):
+                if kinds[i] == kind:
+                    result[i] = prepare_one(obj, placement[i])
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _kind(self, obj: Any, index: int) -> str:
+        if isinstance(obj, torch.nn.Module):
+            return "model"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, torch.utils.data.DataLoader):
+            return "dataloader"
+        if isinstance(obj, PreparedScheduler) or is_scheduler(obj):
+            return "scheduler"
+        raise TypeError(
+            f"prepare() argument {index} is a {type(obj).__module__}.{type(obj).__qualname__}, "
+            "which nbaccel cannot prepare: pass torch.nn.Module, torch.optim.Optimizer, "
+            "torch LR schedulers or torch.utils.data.DataLoader objects, and keep anything "
+            "else out of prepare()."
+        )
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> Any:
+        """Prepare one model (see :meth:`prepare`)."""
+        for prepared in self._models:
+            if model is prepared or model is self.strategy.unwrap_model(prepared):
+                return prepared
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared, replaced = prepare_model(
+            model,
+            strategy=self.strategy,
+            precision=self.precision,
+            device_placement=placement,
+            ddp_kwargs=self.ddp_kwargs,
+        )
+        self._replaced_params.update(replaced)
+        self._models.append(prepared)
+        return prepared
+
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> PreparedOptimizer:
+        """Prepare one optimizer (see :meth:`prepare`)."""
+        if isinstance(optimizer, PreparedOptimizer):
+            return optimizer
+        prepared = PreparedOptimizer(
+            optimizer,
+            precision=self.precision,
+            gradient_state=self.gradient_state,
+            counts_updates=not self._optimizers,
+            device_placement=self.device_placement
+            if device_placement is None
+            else device_placement,
+            replaced=self._replaced_params,
+            after_step=self.strategy.after_optimizer_step,
+        )
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        """Prepare one LR scheduler (see :meth:`prepare`)."""
+        if isinstance(scheduler, PreparedScheduler):
+            return scheduler
+        target = getattr(scheduler, "optimizer", None)
+        optimizers = [o for o in self._optimizers if target is o or target is o.optimizer]
+        prepared = PreparedScheduler(
+            scheduler,
+            optimizers,
+            gradient_state=self.gradient_state,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
+            num_processes=self.num_processes,
+        )
+        self._schedulers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, dataloader: Any, device_placement: bool | None = None) -> Any:
+        """Prepare one DataLoader (see :meth:`prepare`); a collective when distributed."""
+        if isinstance(dataloader, PreparedDataLoader):
+            return dataloader
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = prepare_data_loader(
+            dataloader,
+            num_processes=self.num_processes,
+            process_index=self.process_index,
+            split_batches=self.split_batches,
+            even_batches=self.even_batches,
+            device=self.device if placement else None,
+            non_blocking=self.dataloader_config.non_blocking,
+            gradient_state=self.gradient_state,
+            rng_types=self.rng_types,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """A loader whose next iteration skips ``num_batches`` (to resume mid-epoch)."""
+        return skip_first_batches(dataloader, num_batches)
+
+    # -- training step ---------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` scaled for accumulation and (fp16) loss scaling."""
+        if self.gradient_state.num_steps > 1:
+            loss = loss / self.gradient_state.num_steps
+        self.precision.backward(loss, **kwargs)
+
+    def accumulate(self, *models: Any) -> contextlib.AbstractContextManager[None]:
+        """Context for one micro-step of gradient accumulation (all prepared models if none)."""
+        models = models or tuple(self._models)
+        return accumulate(self.gradient_state, models, self.strategy.no_sync)
+
+    def no_sync(self, model: Any) -> contextlib.AbstractContextManager[None]:
+        """Skip the gradient all-reduce inside the block (no-op for a single process)."""
+        return self.strategy.no_sync(model)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The mixed-precision autocast context (prepared models already run under it)."""
+        return self.precision.autocast()
+
+    def _unscale_for(self, parameters: list[torch.Tensor]) -> None:
+        wanted = {id(p) for p in parameters}
+        for opt in self._optimizers:
+            if any(id(p) in wanted for g in opt.param_groups for p in g["params"]):
+                self.precision.unscale_(opt.optimizer)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Divide fp16-scaled gradients by the loss scale (no-op otherwise)."""
+        for opt in [optimizer] if optimizer is not None else self._optimizers:
+            self.precision.unscale_(getattr(opt, "optimizer", opt))
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Unscale, clip the total norm, return the norm before clipping (sync steps only)."""
+        return clip_grad_norm(
+            parameters,
+            max_norm,
+            norm_type,
+            state=self.gradient_state,
+            unscale=self._unscale_for,
+            clip=self.strategy.clip_grad_norm_,
+        )
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Unscale, then clamp every gradient to ``[-clip_value, clip_value]`` (sync steps)."""
+        clip_grad_value(
+            parameters, clip_value, state=self.gradient_state, unscale=self._unscale_for
+        )
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate every process's tensors along dim 0 (same shapes on every rank)."""
+        return ops.gather(tensor)
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Gather picklable objects (lists are concatenated)."""
+        return ops.gather_object(obj)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather for evaluation: drops the samples ``even_batches`` duplicated at the end.
+
+        Tensors may differ in size along dim 0 across ranks; non-tensor data is gathered
+        as objects.
+        """
+        tensors_only = tree.is_tensor_tree(input_data)
+        if use_gather_object or not tensors_only:
+            data = ops.gather_object(input_data)
+        else:
+            data = ops.gather(input_data, allow_uneven=True)
+        remainder = self.gradient_state.remainder
+        if self.gradient_state.end_of_dataloader and remainder >= 0:
+            if isinstance(data, list):
+                return data[:remainder]
+            return tree.recursively_apply(lambda t: t[:remainder], data)
+        return data
+
+    def pad_across_processes(
+        self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
+    ) -> Any:
+        """Pad tensors along ``dim`` to the largest size on any process."""
+        return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """All-reduce tensors across processes (``"sum"``, ``"mean"`` or ``"none"``)."""
+        return ops.reduce(tensor, reduction=reduction, scale=scale)
+
+    def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
+        """Copy ``from_process``'s tensors to every process."""
+        return ops.broadcast(tensor, from_process=from_process)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Yield this process's contiguous share of a list, tuple, tensor or dict of those."""
+        yield ops.split_between_processes(
+            inputs, self.num_processes, self.process_index, apply_padding=apply_padding
+        )
+
+    def wait_for_everyone(self) -> None:
+        """Barrier: every process waits here until all arrive (no-op for one process)."""
+        ops.barrier()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """Run the block on the main process first, then on all others (e.g. downloads)."""
+        return ops.first(self.is_main_process)
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """Like :meth:`main_process_first`, once per machine."""
+        return ops.first(self.is_local_main_process)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def tqdm(self, *args: Any, **kwargs: Any) -> Any:
+        """A progress bar drawn by the main process only (see :func:`nbaccel.progress.tqdm`)."""
+        from ..tracking.progress import tqdm
+
+        return tqdm(*args, **kwargs)
+
+    def _only_on(self, condition: Callable[[], bool], function: F) -> F:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if condition() else None
+
+        return wrapper  # type: ignore[return-value]
+
+    def on_main_process(self, function: F) -> F:
+        """Decorator: run ``function`` on the main process only (``None`` elsewhere)."""
+        return self._only_on(lambda: self.is_main_process, function)
+
+    def on_local_main_process(self, function: F) -> F:
+        """Decorator: run ``function`` on each machine's local main process only."""
+        return self._only_on(lambda: self.is_local_main_process, function)
+
+    def on_last_process(self, function: F) -> F:
+        """Decorator: run ``function`` on the last process only."""
+        return self._only_on(lambda: self.is_last_process, function)
+
+    def on_process(self, function: F | None = None, process_index: int = 0) -> Any:
+        """Decorator: run ``function`` on global rank ``process_index`` only."""
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return self._only_on(lambda: self.process_index == process_index, function)
+
+    def on_local_process(self, function: F | None = None, local_process_index: int = 0) -> Any:
+        """Decorator: run ``function`` on local rank ``local_process_index`` of each machine."""
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        return self._only_on(lambda: self.local_process_index == local_process_index, function)
+
+    # -- models and memory -----------------------------------------------------------------
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> Any:
+        """The user's module inside DDP / ``torch.compile`` (see :func:`wrappers.unwrap_model`)."""
+        return self.strategy.unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper)
+
+    def set_seed(self, seed: int, device_specific: bool = False) -> None:
+        """Seed python, numpy and torch (plus the process index if ``device_specific``)."""
+        set_seed(seed, device_specific=device_specific)
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop every prepared object this Accelerator holds, collect garbage, empty caches."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.gradient_state = GradientState(self.gradient_state.num_steps)
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+    clear = free_memory
+
+    # -- checkpoints (nbaccel.checkpoint) --------------------------------------------------
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include ``objects`` (each with ``state_dict``/``load_state_dict``) in save_state."""
+        for i, obj in enumerate(objects):
+            missing = [
+                m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))
+            ]
+            if missing:
+                raise TypeError(
+                    f"register_for_checkpointing argument {i} ({type(obj).__name__}) lacks "
+                    f"{' and '.join(missing)}(); give it state_dict() and load_state_dict(state)."
+                )
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
+        """Atomically save models, optimizers, schedulers, scaler, RNG and loader positions."""
+
+        return checkpointing.save_state(self, output_dir, **kwargs)
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
+        """Restore what :meth:`save_state` wrote (the latest checkpoint if ``input_dir`` is None)."""
+
+        return checkpointing.load_state(self, input_dir, **kwargs)
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> Any:
+        """Write the unwrapped model's weights (main process), sharded when large."""
+
+        return model_io.save_model(self, model, save_directory, max_shard_size, safe_serialization)
+
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> Any:
+        """``torch.save`` once per machine (safetensors with ``safe_serialization``)."""
+
+        return model_io.save(self, obj, f, safe_serialization=safe_serialization)
+
+    # -- trackers (nbaccel.trackers) -------------------------------------------------------
+
+    def init_trackers(
+        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: Any = None
+    ) -> None:
+        """Start the ``log_with`` trackers on the main process and store ``config``."""
+        from ..tracking import trackers
+
+        if self.is_main_process and self.log_with is not None:
+            self.trackers = trackers.start_trackers(
+                self.log_with, project_name, self.logging_dir, config, init_kwargs or {}
+            )
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: Any = None) -> None:
+        """Log ``values`` to every tracker (main process) and to the launcher's live view."""
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
+        events.publish("log", step=self.step if step is None else step, values=dict(values))
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker called ``name`` (its raw object if ``unwrap``); ``None`` off-main."""
+        from ..tracking import trackers
+
+        if not self.is_main_process:
+            return None
+        return trackers.find_tracker(self.trackers, name, unwrap=unwrap)
+
+    def end_training(self) -> None:
+        """Finish every tracker (flush files, close runs)."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+
+__all__ = ["Accelerator", "DistributedType"]

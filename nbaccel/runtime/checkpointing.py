@@ -1,0 +1,290 @@
+"""Atomic training checkpoints (save_state / load_state) and model export (save_model).
+
+A checkpoint directory holds the unwrapped models (safetensors), optimizers,
+schedulers, the GradScaler, every registered custom object, and one file per
+rank with that rank's RNG states and dataloader positions, plus a manifest
+(``nbaccel_checkpoint.json``) listing every file and its size.
+
+Atomicity: all ranks write into ``.<name>.tmp-<token>`` next to the target (the
+token is agreed via broadcast), every file is fsynced, the ranks exchange a
+success flag, then the main process (each node's, with ``save_on_each_node``)
+writes the manifest and renames the directory into place. A process killed at
+any point leaves the previous checkpoint untouched and no directory that
+:func:`load_state` accepts: it refuses anything without a valid manifest.
+
+Every function that takes ``acc`` must be called on every rank, except
+``save_model`` and ``save``, which only write on the main process.
+
+Example:
+    >>> path = accelerator.save_state("ckpt")  # doctest: +SKIP
+    >>> accelerator.load_state(path)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.directory import (
+    AUTO_NAME,
+    MANIFEST,
+    all_ok,
+    checkpoints_root,
+    decode,
+    encode,
+    from_main,
+    latest_checkpoint,
+    prune,
+    publish,
+    read_manifest,
+)
+from ..checkpoint.weights import (
+    CheckpointError,
+    dedupe_tied,
+    fsync_path,
+    read_weights,
+    torch_load,
+    torch_save,
+    write_safetensors,
+)
+from ..errors import ConfigError
+
+# -- save_state ---------------------------------------------------------------------------
+
+
+def _suffix(i: int) -> str:
+    return "" if i == 0 else f"_{i}"
+
+
+def _write_shared(acc: Any, tmp: Path, safe_serialization: bool) -> None:
+    """Files that are identical on every rank: written once (per node with save_on_each_node)."""
+    for i, model in enumerate(acc._models):
+        state = acc.strategy.model_state_dict(model)
+        if safe_serialization:
+            tensors, aliases = dedupe_tied(state)
+            write_safetensors(tensors, tmp / f"model{_suffix(i)}.safetensors", aliases)
+        else:
+            torch_save(
+                {k: v.detach().cpu() for k, v in state.items()},
+                tmp / f"pytorch_model{_suffix(i)}.bin",
+            )
+    for i, optimizer in enumerate(acc._optimizers):
+        torch_save(acc.strategy.optimizer_state_dict(optimizer), tmp / f"optimizer{_suffix(i)}.bin")
+    for i, scheduler in enumerate(acc._schedulers):
+        torch_save(scheduler.state_dict(), tmp / f"scheduler{_suffix(i)}.bin")
+    scaler_state = acc.precision.state_dict()
+    if scaler_state:
+        torch_save(scaler_state, tmp / "scaler.pt")
+    for i, obj in enumerate(acc._custom_objects):
+        torch_save(encode(obj.state_dict()), tmp / f"custom_checkpoint_{i}.pkl")
+
+
+def _write_rank(acc: Any, tmp: Path) -> None:
+    from .rng import get_rng_state
+
+    state = {
+        "rng": get_rng_state(),
+        "dataloaders": [dl.state_dict() for dl in acc._dataloaders],
+    }
+    torch_save(encode(state), tmp / f"rank_{acc.state.rank}.pt")
+
+
+def save_state(
+    acc: Any, output_dir: str | os.PathLike[str] | None = None, *, safe_serialization: bool = True
+) -> str:
+    """Save everything needed to resume training; return the checkpoint directory.
+
+    Args:
+        acc: the Accelerator (call on every rank).
+        output_dir: where to save; ``None`` with automatic naming means
+            ``project_dir/checkpoints/checkpoint_{iteration}``.
+        safe_serialization: models as safetensors (default) or torch ``.bin``.
+    """
+    config = acc.project_configuration
+    auto = output_dir is None
+    if auto and not config.automatic_checkpoint_naming:
+        raise ConfigError(
+            "save_state() needs output_dir, or Accelerator(project_config=ProjectConfiguration("
+            "project_dir=..., automatic_checkpoint_naming=True))."
+        )
+    if output_dir is None:
+        target = checkpoints_root(acc) / f"checkpoint_{config.iteration}"
+    else:
+        target = Path(output_dir)
+    target = target.absolute()
+    token = from_main(acc, uuid.uuid4().hex[:12])
+    tmp = target.parent / f".{target.name}.tmp-{token}"
+    state = acc.state
+    writes_shared = state.is_main_process or (
+        config.save_on_each_node and state.is_local_main_process
+    )
+    error: BaseException | None = None
+    try:
+        occupied = target.exists() and (not target.is_dir() or any(target.iterdir()))
+        if writes_shared and occupied and not (target / MANIFEST).is_file():
+            raise ConfigError(
+                f"save_state will not overwrite {str(target)!r}: it exists and is not an nbaccel "
+                "checkpoint. Choose an empty or new directory."
+            )
+        tmp.mkdir(parents=True, exist_ok=True)
+        if writes_shared:
+            _write_shared(acc, tmp, safe_serialization)
+        _write_rank(acc, tmp)
+        fsync_path(tmp)
+    except Exception as err:
+        error = err
+    try:
+        all_ok(acc, error, "save_state")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # rename node by node so that mains sharing one filesystem never race
+    num_nodes = max(1, state.world_size // max(1, state.local_world_size))
+    for node in range(num_nodes if config.save_on_each_node else 1):
+        error = None
+        if writes_shared and state.node_rank == node:
+            try:
+                publish(acc, tmp, target, token, safe_serialization)
+            except Exception as err:
+                error = err
+        all_ok(acc, error, "save_state (publishing)")
+    if auto:
+        config.iteration += 1
+        error = None
+        if state.is_main_process:
+            try:
+                prune(acc, target.parent)
+            except Exception as err:
+                error = err
+        # nobody looks for "the latest checkpoint" while old ones are being removed
+        all_ok(acc, error, "save_state (pruning)")
+    return str(target)
+
+
+# -- load_state ---------------------------------------------------------------------------
+
+
+def _check_counts(acc: Any, manifest: dict[str, Any], source: Path) -> None:
+    counts = manifest.get("counts", {})
+    for kind, have in (
+        ("models", acc._models),
+        ("optimizers", acc._optimizers),
+        ("schedulers", acc._schedulers),
+        ("custom_objects", acc._custom_objects),
+    ):
+        if counts.get(kind, 0) != len(have):
+            raise ConfigError(
+                f"{str(source)!r} holds {counts.get(kind, 0)} {kind} but this Accelerator has "
+                f"{len(have)}: prepare() (and register_for_checkpointing) the same objects, in the "
+                "same order, before load_state()."
+            )
+
+
+def load_state(
+    acc: Any,
+    input_dir: str | os.PathLike[str] | None = None,
+    *,
+    weights_only: bool = True,
+    strict: bool = True,
+) -> str:
+    """Restore what :func:`save_state` wrote; return the directory loaded.
+
+    Args:
+        acc: the Accelerator (call on every rank, after ``prepare``).
+        input_dir: a checkpoint directory; ``None`` with automatic naming loads the latest
+            complete ``checkpoint_{i}`` and continues numbering after it.
+        weights_only: keep True; False lets torch unpickle arbitrary objects (trusted files only).
+        strict: model keys must match exactly.
+    """
+    config = acc.project_configuration
+    error: BaseException | None = None
+    source: Path | None = None
+    try:
+        if input_dir is None:
+            if not config.automatic_checkpoint_naming:
+                raise ConfigError(
+                    "load_state() needs input_dir unless ProjectConfiguration("
+                    "automatic_checkpoint_naming=True) is set."
+                )
+            source = latest_checkpoint(checkpoints_root(acc))
+            if source is None:
+                raise FileNotFoundError(
+                    f"no complete checkpoint under {str(checkpoints_root(acc))!r}."
+                )
+        else:
+            source = Path(input_dir)
+        manifest = read_manifest(source)
+        _check_counts(acc, manifest, source)
+        _load_into(acc, source, manifest, weights_only=weights_only, strict=strict)
+    except Exception as err:
+        error = err
+    all_ok(acc, error, "load_state")
+    assert source is not None
+    match = AUTO_NAME.fullmatch(source.name)
+    if config.automatic_checkpoint_naming and match:
+        config.iteration = int(match.group(1)) + 1
+    return str(source)
+
+
+def _load_into(
+    acc: Any, source: Path, manifest: dict[str, Any], *, weights_only: bool, strict: bool
+) -> None:
+    for i, model in enumerate(acc._models):
+        name = (
+            f"model{_suffix(i)}.safetensors"
+            if manifest.get("safe_serialization", True)
+            else f"pytorch_model{_suffix(i)}.bin"
+        )
+        acc.strategy.load_model_state_dict(
+            model, read_weights(source / name, weights_only=weights_only), strict=strict
+        )
+    for i, optimizer in enumerate(acc._optimizers):
+        acc.strategy.load_optimizer_state_dict(
+            optimizer, torch_load(source / f"optimizer{_suffix(i)}.bin", weights_only=weights_only)
+        )
+    for i, scheduler in enumerate(acc._schedulers):
+        scheduler.load_state_dict(
+            torch_load(source / f"scheduler{_suffix(i)}.bin", weights_only=weights_only)
+        )
+    if manifest.get("scaler"):
+        acc.precision.load_state_dict(torch_load(source / "scaler.pt", weights_only=weights_only))
+    for i, obj in enumerate(acc._custom_objects):
+        obj.load_state_dict(
+            decode(torch_load(source / f"custom_checkpoint_{i}.pkl", weights_only=weights_only))
+        )
+    rank_file = source / f"rank_{acc.state.rank}.pt"
+    if not rank_file.is_file():
+        warnings.warn(
+            f"{source} has no state for rank {acc.state.rank} (saved with world size "
+            f"{manifest.get('world_size')}); RNG states and dataloader positions are not restored.",
+            stacklevel=3,
+        )
+    else:
+        from .rng import set_rng_state
+
+        per_rank = decode(torch_load(rank_file, weights_only=weights_only))
+        loaders = per_rank.get("dataloaders", [])
+        if len(loaders) != len(acc._dataloaders):
+            warnings.warn(
+                f"{source} holds {len(loaders)} dataloader positions, this Accelerator prepared "
+                f"{len(acc._dataloaders)}; restoring the first {min(len(loaders), len(acc._dataloaders))}.",
+                stacklevel=3,
+            )
+        for dataloader, state in zip(acc._dataloaders, loaders, strict=False):
+            dataloader.load_state_dict(state)
+        set_rng_state(per_rank["rng"])  # last: nothing above may consume the restored streams
+    acc.step = int(manifest.get("step", 0))
+
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "latest_checkpoint",
+    "load_state",
+    "read_manifest",
+    "save_state",
+]

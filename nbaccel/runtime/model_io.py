@@ -1,0 +1,161 @@
+"""Model weights in and out: ``save_model``, ``save`` and ``load_checkpoint_in_model``.
+
+The file formats (safetensors shards plus an index, torch files, tied weights) are
+:mod:`nbaccel.checkpoint.weights`; this module decides what to write from a
+prepared model (unwrapped first) and on which rank.
+
+Example:
+    >>> import torch, tempfile
+    >>> model = torch.nn.Linear(2, 2)
+    >>> folder = tempfile.mkdtemp()
+    >>> from nbaccel.checkpoint.weights import save_model_files
+    >>> _ = save_model_files(model.state_dict(), folder)
+    >>> load_checkpoint_in_model(torch.nn.Linear(2, 2), folder).missing_keys
+    []
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from ..checkpoint.weights import (
+    CheckpointError,
+    dedupe_tied,
+    parse_size,
+    read_weights,
+    save_model_files,
+    torch_save,
+    write_safetensors,
+)
+from ..errors import ConfigError
+from .wrappers import unwrap_model
+
+
+class LoadResult(NamedTuple):
+    """Keys the checkpoint lacked and keys the model did not expect."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _place(model: torch.nn.Module, device_map: Any) -> None:
+    if device_map is None:
+        return
+    if device_map == "auto" or (isinstance(device_map, Mapping) and "disk" in device_map.values()):
+        raise ConfigError(
+            f"device_map={device_map!r} is not supported: pass a device ('cpu', 'cuda:0') or a "
+            "dict mapping module names to devices, e.g. {'': 'cuda:0', 'head': 'cpu'}."
+        )
+    if not isinstance(device_map, Mapping):
+        model.to(
+            torch.device(device_map) if not isinstance(device_map, int) else f"cuda:{device_map}"
+        )
+        return
+    for prefix in sorted(device_map, key=lambda p: p.count(".") + bool(p)):  # parents first
+        device = device_map[prefix]
+        device = f"cuda:{device}" if isinstance(device, int) else device
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError as err:
+            raise ConfigError(
+                f"device_map names {prefix!r}, which the model does not have."
+            ) from err
+        module.to(torch.device(device))
+
+
+def load_checkpoint_in_model(
+    model: torch.nn.Module,
+    checkpoint: str | os.PathLike[str],
+    device_map: Any = None,
+    *,
+    strict: bool = True,
+    weights_only: bool = True,
+) -> LoadResult:
+    """Load weights into ``model`` in place from a file, a sharded folder or an index JSON.
+
+    Args:
+        model: the model (wrappers such as DDP are looked through).
+        checkpoint: ``*.safetensors``, a torch ``*.bin``/``*.pt`` state dict, a folder
+            written by ``save_model``, or a ``*.index.json``.
+        device_map: ``None`` (leave parameters where they are), a device, or a dict
+            ``{module_name: device}`` (``""`` is the whole model) applied after loading.
+        strict: raise if keys are missing or unexpected.
+        weights_only: keep ``True`` unless you trust a torch file that holds more than tensors.
+
+    Example:
+        >>> load_checkpoint_in_model(model, "out/model")  # doctest: +SKIP
+    """
+    target = unwrap_model(model)
+    state = read_weights(checkpoint, weights_only=weights_only)
+    expected = set(target.state_dict())
+    result = LoadResult(sorted(expected - set(state)), sorted(set(state) - expected))
+    if strict and (result.missing_keys or result.unexpected_keys):
+        raise CheckpointError(
+            f"{checkpoint} does not match {type(target).__name__}: missing keys "
+            f"{result.missing_keys[:10]}, unexpected keys {result.unexpected_keys[:10]}. "
+            "Pass strict=False to load the matching part."
+        )
+    target.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    _place(target, device_map)
+    return result
+
+
+def save_model(
+    acc: Any,
+    model: torch.nn.Module,
+    save_directory: str | os.PathLike[str],
+    max_shard_size: int | str = "10GB",
+    safe_serialization: bool = True,
+) -> list[Path]:
+    """Write ``model``'s unwrapped weights from the main process; shards + index when large.
+
+    Returns the files written (empty on other ranks).
+    """
+    parse_size(max_shard_size)  # validate on every rank, not only where it writes
+    if not acc.state.is_main_process:
+        return []
+    return save_model_files(
+        acc.strategy.model_state_dict(model),
+        save_directory,
+        max_shard_size=max_shard_size,
+        safe_serialization=safe_serialization,
+    )
+
+
+def save(acc: Any, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+    """Save ``obj`` to ``f`` once per machine (the local main process), atomically for paths.
+
+    With ``safe_serialization=True`` ``obj`` must be a dict of tensors (safetensors).
+    """
+    if not acc.state.is_local_main_process:
+        return
+    if hasattr(f, "write"):
+        if safe_serialization:
+            raise ConfigError("safe_serialization=True needs a file path, not an open file object.")
+        torch.save(obj, f)
+        return
+    path = Path(f)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        if safe_serialization:
+            if not isinstance(obj, dict):
+                raise ConfigError(
+                    f"safe_serialization=True saves a dict of tensors, not a {type(obj).__name__}."
+                )
+            tensors, aliases = dedupe_tied(obj)
+            write_safetensors(tensors, tmp, aliases)
+        else:
+            torch_save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+__all__ = ["LoadResult", "load_checkpoint_in_model", "save", "save_model"]

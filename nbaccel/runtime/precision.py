@@ -1,0 +1,286 @@
+"""Mixed precision behind one small interface.
+
+A ``Precision`` answers four questions for the Accelerator: how the model is
+adapted before wrapping (fp8 swaps its Linear layers), which context the forward
+runs under, how ``backward`` treats the loss, and how the optimizer steps (fp16
+unscales and may skip the step on inf/nan).
+
+Modes: ``"no"`` (fp32), ``"bf16"`` (autocast on CPU and GPU), ``"fp16"`` (autocast
+plus ``torch.amp.GradScaler``), ``"fp8"`` (torchao float8 training on GPUs of compute
+capability >= 8.9, with bf16 autocast around it). A mode that cannot run here is a
+:class:`~nbaccel.errors.ConfigError` at construction, never a silent fallback.
+
+Example:
+    >>> import torch
+    >>> p = make_precision("bf16", torch.device("cpu"))
+    >>> with p.autocast():
+    ...     y = torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    >>> y.dtype
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from ..config import normalize_precision
+from ..errors import ConfigError
+
+
+class Precision(Protocol):
+    """What the Accelerator needs from a precision mode."""
+
+    mode: str
+    scaler: Any  # torch.amp.GradScaler for fp16, else None
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Context for the forward pass."""
+        ...
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Run backward on ``loss`` (scaled for fp16)."""
+        ...
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale gradients in place (no-op except fp16); safe to call twice per step."""
+        ...
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; return False when the step was skipped (inf/nan)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint (the GradScaler's), empty if none."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Adapt ``model`` for this precision before wrapping (identity except fp8)."""
+        ...
+
+
+class FullPrecision:
+    """fp32: plain autocast-free forward, plain backward and step."""
+
+    mode: str = "no"
+    scaler: Any = None
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss.backward(**kwargs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        return None
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+
+class AutocastPrecision(FullPrecision):
+    """bf16 (or fp16 without a scaler, used as a base): forward under ``torch.autocast``."""
+
+    def __init__(
+        self,
+        mode: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        autocast_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.mode = mode
+        self.device_type = device.type
+        self.dtype = dtype
+        # AutocastKwargs carries cache_enabled=None meaning "torch's default".
+        self.autocast_kwargs = {k: v for k, v in (autocast_kwargs or {}).items() if v is not None}
+        # Older torch builds *warn* and disable autocast for an unsupported dtype;
+        # turn that silent fallback into an error here, at construction.
+        problem = None
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.autocast(self.device_type, dtype=dtype, **self.autocast_kwargs):
+                    active = torch.is_autocast_enabled(self.device_type)
+            if self.autocast_kwargs.get("enabled", True) and not active:
+                problem = "; ".join(str(w.message) for w in caught) or "autocast stayed off"
+        except TypeError as err:
+            raise ConfigError(
+                f"autocast_kwargs={self.autocast_kwargs!r} rejected by torch.autocast: {err}. "
+                "Pass only AutocastKwargs(enabled=..., cache_enabled=...)."
+            ) from err
+        except (RuntimeError, ValueError) as err:
+            problem = str(err)
+        if problem is not None:
+            raise ConfigError(
+                f"mixed_precision={mode!r} is not supported on device {device} by torch "
+                f"{torch.__version__}: {problem}. Use mixed_precision='no' (or 'bf16')."
+            )
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        return torch.autocast(self.device_type, dtype=self.dtype, **self.autocast_kwargs)
+
+
+class Fp16Precision(AutocastPrecision):
+    """fp16: autocast plus a ``torch.amp.GradScaler``.
+
+    ``backward`` scales the loss; ``unscale_`` divides the gradients by the scale
+    once per step (a second call before :meth:`step` is a no-op, so clipping and
+    stepping can both ask for it); ``step`` skips the update when a gradient is
+    inf/nan and returns False, then lowers the scale.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        scaler_kwargs: dict[str, Any] | None = None,
+        autocast_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__("fp16", device, torch.float16, autocast_kwargs)
+        try:
+            self.scaler = torch.amp.GradScaler(device.type, **(scaler_kwargs or {}))
+        except (RuntimeError, TypeError, ValueError, AttributeError) as err:
+            raise ConfigError(
+                f"mixed_precision='fp16' needs torch.amp.GradScaler on {device.type!r}, which "
+                f"torch {torch.__version__} rejected: {err}. Use mixed_precision='bf16' "
+                "or check GradScalerKwargs."
+            ) from err
+        self._unscaled: set[int] = set()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.scaler.scale(loss).backward(**kwargs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) in self._unscaled:
+            return
+        self.scaler.unscale_(optimizer)
+        self._unscaled.add(id(optimizer))
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        self._unscaled.discard(id(optimizer))
+        if not self.scaler.is_enabled():
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        # update() lowers the scale exactly when the step was skipped for inf/nan
+        # (backoff_factor < 1); otherwise it keeps or grows it.
+        return bool(self.scaler.get_scale() >= before)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scaler.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self.scaler.load_state_dict(state)
+
+
+def _fp8_unavailable_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"it needs a CUDA GPU and this process runs on {device.type!r}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"it needs compute capability >= 8.9 (Ada/Hopper or newer) and {name} has "
+            f"{major}.{minor}"
+        )
+    try:
+        importlib.import_module("torchao.float8")
+    except ImportError as err:
+        return f"the torchao package is missing or too old ({err}); pip install torchao"
+    return None
+
+
+class Fp8Precision(AutocastPrecision):
+    """fp8 via torchao's float8 training: Linear layers become ``Float8Linear``.
+
+    The rest of the model runs under bf16 autocast; no loss scaling is needed.
+    Linear layers whose dimensions are not multiples of 16 keep their precision
+    (the fp8 matmul kernels require it).
+    """
+
+    def __init__(self, device: torch.device, autocast_kwargs: dict[str, Any] | None = None) -> None:
+        reason = _fp8_unavailable_reason(device)
+        if reason is not None:
+            raise ConfigError(
+                f"mixed_precision='fp8' cannot run here: {reason}. Use mixed_precision='bf16' "
+                "(or run on an H100/H200/L4/RTX 40xx-class GPU with torchao installed)."
+            )
+        super().__init__("fp8", device, torch.bfloat16, autocast_kwargs)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torchao.float8 import convert_to_float8_training  # checked in __init__
+
+        def eligible(module: torch.nn.Module, _fqn: str) -> bool:
+            return (
+                isinstance(module, torch.nn.Linear)
+                and module.in_features % 16 == 0
+                and module.out_features % 16 == 0
+            )
+
+        return convert_to_float8_training(model, module_filter_fn=eligible)
+
+
+def make_precision(
+    mode: str | None,
+    device: torch.device,
+    *,
+    scaler_kwargs: dict[str, Any] | None = None,
+    autocast_kwargs: dict[str, Any] | None = None,
+) -> Precision:
+    """Build the :class:`Precision` for ``mode`` on ``device``; raise a clear error if unsupported.
+
+    Args:
+        mode: "no"/None/"fp32", "bf16", "fp16" or "fp8" (case-insensitive).
+        device: the device this process computes on.
+        scaler_kwargs: forwarded to ``torch.amp.GradScaler`` (fp16 only).
+        autocast_kwargs: forwarded to ``torch.autocast`` (e.g. ``cache_enabled``);
+            ``enabled=False`` turns autocast off while keeping the mode.
+
+    Raises:
+        ConfigError: unknown mode, or a mode this machine cannot run.
+
+    Example:
+        >>> make_precision("fp16", torch.device("cpu")).scaler is not None
+        True
+    """
+    canonical = normalize_precision(mode)
+    device = torch.device(device)
+    if canonical == "no":
+        return FullPrecision()
+    if canonical == "bf16":
+        return AutocastPrecision("bf16", device, torch.bfloat16, autocast_kwargs)
+    if canonical == "fp16":
+        return Fp16Precision(device, scaler_kwargs, autocast_kwargs)
+    return Fp8Precision(device, autocast_kwargs)
+
+
+__all__ = [
+    "AutocastPrecision",
+    "Fp8Precision",
+    "Fp16Precision",
+    "FullPrecision",
+    "Precision",
+    "make_precision",
+]

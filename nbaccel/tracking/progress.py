@@ -1,0 +1,128 @@
+"""Progress bars shown once per job: ``nbaccel.tqdm(...)`` and ``nbaccel.trange(...)``.
+
+Only the main process (rank 0) draws a bar; the others get a disabled bar that
+still iterates. The bar is an ipywidgets progress bar when it runs in the kernel
+process itself and ipywidgets is installed, and plain text everywhere else (a
+terminal, a script, and worker processes, which cannot talk to the notebook
+frontend). Inside a worker started by ``notebook_launcher`` every redraw is also
+published on the launcher's event channel, so the kernel-side live view
+(:mod:`nbaccel.monitor`) can show the bar in the launching cell.
+
+Example:
+    >>> from nbaccel import tqdm
+    >>> total = 0
+    >>> for i in tqdm(range(3), disable=True):
+    ...     total += i
+    >>> total
+    3
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from typing import Any
+
+from tqdm.std import tqdm as _text_tqdm
+
+from ..platform.environment import in_kernel_process
+from . import events
+
+
+def _rank() -> int:
+    """This process's global rank: the cached state if one exists, else the environment."""
+    state_module = sys.modules.get("nbaccel.runtime.state")
+    state = state_module.current_state() if state_module is not None else None
+    if state is not None:
+        return int(state.rank)
+    from ..platform.process_env import read_environment  # the one place that parses RANK & co.
+
+    return read_environment().rank
+
+
+def _widget_class() -> type[_text_tqdm] | None:
+    """``tqdm.notebook.tqdm`` if ipywidgets can draw it here, else None."""
+    if importlib.util.find_spec("ipywidgets") is None or not in_kernel_process():
+        return None
+    try:
+        notebook = importlib.import_module("tqdm.notebook")
+    except Exception:  # an ipywidgets too old for tqdm: fall back to text
+        return None
+    if getattr(notebook, "IProgress", None) is None:
+        return None
+    cls: type[_text_tqdm] = notebook.tqdm
+    return cls
+
+
+def _publish(bar: _text_tqdm, closed: bool = False) -> None:
+    """Send the bar's state to the launching kernel (a no-op outside launched workers)."""
+    fmt = bar.format_dict
+    events.publish(
+        "progress",
+        n=fmt["n"],
+        total=fmt["total"],
+        desc=bar.desc,
+        unit=fmt["unit"],
+        elapsed=fmt["elapsed"],
+        rate=fmt["rate"],
+        closed=closed,
+    )
+
+
+class _PublishingText(_text_tqdm):
+    """Text bar that also publishes each redraw (tqdm throttles redraws by ``mininterval``)."""
+
+    def display(self, *args: Any, **kwargs: Any) -> Any:
+        shown = super().display(*args, **kwargs)
+        _publish(self)
+        return shown
+
+    def close(self) -> None:
+        was_shown = not self.disable  # close() disables the bar
+        super().close()
+        if was_shown:
+            _publish(self, closed=True)
+
+
+def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> _text_tqdm:
+    """A ``tqdm`` progress bar drawn by the main process only.
+
+    Takes every argument of ``tqdm.tqdm``. In a notebook kernel it is a widget
+    (``tqdm.notebook``), elsewhere text.
+
+    Args:
+        *args: forwarded to tqdm (usually the iterable). For compatibility with the
+            best-known peer's old signature, a leading bool is read as ``main_process_only``.
+        main_process_only: draw on rank 0 only (other ranks iterate silently).
+        **kwargs: forwarded to tqdm (``total``, ``desc``, ``disable``, ...).
+
+    Returns:
+        A tqdm instance; iterate over it or call ``update(n)``.
+
+    Example:
+        >>> import io
+        >>> bar = tqdm(total=10, file=io.StringIO())
+        >>> bar.update(4); bar.n
+        4
+        >>> bar.close()
+    """
+    if args and isinstance(args[0], bool):
+        main_process_only, args = args[0], args[1:]
+    if main_process_only and _rank() != 0:
+        kwargs["disable"] = True
+    cls = _widget_class() or _PublishingText
+    return cls(*args, **kwargs)
+
+
+def trange(*args: Any, main_process_only: bool = True, **kwargs: Any) -> _text_tqdm:
+    """``tqdm(range(*args), ...)`` drawn by the main process only.
+
+    Example:
+        >>> sum(trange(4, disable=True))
+        6
+    """
+    return tqdm(range(*args), main_process_only=main_process_only, **kwargs)
+
+
+__all__ = ["tqdm", "trange"]
