@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .xla-venv: torch==2.9.0 + torch_xla==2.9.0 + nbaccel (editable), for the tests marked
-# `xla` (tests/test_xla.py runs tests/xla_scenarios.py there with PJRT_DEVICE=CPU).
+# `xla` (tests/launch/test_xla.py runs tests/xla_scenarios.py there with PJRT_DEVICE=CPU).
 #
 # Cheap on purpose. PyPI's Linux x86_64 torch wheel is the CUDA build and pulls ~2.8 GB of
 # nvidia-* wheels (about 7 GB installed); the XLA tests run on the CPU and never call CUDA.

@@ -1,4 +1,4 @@
-"""Run by tests/test_xla.py inside .xla-venv (torch_xla 2.9, PJRT_DEVICE=CPU).
+"""Run by tests/launch/test_xla.py inside .xla-venv (torch_xla 2.9, PJRT_DEVICE=CPU).
 
 Not a test module: it plays the notebook kernel. It launches a small training
 function through ``notebook_launcher`` in the ways the XLA path supports and

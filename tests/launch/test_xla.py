@@ -24,7 +24,7 @@ from nbaccel.launch import _xla as xla_launch
 from nbaccel.platform import xla
 from nbaccel.runtime import xla as xla_runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 XLA_PYTHON = ROOT / ".xla-venv" / "bin" / "python"
 
 

@@ -1,6 +1,6 @@
 """LaunchPanel in plain Python: controls, bounds, validation, Save and Launch.
 
-The browser rendering is covered by tests/test_browser.py; here the widget model
+The browser rendering is covered by tests/ui/test_browser.py; here the widget model
 is driven directly (trait values, ``Button.click()``).
 """
 
