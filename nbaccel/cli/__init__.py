@@ -25,7 +25,7 @@ Run `nbaccel <command> --help` for the options of each command.
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with the ``config``, ``launch``, ``test`` and ``env`` subcommands."""
-    from .. import __version__
+    from .._version import __version__
     from . import config, env, launch, test
 
     parser = argparse.ArgumentParser(

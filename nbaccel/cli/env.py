@@ -43,7 +43,7 @@ def _version(name: str) -> str:
 
 def report() -> list[tuple[str, str]]:
     """``[(label, value), ...]`` describing this environment."""
-    from .. import __version__
+    from .._version import __version__
     from ..platform.hardware import detect_hardware
 
     rows = [

@@ -32,7 +32,8 @@ examples:
   nbaccel test --config_file ./cluster.yaml
 """
 
-_SELF_CHECK = Path(__file__).with_name("_selfcheck.py")
+# the workload is runtime code; it runs as a script under the launcher
+_SELF_CHECK = Path(__file__).resolve().parents[1] / "runtime" / "selfcheck.py"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -18,7 +18,7 @@ def main() -> int:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from nbaccel import Accelerator
+    from nbaccel.runtime.accelerator import Accelerator
 
     started = time.monotonic()
     acc = Accelerator()
