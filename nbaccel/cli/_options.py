@@ -3,7 +3,7 @@
 Each field becomes ``--<field>`` with its type, its choices (from the ``Literal``
 annotation) and its help text (from the class docstring); the peer's historical
 names (``--num_machines``, ``--main_process_ip``, ...) are accepted as aliases
-via :data:`nbaccel.config_file.RENAMED_KEYS`. Nothing is listed twice.
+via :data:`nbaccel.config.file.RENAMED_KEYS`. Nothing is listed twice.
 """
 
 from __future__ import annotations

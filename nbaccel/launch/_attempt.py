@@ -1,12 +1,12 @@
 """Start one attempt of a launch: rendezvous, worker specs, processes, supervisor.
 
-Kept apart from :mod:`nbaccel._handle` (which owns the lifecycle and the status
+Kept apart from :mod:`nbaccel.launch.handle` (which owns the lifecycle and the status
 model) so that each does one thing. Everything started here is either handed
-to the returned :class:`~nbaccel._supervise.Supervisor` or killed and reaped
+to the returned :class:`~nbaccel.launch._supervise.Supervisor` or killed and reaped
 before the exception propagates; the kernel keeps no listening socket.
 
 Example:
-    >>> from nbaccel._attempt import rank_environment
+    >>> from nbaccel.launch._attempt import rank_environment
     >>> rank_environment(1, 0, world_size=2, local_world_size=2, node_rank=0)["LOCAL_RANK"]
     '0'
 """

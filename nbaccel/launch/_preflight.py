@@ -8,7 +8,7 @@ already lives in the kernel, chooses fork or spawn (refusing fork when CUDA is
 initialised) and builds the environment every worker gets.
 
 Example:
-    >>> from nbaccel._preflight import plan_launch
+    >>> from nbaccel.launch._preflight import plan_launch
     >>> plan = plan_launch(print, num_processes=2, start_method="fork")
     >>> plan.num_processes, plan.method, plan.env["NBACCEL_MIXED_PRECISION"]
     (2, 'fork', 'no')

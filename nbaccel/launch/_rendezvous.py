@@ -19,7 +19,7 @@ On other nodes the kernel checks, before starting any worker, that node 0's
 store answers within the timeout, and fails with the address and port otherwise.
 
 Example:
-    >>> from nbaccel._rendezvous import Rendezvous
+    >>> from nbaccel.launch._rendezvous import Rendezvous
     >>> rdzv = Rendezvous.reserve("127.0.0.1", None, num_nodes=1, node_rank=0)
     >>> rdzv.port > 0 and rdzv.listen_fd() is not None
     True

@@ -1,12 +1,12 @@
 """Start worker processes: fork the kernel, or spawn fresh interpreters.
 
 Each worker gets four pipes whose write ends become its stdout, stderr,
-control channel (frames, see :mod:`nbaccel._wire`) and faulthandler stack
+control channel (frames, see :mod:`nbaccel.launch._wire`) and faulthandler stack
 channel; the kernel keeps the non-blocking read ends.
 
 * fork: ``os.fork()`` directly, so the child closes every pipe end that is not
   its own (otherwise a sibling holding a write end would hide end-of-file) and
-  never returns into the kernel's code (:func:`nbaccel._bootstrap.fork_main`).
+  never returns into the kernel's code (:func:`nbaccel.launch._bootstrap.fork_main`).
 * spawn: ``python -c "...spawn_main()"`` with the pipes as fds 1/2 plus
   ``pass_fds``; the job (spec, ``sys.path``, notebook cell sources for
   tracebacks) and the dill payload (function and args, pickled with
@@ -14,7 +14,7 @@ channel; the kernel keeps the non-blocking read ends.
   are written to the child's stdin.
 
 Example:
-    >>> from nbaccel._spawn import WorkerProcess
+    >>> from nbaccel.launch._spawn import WorkerProcess
     >>> WorkerProcess.__name__
     'WorkerProcess'
 """

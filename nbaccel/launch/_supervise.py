@@ -1,7 +1,7 @@
 """Watch running workers from the kernel until they finish, fail, hang or are stopped.
 
 One loop multiplexes every worker pipe with ``selectors``: stdout/stderr lines
-go to the :class:`~nbaccel._output.LineForwarder`, control frames carry
+go to the :class:`~nbaccel.launch._output.LineForwarder`, control frames carry
 hello/event/result/error messages, the stack pipe collects faulthandler dumps.
 Exits are reaped with ``waitpid``.
 
@@ -14,13 +14,13 @@ Decisions:
 * if only secondary failures arrived while other ranks are still running, or
   if ranks are still running ``timeout`` seconds after a peer finished, those
   ranks are stuck: their Python stacks are dumped (``SIGUSR1`` -> faulthandler)
-  and a :class:`~nbaccel._failures.WorkerTimeoutError` names them;
+  and a :class:`~nbaccel.launch._failures.WorkerTimeoutError` names them;
 * on any exit path every worker is terminated (SIGTERM, then SIGKILL after 1 s),
   its descendants killed, every child reaped and every pipe closed. A
   ``KeyboardInterrupt`` in the kernel does the same and propagates.
 
 Example:
-    >>> from nbaccel._supervise import Supervisor
+    >>> from nbaccel.launch._supervise import Supervisor
     >>> Supervisor.GRACE
     1.0
 """

@@ -8,7 +8,7 @@ pickle bytes rather than torch's shared-memory reducers; dill is the fallback
 for values plain pickle cannot handle (lambdas, classes defined in a notebook).
 
 Example:
-    >>> from nbaccel._wire import FrameReader, dumps, loads, HEADER
+    >>> from nbaccel.launch._wire import FrameReader, dumps, loads, HEADER
     >>> import pickle
     >>> data = pickle.dumps(("hello", 0))
     >>> FrameReader().feed(HEADER.pack(len(data)) + data)

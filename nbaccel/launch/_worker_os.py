@@ -1,11 +1,11 @@
-"""Operating-system set-up of a worker process (used by :mod:`nbaccel._bootstrap`).
+"""Operating-system set-up of a worker process (used by :mod:`nbaccel.launch._bootstrap`).
 
 fds 1/2 onto the launcher's pipes with fresh Python streams, default signal
 handlers, death with the launching kernel, and flushing C stdio before
 ``os._exit``.
 
 Example:
-    >>> from nbaccel._worker_os import flush_c_stdio
+    >>> from nbaccel.launch._worker_os import flush_c_stdio
     >>> flush_c_stdio()
 """
 

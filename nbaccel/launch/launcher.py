@@ -2,16 +2,16 @@
 
 A launch is "check, then launch":
 
-1. pre-flight (:mod:`nbaccel._preflight`): arguments, settings (explicit
+1. pre-flight (:mod:`nbaccel.launch._preflight`): arguments, settings (explicit
    arguments > ``NBACCEL_*`` environment > config file > defaults), device count,
    CUDA-before-fork, an Accelerator already in the kernel, a busy port. Any
    problem raises here, before a process exists;
 2. one process: the function runs in the kernel itself; TPU: ``torch_xla``;
    otherwise workers are forked (or spawned with dill when CUDA is already
    initialised) with the rank environment, torch's own TCPStore rendezvous
-   listening on loopback only (:mod:`nbaccel._rendezvous`) and their output
+   listening on loopback only (:mod:`nbaccel.launch._rendezvous`) and their output
    forwarded into the cell;
-3. supervision (:mod:`nbaccel._supervise`): results, the first real failure
+3. supervision (:mod:`nbaccel.launch._supervise`): results, the first real failure
    re-raised with its type, rank and remote traceback, hangs reported with
    every stuck worker's stack, interrupts and clean-up.
 

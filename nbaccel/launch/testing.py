@@ -6,7 +6,7 @@ deliberately independent of :mod:`nbaccel.launcher` so the runtime can be tested
 on its own.
 
 Example:
-    >>> from nbaccel.testing import run_on_workers
+    >>> from nbaccel.launch.testing import run_on_workers
     >>> def rank_squared():
     ...     import os
     ...     return int(os.environ["RANK"]) ** 2

@@ -2,11 +2,11 @@
 
 Used by ``write_basic_config``, ``nbaccel env``, ``nbaccel config`` and the
 widget panel's hardware summary. The counting itself lives in
-:mod:`nbaccel.environment` (NVML, never a CUDA context in this process); GPU
+:mod:`nbaccel.platform.environment` (NVML, never a CUDA context in this process); GPU
 names come from ``nvidia-smi`` in a subprocess, so a later fork-based launch is safe.
 
 Example:
-    >>> from nbaccel.hardware import detect_hardware
+    >>> from nbaccel.platform.hardware import detect_hardware
     >>> hw = detect_hardware()
     >>> hw.kind in ("cpu", "gpu", "tpu")
     True

@@ -1,9 +1,11 @@
 """The ``Accelerator`` facade: one training loop for CPU, one GPU or many processes.
 
-It holds the process state, the precision, the accumulation state and the prepared
-objects, and delegates: placement and wrapping to :mod:`nbaccel.wrappers`, sharding to
-:mod:`nbaccel.data`, collectives to :mod:`nbaccel.ops`, checkpoints to
-:mod:`nbaccel.checkpoint`, trackers to :mod:`nbaccel.trackers`.
+It holds the process state, the strategy, the precision, the accumulation state and the
+prepared objects, and delegates: model wrapping, gradient sync, clipping and state dicts to
+the strategy (:mod:`nbaccel.runtime.strategy`), optimizers and schedulers to
+:mod:`nbaccel.runtime.wrappers`, sharding to :mod:`nbaccel.runtime.data`, collectives to
+:mod:`nbaccel.runtime.ops`, checkpoints to :mod:`nbaccel.runtime.checkpointing` and
+:mod:`nbaccel.runtime.model_io`, trackers to :mod:`nbaccel.tracking`.
 
 Example:
     >>> import torch
@@ -447,7 +449,7 @@ class Accelerator:
             print(*args, **kwargs)
 
     def tqdm(self, *args: Any, **kwargs: Any) -> Any:
-        """A progress bar drawn by the main process only (see :func:`nbaccel.progress.tqdm`)."""
+        """A progress bar drawn by the main process only (see :func:`nbaccel.tracking.progress.tqdm`)."""
         from ..tracking.progress import tqdm
 
         return tqdm(*args, **kwargs)
@@ -507,7 +509,7 @@ class Accelerator:
 
     clear = free_memory
 
-    # -- checkpoints (nbaccel.checkpoint) --------------------------------------------------
+    # -- checkpoints (nbaccel.runtime.checkpointing) --------------------------------------------------
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include ``objects`` (each with ``state_dict``/``load_state_dict``) in save_state."""
@@ -548,7 +550,7 @@ class Accelerator:
 
         return model_io.save(self, obj, f, safe_serialization=safe_serialization)
 
-    # -- trackers (nbaccel.trackers) -------------------------------------------------------
+    # -- trackers (nbaccel.tracking.trackers) -------------------------------------------------------
 
     def init_trackers(
         self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: Any = None

@@ -3,7 +3,7 @@
 ``prepare_data_loader`` rebuilds a ``torch.utils.data.DataLoader`` so that every
 process reads its own share. It wraps the loader's *batch sampler*, so any
 sampler or batch sampler works (not only ``DistributedSampler``; the index
-arithmetic lives in :mod:`nbaccel.sharding`):
+arithmetic lives in :mod:`nbaccel.runtime.sharding`):
 
 * ``split_batches=False``: batch ``i`` of the original loader goes to rank
   ``i % num_processes`` (the global batch is ``num_processes x batch_size``).

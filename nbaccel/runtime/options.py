@@ -4,7 +4,7 @@ These mirror the names users know from the best-known peer so scripts port by
 changing the import. Each validates itself on construction.
 
 Example:
-    >>> from nbaccel.options import DataLoaderConfiguration
+    >>> from nbaccel.runtime.options import DataLoaderConfiguration
     >>> DataLoaderConfiguration(split_batches=True).split_batches
     True
 """
@@ -191,7 +191,7 @@ def parse_kwargs_handlers(handlers: Any) -> dict[type, Any]:
 
     Example:
         >>> list(parse_kwargs_handlers([GradScalerKwargs(init_scale=2.0)]))
-        [<class 'nbaccel.options.GradScalerKwargs'>]
+        [<class 'nbaccel.runtime.options.GradScalerKwargs'>]
     """
     found: dict[type, Any] = {}
     for handler in handlers or ():

@@ -1,7 +1,7 @@
 """Random number generators: seeding, snapshot/restore, and cross-rank synchronisation.
 
 Example:
-    >>> from nbaccel.rng import set_seed, get_rng_state, set_rng_state
+    >>> from nbaccel.runtime.rng import set_seed, get_rng_state, set_rng_state
     >>> set_seed(0)
     >>> snapshot = get_rng_state()
     >>> import torch; a = torch.rand(1)

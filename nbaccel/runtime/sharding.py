@@ -1,6 +1,6 @@
 """Sharding any batch sampler or iterable dataset across processes.
 
-The pure index arithmetic behind :mod:`nbaccel.data`: which batches (or which
+The pure index arithmetic behind :mod:`nbaccel.runtime.data`: which batches (or which
 slices of every batch) each rank reads, and how the last round is completed so
 every rank sees as many batches as the others (``even_batches``).
 
