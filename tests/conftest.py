@@ -65,16 +65,38 @@ def _restore_process_state():
 _REQUIRED_MARKERS = ("browser", "xla", "kernel", "integration")
 
 
+# GPU tests (tests/gpu) are skipped on machines without CUDA, which is every CI and dev
+# machine, so NBACCEL_REQUIRE_ALL leaves them alone. scripts/gpu_check.sh sets
+# NBACCEL_REQUIRE_GPU=1 instead: on the GPU machine a skipped GPU test fails, unless its
+# reason says the machine lacks the hardware (tests/gpu/conftest.py: "[hardware] ...").
+_HARDWARE_SKIP = "[hardware] "
+
+
+def _skip_reason(report) -> str:
+    return str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if not report.skipped or os.environ.get("NBACCEL_REQUIRE_ALL") != "1":
+    if not report.skipped:
+        return
+    if item.get_closest_marker("gpu") is not None:
+        reason = _skip_reason(report)
+        if os.environ.get("NBACCEL_REQUIRE_GPU") == "1" and _HARDWARE_SKIP not in reason:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"NBACCEL_REQUIRE_GPU=1 and this gpu test was skipped: {reason}. On the GPU "
+                "machine every GPU test must run (scripts/gpu_check.sh installs what they need)."
+            )
+        return
+    if os.environ.get("NBACCEL_REQUIRE_ALL") != "1":
         return
     required = [m for m in _REQUIRED_MARKERS if item.get_closest_marker(m) is not None]
     if required:
         report.outcome = "failed"
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        reason = _skip_reason(report)
         report.longrepr = (
             f"NBACCEL_REQUIRE_ALL=1 and this {'/'.join(required)} test was skipped: {reason}. "
             "Run scripts/setup_browser.sh and scripts/setup_xla.sh (scripts/test.sh does)."
