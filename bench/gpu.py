@@ -1,0 +1,255 @@
+"""GPU benchmark: nbaccel against hand-written torch on one GPU, from a real IPython kernel.
+
+    python3 bench/gpu.py [--out bench/gpu] [--smoke]
+
+Rows (issue 18): bf16 step time of nbaccel vs a hand-written loop with and without
+a 1-rank DDP on a >= 100M-parameter model (target: nbaccel >= 0.98x the raw
+throughput); launch latency with CUDA initialised in the worker (fork, and
+nbaccel's spawn); bf16 vs fp32 speed-up; fp8 (torchao) vs bf16 speed-up where the
+GPU has compute capability >= 8.9 and torchao is installed.
+
+Method as bench/README.md: the kernel-side code (bench/scenarios/gpu.py) runs as
+notebook cells in a kernel that never touches CUDA itself; systems are interleaved
+(A B C A B C ...); tables give the median with min–max; ratios are against the
+baseline of the same run. ``--smoke`` runs a tiny model on the CPU (gloo) with one
+sample each: it only proves the script works (tests/test_bench_gpu_smoke.py).
+
+Writes ``<out>/gpu_bench.json`` (every sample) and ``<out>/gpu_bench.md`` (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(BENCH))
+
+from kernel_harness import KernelSession, isolated_env  # noqa: E402
+from report import _r, cell, machine_info, med, ratio, verdict  # noqa: E402
+
+FULL = {  # 3 blocks x (LayerNorm + 2048->8192->2048) = 100.7M parameters
+    "width": 2048,
+    "blocks": 3,
+    "tokens": 8192,
+    "warmup": 5,
+    "windows": 5,
+    "steps": 10,
+    "rounds": 3,
+    "launch_rounds": 5,
+}
+SMOKE = {
+    "width": 64,
+    "blocks": 1,
+    "tokens": 64,
+    "warmup": 1,
+    "windows": 2,
+    "steps": 2,
+    "rounds": 1,
+    "launch_rounds": 1,
+}
+
+_PROBE = """
+import json, torch
+ok = torch.cuda.is_available()
+cap = list(torch.cuda.get_device_capability(0)) if ok else None
+print(json.dumps({"cuda": ok, "name": torch.cuda.get_device_name(0) if ok else None,
+                  "capability": cap}))
+"""
+
+
+def probe_gpu(python: str) -> dict[str, Any]:
+    """GPU facts from a subprocess (the driver and the kernel never initialise CUDA)."""
+    out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        return {"cuda": False, "error": out.stderr[-300:]}
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def fp8_unavailable(gpu: dict[str, Any], python: str) -> str | None:
+    """Why the fp8 row cannot run here, or None."""
+    if not gpu.get("cuda"):
+        return "no CUDA GPU"
+    if tuple(gpu["capability"]) < (8, 9):
+        return f"{gpu['name']} has compute capability {gpu['capability']} < 8.9"
+    found = subprocess.run(
+        [python, "-c", "import torchao.float8"], capture_output=True, text=True, timeout=300
+    )
+    return None if found.returncode == 0 else "torchao is not installed"
+
+
+class Kernel:
+    """One hermetic kernel holding the scenario cell."""
+
+    def __init__(self, python: str, cache: str) -> None:
+        env = {**isolated_env(cache), "PYTHONDONTWRITEBYTECODE": None}
+        self.session = KernelSession(python, cwd=str(ROOT), env=env, startup_timeout=120)
+
+    def run(self, code: str, timeout: float = 600) -> None:
+        result = self.session.execute(code, timeout)
+        if result.status != "ok":
+            raise RuntimeError(result.describe()[-2000:])
+
+    def call(self, expr: str, timeout: float = 900) -> Any:
+        result = self.session.execute(f"gpu_json({expr})", timeout)
+        if result.status != "ok" or result.text is None:
+            raise RuntimeError(result.describe()[-2000:])
+        return json.loads(ast.literal_eval(result.text))
+
+
+def _sample(kernel: Kernel, res: dict, key: str, expr: str) -> None:
+    print(f"- {key}", flush=True)
+    try:
+        res["samples"].setdefault(key, []).append(kernel.call(expr))
+    except Exception as err:  # a failed system is reported, the run goes on
+        res["errors"].append(f"{key}: {str(err)[-600:]}")
+        print(f"  ! {key}: {str(err)[-300:]}", flush=True)
+
+
+def measure(kernel: Kernel, cfg: dict[str, Any], res: dict) -> None:
+    variants = [("raw", "bf16"), ("raw-ddp", "bf16"), ("nbaccel", "bf16")]
+    variants += [("raw", "no"), ("nbaccel", "no")]
+    if cfg["fp8"] is None:
+        variants.append(("nbaccel", "fp8"))
+    # one unrecorded sample per system first (allocator, cuBLAS heuristics, page cache)
+    for system, precision in variants:
+        _sample(kernel, res, "warmup", f"gpu_step_once({system!r}, {precision!r})")
+    res["samples"].pop("warmup", None)
+    for _ in range(cfg["rounds"]):
+        for system, precision in variants:
+            key = f"step-{precision}/{system}"
+            _sample(kernel, res, key, f"gpu_step_once({system!r}, {precision!r})")
+    launchers = ("raw", "nbaccel", "nbaccel-spawn")
+    for system in launchers:
+        _sample(kernel, res, "warmup", f"gpu_launch_once({system!r})")
+    res["samples"].pop("warmup", None)
+    for _ in range(cfg["launch_rounds"]):
+        for system in launchers:
+            _sample(kernel, res, f"launch/{system}", f"gpu_launch_once({system!r})")
+
+
+def render(res: dict) -> str:
+    m, cfg = res["machine"], res["config"]
+    ms = 1e3
+
+    def judge(ok: bool | None) -> str:  # a smoke run on the CPU measures nothing
+        return "n/a (smoke)" if cfg["smoke"] else verdict(ok)
+
+    step = "step_s"
+
+    def st(name: str) -> str:
+        return f"{cell(res, name, step, ms, '{:.2f}')} ms"
+
+    thr = ratio(med(res, "step-bf16/raw-ddp", step), med(res, "step-bf16/nbaccel", step))
+    thr_plain = ratio(med(res, "step-bf16/raw", step), med(res, "step-bf16/nbaccel", step))
+    launch = ratio(med(res, "launch/nbaccel"), med(res, "launch/raw"))
+    bf16_nb = ratio(med(res, "step-no/nbaccel", step), med(res, "step-bf16/nbaccel", step))
+    bf16_raw = ratio(med(res, "step-no/raw", step), med(res, "step-bf16/raw", step))
+    fp8 = ratio(med(res, "step-bf16/nbaccel", step), med(res, "step-fp8/nbaccel", step))
+    params = next((s["params"] for s in res["samples"].get("step-bf16/raw", [])), None)
+    lines = [
+        "# nbaccel GPU benchmark"
+        + (" (smoke run on the CPU: not a measurement)" if cfg["smoke"] else ""),
+        "",
+        f"{m['date']} · {res['gpu'].get('name') or 'no GPU'} · {m['cpu']}, {m['cores']} cores · "
+        f"Python {m['python']}, torch {m['torch']} (CUDA {m['torch_cuda']}), nbaccel "
+        f"{m['nbaccel']} (commit {m['commit']}), torchao {m['torchao']} · whole run {res['wall_s']} s",
+        "",
+        f"Model: {cfg['blocks']} blocks of LayerNorm + Linear({cfg['width']}, {4 * cfg['width']}) "
+        f"+ GELU + Linear({4 * cfg['width']}, {cfg['width']}) = {params or '?'} parameters; "
+        f"batch {cfg['tokens']} × {cfg['width']}, MSE loss, AdamW; one process on "
+        f"{'GPU 0' if not cfg['smoke'] else 'the CPU'}. A step-time sample is the median over "
+        f"{cfg['windows']} windows of {cfg['steps']} steps after {cfg['warmup']} warm-up steps "
+        "(synchronised at both ends of a window); tables give the median (min–max) over "
+        f"{cfg['rounds']} interleaved launches per system. Method: bench/README.md, bench/gpu.py.",
+        "",
+        "## Targets and ratios",
+        "",
+        "| Row | nbaccel | baseline (same run) | measured | target | result |",
+        "|---|---|---|---|---|---|",
+        f"| bf16 throughput vs hand-written DDP (1 GPU) | {st('step-bf16/nbaccel')} | "
+        f"{st('step-bf16/raw-ddp')} raw DDP | {_r(thr)} | ≥ 0.98× | "
+        f"{judge(None if thr is None else thr >= 0.98)} |",
+        f"| bf16 throughput vs hand-written loop, no DDP | {st('step-bf16/nbaccel')} | "
+        f"{st('step-bf16/raw')} raw | {_r(thr_plain)} | ≥ 0.98× | "
+        f"{judge(None if thr_plain is None else thr_plain >= 0.98)} |",
+        f"| Launch latency with CUDA init (fork) | {cell(res, 'launch/nbaccel', None, ms)} ms | "
+        f"{cell(res, 'launch/raw', None, ms)} ms raw fork | {_r(launch)} | ≤ 1.15× (issue 7) | "
+        f"{judge(None if launch is None else launch <= 1.15)} |",
+        f"| bf16 speed-up over fp32, nbaccel | {st('step-bf16/nbaccel')} | "
+        f"{st('step-no/nbaccel')} fp32 | {_r(bf16_nb)} | reported | – |",
+        f"| bf16 speed-up over fp32, hand-written | {st('step-bf16/raw')} | "
+        f"{st('step-no/raw')} fp32 | {_r(bf16_raw)} | reported | – |",
+    ]
+    if cfg["fp8"] is None:
+        lines.append(
+            f"| fp8 (torchao) speed-up over bf16, nbaccel | {st('step-fp8/nbaccel')} | "
+            f"{st('step-bf16/nbaccel')} bf16 | {_r(fp8)} | reported | – |"
+        )
+    else:
+        lines.append(f"| fp8 (torchao) speed-up over bf16 | not run: {cfg['fp8']} | | | | – |")
+    lines += [
+        "",
+        "## Launch latency with CUDA init (one worker; call → CUDA tensor made, synced → back)",
+        "",
+        "| hand-written fork | nbaccel fork | nbaccel spawn |",
+        "|---|---|---|",
+        f"| {cell(res, 'launch/raw', None, ms)} ms | {cell(res, 'launch/nbaccel', None, ms)} ms | "
+        f"{cell(res, 'launch/nbaccel-spawn', None, ms)} ms |",
+        "",
+        "fp32 runs with torch's defaults (no TF32). fp8 runs eagerly (no torch.compile), as a "
+        "user's notebook would by default.",
+    ]
+    if res["errors"]:
+        lines += ["", "## Errors", ""] + [f"- {e[:500]}" for e in res["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(BENCH / "gpu"), help="output folder")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (tests only)")
+    parser.add_argument("--python", default=sys.executable, help="kernel interpreter")
+    args = parser.parse_args(argv)
+    gpu = probe_gpu(args.python)
+    if not args.smoke and not gpu.get("cuda"):
+        parser.error(f"no CUDA GPU visible ({gpu.get('error', 'torch sees none')}); use --smoke")
+    cfg: dict[str, Any] = dict(SMOKE if args.smoke else FULL)
+    cfg["device"] = "cpu" if args.smoke else "cuda"
+    cfg["smoke"] = args.smoke
+    cfg["fp8"] = "smoke run on the CPU" if args.smoke else fp8_unavailable(gpu, args.python)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"samples": {}, "errors": [], "config": cfg, "gpu": gpu}
+    t0 = time.time()
+    cache = tempfile.mkdtemp(prefix="nbaccel-gpu-bench-")
+    kernel = Kernel(args.python, cache)
+    kernel.session.start()
+    try:
+        kernel.run(f"GPU_CFG = {cfg!r}")
+        kernel.run((BENCH / "scenarios" / "gpu.py").read_text())
+        versions = kernel.call("gpu_versions()")
+        res["machine"] = machine_info(versions, args.python)
+        measure(kernel, cfg, res)
+        if kernel.call("gpu_versions()")["kernel_cuda_initialized"]:
+            res["errors"].append("the benchmark kernel initialised CUDA (fork rows are invalid)")
+    finally:
+        kernel.session.stop()
+    res["wall_s"] = round(time.time() - t0, 1)
+    (out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
+    (out / "gpu_bench.md").write_text(render(res))
+    print(f"wrote {out / 'gpu_bench.md'} and gpu_bench.json in {res['wall_s']} s", flush=True)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

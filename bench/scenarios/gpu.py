@@ -1,0 +1,226 @@
+# ruff: noqa: F821  (a notebook cell: names come from earlier cells)
+# GPU scenarios (bench/gpu.py). Executed as a notebook cell in a kernel that never
+# touches CUDA itself, so nbaccel and the hand-written baseline can both fork.
+# The driver sets GPU_CFG (sizes, steps, the device type) in an earlier cell.
+#
+# Step time: one worker on GPU 0 builds the same model (a stack of MLP blocks,
+# >= 100M parameters in the full run), runs warm-up steps, then WINDOWS windows of
+# STEPS steps each between two torch.cuda.synchronize() calls; a window's time /
+# STEPS is one "per-step" sample, the worker reports every window. Systems:
+#   raw      plain loop: model.to(device), torch.autocast, AdamW; no process group
+#   raw-ddp  the same inside a hand-written 1-rank process group + DDP(device_ids=[0])
+#   nbaccel  Accelerator(mixed_precision=...) + prepare + accelerator.backward
+# Launch latency with CUDA init: launch call -> function has created its CUDA
+# context, put a tensor on the GPU and synchronised -> result back in the kernel.
+import json
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+import torch.nn as nn
+import torch.nn.functional as F
+
+ON_GPU = GPU_CFG["device"] == "cuda"
+
+
+def gpu_device():
+    return torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
+
+
+def gpu_sync():
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
+def gpu_model():
+    torch.manual_seed(0)
+    d, blocks = GPU_CFG["width"], GPU_CFG["blocks"]
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)]
+    return nn.Sequential(*layers)
+
+
+def gpu_batch(device):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(GPU_CFG["tokens"], GPU_CFG["width"], generator=g)
+    return x.to(device), torch.randn(GPU_CFG["tokens"], GPU_CFG["width"], generator=g).to(device)
+
+
+def _gpu_timed_loop(step):
+    for _ in range(GPU_CFG["warmup"]):
+        step()
+    gpu_sync()
+    windows = []
+    for _ in range(GPU_CFG["windows"]):
+        t0 = time.perf_counter()
+        for _ in range(GPU_CFG["steps"]):
+            step()
+        gpu_sync()
+        windows.append((time.perf_counter() - t0) / GPU_CFG["steps"])
+    return windows
+
+
+def _gpu_report(path, windows, model, loss):
+    values = {
+        "step_s": sorted(windows)[len(windows) // 2],
+        "windows_s": windows,
+        "params": sum(p.numel() for p in model.parameters()),
+        "loss": float(loss.detach()),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if ON_GPU else None,
+    }
+    with open(path, "w") as fh:
+        json.dump(values, fh)
+
+
+def _gpu_raw_step_fn(model, opt, x, y, precision):
+    def step():
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = model(x)
+        loss = F.mse_loss(out.float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step.loss = loss
+
+    return step
+
+
+def gpu_train_raw(rank, path, precision, ddp):
+    device = gpu_device()
+    if ON_GPU:
+        torch.cuda.set_device(device)
+    if ddp:  # what a user writes by hand for one GPU: a 1-rank group and DDP
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_gpu_free_port()))
+        kwargs = {"device_id": device} if ON_GPU else {}
+        dist.init_process_group("nccl" if ON_GPU else "gloo", rank=0, world_size=1, **kwargs)
+    try:
+        model = gpu_model().to(device)
+        if ddp:
+            ids = [0] if ON_GPU else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x, y = gpu_batch(device)
+        step = _gpu_raw_step_fn(model, opt, x, y, precision)
+        windows = _gpu_timed_loop(step)
+        _gpu_report(path, windows, model, step.loss)
+    finally:
+        if ddp:
+            dist.destroy_process_group()
+
+
+def gpu_train_nbaccel(path, precision):
+    from nbaccel import Accelerator
+
+    acc = Accelerator(mixed_precision=precision, cpu=not ON_GPU)
+    model = gpu_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    x, y = gpu_batch(acc.device)
+
+    def step():
+        loss = F.mse_loss(model(x).float(), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step.loss = loss
+
+    windows = _gpu_timed_loop(step)
+    _gpu_report(path, windows, acc.unwrap_model(model), step.loss)
+
+
+def _gpu_free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gpu_step_once(system, precision):
+    """One launch of one system; the worker's step-time numbers (dict)."""
+    from nbaccel import notebook_launcher
+
+    fd, path = tempfile.mkstemp(prefix="nbaccel-gpu-bench-", suffix=".json")
+    os.close(fd)
+    try:
+        if system in ("raw", "raw-ddp"):
+            torch.multiprocessing.start_processes(
+                gpu_train_raw,
+                args=(path, "bf16" if precision == "bf16" else "no", system == "raw-ddp"),
+                nprocs=1,
+                start_method="fork",
+            )
+        elif system == "nbaccel":
+            notebook_launcher(
+                gpu_train_nbaccel,
+                args=(path, precision),
+                num_processes=1,
+                start_method="fork",
+                block=False,
+            ).result(timeout=600)
+        else:
+            raise ValueError(system)
+        with open(path) as fh:
+            return json.load(fh)
+    finally:
+        os.remove(path)
+
+
+def gpu_launch_fn_raw(rank):
+    t = torch.ones(1, device=gpu_device())
+    gpu_sync()
+    return float(t.sum())
+
+
+def gpu_launch_fn_nbaccel():
+    from nbaccel import Accelerator
+
+    acc = Accelerator(cpu=not ON_GPU)
+    t = torch.ones(1, device=acc.device)
+    gpu_sync()
+    return float(t.sum())
+
+
+def gpu_launch_once(system):
+    """Seconds for one launch whose function initialises CUDA and syncs (fresh worker)."""
+    from nbaccel import notebook_launcher
+
+    t0 = time.perf_counter()
+    if system == "raw":
+        torch.multiprocessing.start_processes(gpu_launch_fn_raw, nprocs=1, start_method="fork")
+    elif system in ("nbaccel", "nbaccel-spawn"):
+        method = "spawn" if system == "nbaccel-spawn" else "fork"
+        notebook_launcher(
+            gpu_launch_fn_nbaccel, num_processes=1, start_method=method, block=False
+        ).result(timeout=300)
+    else:
+        raise ValueError(system)
+    return time.perf_counter() - t0
+
+
+def gpu_versions():
+    import platform
+
+    import nbaccel
+
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "nbaccel": nbaccel.__version__,
+        "kernel_cuda_initialized": torch.cuda.is_initialized(),
+    }
+    try:
+        import torchao
+
+        versions["torchao"] = torchao.__version__
+    except Exception:
+        versions["torchao"] = None
+    return versions
+
+
+def gpu_json(obj):
+    return json.dumps(obj)
