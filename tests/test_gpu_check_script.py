@@ -1,0 +1,74 @@
+"""scripts/gpu_check.sh works end to end where it can here: --smoke on the CPU.
+
+The GPU machine gets one run (scarce time, no network), so its plumbing is proved
+here: the imports check, pytest over tests/gpu with a JUnit report (the tests skip
+on the CPU, with their reason), bench/gpu.py --smoke, and the report with every
+test's result and the benchmark table, copied to $OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.kernel
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_gpu_check_smoke_writes_the_report(tmp_path: Path) -> None:
+    results, out = tmp_path / "results", tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DIR": str(results), "OUT": str(out)}
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--smoke", "--no-install"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    report = (out / "REPORT.md").read_text()
+    summary = json.loads((out / "report.json").read_text())
+    names = {t["test"].rsplit("::", 1)[-1] for t in summary["tests"]}
+    assert {
+        "test_fork_refused_after_real_cuda_init_naming_the_line",
+        "test_fp16_skips_overflowing_steps_and_checkpoints_the_scaler",
+    } <= names, names
+    assert all(
+        t["outcome"] == "skipped" and "needs a CUDA GPU" in t["message"] for t in summary["tests"]
+    ), summary["tests"]
+    assert summary["env"]["torch"] and summary["pytest_exit"] == "0"
+    assert "imports: ok" in report and "NBACCEL_REQUIRE_GPU=0" in report
+    assert "| bf16 throughput vs hand-written DDP (1 GPU) |" in report
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [
+            "REPORT.md",
+            "report.json",
+            "env.json",
+            "gpu_bench.json",
+            "gpu_bench.md",
+            "gpu_tests.log",
+            "gpu_tests.xml",
+        ]
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("variable", "fails"), [("NBACCEL_REQUIRE_GPU", True), ("NBACCEL_REQUIRE_ALL", False)]
+)
+def test_gpu_skips_fail_only_where_a_gpu_run_is_required(variable: str, fails: bool) -> None:
+    # On the GPU machine (NBACCEL_REQUIRE_GPU=1) a skipped GPU test must fail the run; the
+    # full CPU suite (NBACCEL_REQUIRE_ALL=1) must accept that GPU tests skip without a GPU.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_REQUIRE")}
+    env[variable] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, also on a GPU machine: the test must skip
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd += ["tests/gpu/test_gpu_launch.py::test_one_process_per_gpu"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    if fails:
+        assert proc.returncode == 1, proc.stdout[-2000:]
+        assert "NBACCEL_REQUIRE_GPU=1 and this gpu test was skipped" in proc.stdout
+    else:
+        assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
