@@ -35,6 +35,26 @@ class CUDAInitializedError(LaunchError):
     """
 
 
+def too_few_gpus_error(processes: int, gpus: int) -> ConfigError:
+    """The error for more NCCL processes on one machine than it has GPUs.
+
+    Raised by the launcher's pre-flight check (before any process exists) and by the
+    process state (torchrun, a script), instead of NCCL's later "Duplicate GPU detected".
+
+    Example:
+        >>> str(too_few_gpus_error(2, 1)).split(":")[0]
+        'num_processes=2 but this machine has 1 visible GPU'
+    """
+    plural = "" if gpus == 1 else "s"
+    return ConfigError(
+        f"num_processes={processes} but this machine has {gpus} visible GPU{plural}: NCCL "
+        "needs one GPU per process (two ranks on one GPU fail later with 'Duplicate GPU "
+        f"detected'). Launch with num_processes <= {gpus}, or train on the CPU over gloo: "
+        "notebook_launcher(..., config=LaunchConfig(compute_device='cpu')), "
+        "NBACCEL_USE_CPU=1 or Accelerator(cpu=True)."
+    )
+
+
 class WorkerError(LaunchError):
     """A worker process failed; carries the remote rank, pid and traceback.
 
@@ -80,4 +100,5 @@ __all__ = [
     "LaunchError",
     "NbaccelError",
     "WorkerError",
+    "too_few_gpus_error",
 ]

@@ -29,7 +29,7 @@ from ..config import (
     normalize_precision,
     resolve_launch_config,
 )
-from ..errors import ConfigError, CUDAInitializedError
+from ..errors import ConfigError, CUDAInitializedError, too_few_gpus_error
 from ..platform import cudatrace, environment
 from ..platform.hardware import default_num_processes
 
@@ -120,6 +120,21 @@ def _count_processes(cfg: LaunchConfig) -> int:
         raise ConfigError("compute_device='gpu' but no CUDA GPU is visible; use 'cpu' or 'auto'.")
     # one rule for "one process per usable GPU", shared with the CLI and the panel
     return default_num_processes(cfg.compute_device, cfg.gpu_ids)
+
+
+def _check_gpus_per_process(cfg: LaunchConfig, nproc: int) -> None:
+    """More processes than GPUs would put two NCCL ranks on one GPU: refuse before starting.
+
+    Counted without initialising CUDA (NVML). Only for launches that will use the GPUs:
+    ``compute_device='cpu'`` runs gloo on the CPU, where any number of processes works.
+    """
+    if nproc < 2 or cfg.compute_device == "cpu":
+        return
+    gpus = environment.gpu_count()
+    if cfg.gpu_ids and cfg.gpu_ids.strip().lower() != "all":
+        gpus = min(gpus, len([g for g in cfg.gpu_ids.split(",") if g.strip()]))
+    if 0 < gpus < nproc:
+        raise too_few_gpus_error(nproc, gpus)
 
 
 def cuda_fork_error() -> CUDAInitializedError:
@@ -295,6 +310,7 @@ def _decide(
         nproc = cfg.num_processes or environment.tpu_core_count()
         return LaunchPlan(function, args, cfg, nproc, "xla", worker_env(cfg, None), **common)
     nproc = _count_processes(cfg)
+    _check_gpus_per_process(cfg, nproc)
     if nproc > 1 or cfg.num_nodes > 1:
         _check_no_state_in_kernel()
     user_threads = "OMP_NUM_THREADS" in os.environ

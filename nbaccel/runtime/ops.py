@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..platform.process_env import distributed_active
+from .state import barrier_kwargs
 from .tree import _leaves, _rebuild, is_tensor_tree, recursively_apply, send_to_device
 
 # ----------------------------------------------------------------------------- group helpers
@@ -310,7 +311,7 @@ def pad_across_processes(
 def barrier() -> None:
     """Wait until every process arrives (no-op without a multi-process group)."""
     if distributed_active():
-        dist.barrier()
+        dist.barrier(**barrier_kwargs(str(dist.get_backend())))
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LaunchError, too_few_gpus_error
 from ..platform.process_env import EnvironmentSnapshot, read_environment
 from ..platform.xla import xla_requested
 from . import xla
@@ -92,6 +92,27 @@ class ProcessState:
         return max(1, self.world_size // max(1, self.local_world_size))
 
 
+def _uses_nccl(backend: str | None) -> bool:
+    """True for nccl, the CUDA default (None), and mixed backends such as 'cpu:gloo,cuda:nccl'."""
+    return backend is None or "nccl" in backend
+
+
+def barrier_kwargs(backend: str) -> dict[str, Any]:
+    """``dist.barrier`` arguments: NCCL gets this process's GPU (``device_ids``).
+
+    Without it NCCL guesses the device from the rank ("using GPU N to perform barrier as
+    devices used by this process are currently unknown"), which is wrong, or hangs,
+    whenever rank and GPU index differ. Other backends take no ``device_ids``.
+
+    Example:
+        >>> barrier_kwargs("gloo")
+        {}
+    """
+    if "nccl" in backend:
+        return {"device_ids": [torch.cuda.current_device()]}
+    return {}
+
+
 def _select_device_and_backend(
     env: EnvironmentSnapshot, *, cpu: bool, backend: str | None = None
 ) -> tuple[torch.device, str | None, DistributedType]:
@@ -106,7 +127,11 @@ def _select_device_and_backend(
         chosen = xla.XLA_BACKEND if xla.xla_world().world_size > 1 else None
         return device, chosen, DistributedType.XLA
     distributed = env.world_size > 1
-    use_cuda = not (cpu or env.use_cpu) and backend != "gloo" and torch.cuda.is_available()
+    # The backend picks the collective library, not the device: gloo moves CUDA tensors
+    # through host memory and DDP works over it, so an explicit or adopted gloo group keeps
+    # the GPU (as in Accelerate and Lightning). Training silently on the CPU because of a
+    # communication choice would be 10-100x slower without a word; cpu=True asks for the CPU.
+    use_cuda = not (cpu or env.use_cpu) and torch.cuda.is_available()
     if backend == "nccl" and not use_cuda:
         raise ConfigError(
             "backend='nccl' needs a CUDA GPU, but this process runs on the CPU "
@@ -114,12 +139,9 @@ def _select_device_and_backend(
         )
     if use_cuda:
         count = torch.cuda.device_count()
-        if distributed and backend != "gloo" and 1 < count < env.local_world_size:
-            raise ConfigError(
-                f"{env.local_world_size} processes on this machine but only {count} GPUs are "
-                "visible: nccl needs one GPU per process. Launch with num_processes <= "
-                f"{count}, or pass cpu=True (gloo on the CPU)."
-            )
+        if distributed and _uses_nccl(backend) and count < env.local_world_size:
+            raise too_few_gpus_error(env.local_world_size, count)
+        # gloo tolerates ranks sharing a GPU (round-robin); nccl was checked above
         index = env.local_rank % count
         device = torch.device("cuda", index)
         chosen = (backend or "nccl") if distributed else backend
@@ -153,12 +175,24 @@ def _timeout_for(
     return None
 
 
-def _init_process_group(
-    env: EnvironmentSnapshot,
+def _init_kwargs(
     backend: str,
+    device: torch.device,
     timeout: datetime.timedelta | None,
     init_kwargs: Mapping[str, Any],
-) -> None:
+) -> dict[str, Any]:
+    """The keyword arguments for ``dist.init_process_group`` (besides backend/rank/world).
+
+    On CUDA with nccl the group is bound to this process's GPU (``device_id``, torch >=
+    2.3): NCCL then knows the device from the start instead of guessing it at the first
+    barrier ("devices used by this process are currently unknown"), and connects eagerly.
+
+    Example:
+        >>> _init_kwargs("nccl", torch.device("cuda", 1), None, {})["device_id"]
+        device(type='cuda', index=1)
+        >>> "device_id" in _init_kwargs("gloo", torch.device("cpu"), None, {})
+        False
+    """
     kwargs: dict[str, Any] = {k: v for k, v in init_kwargs.items() if v is not None}
     kwargs.pop("backend", None)
     if backend == xla.XLA_BACKEND:
@@ -166,6 +200,19 @@ def _init_process_group(
     kwargs.setdefault("init_method", "env://")
     if timeout is not None:
         kwargs["timeout"] = timeout
+    if device.type == "cuda" and _uses_nccl(backend):
+        kwargs.setdefault("device_id", device)
+    return kwargs
+
+
+def _init_process_group(
+    env: EnvironmentSnapshot,
+    backend: str,
+    device: torch.device,
+    timeout: datetime.timedelta | None,
+    init_kwargs: Mapping[str, Any],
+) -> None:
+    kwargs = _init_kwargs(backend, device, timeout, init_kwargs)
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not getattr(env, name.lower())]
     if kwargs["init_method"] == "env://" and missing:
         raise LaunchError(
@@ -308,7 +355,7 @@ def get_state(
                 "install a standard torch wheel."
             )
         assert backend is not None
-        _init_process_group(env, backend, _timeout_for(env, timeout), init_kwargs)
+        _init_process_group(env, backend, device, _timeout_for(env, timeout), init_kwargs)
     state = ProcessState(
         rank=env.rank,
         world_size=env.world_size,
@@ -331,6 +378,7 @@ __all__ = [
     "DistributedType",
     "EnvironmentSnapshot",
     "ProcessState",
+    "barrier_kwargs",
     "current_state",
     "get_state",
     "read_environment",
