@@ -100,7 +100,9 @@ def notebook_launcher(
 
     Returns:
         Rank 0's return value with tensors moved to the CPU (on another node: the value
-        of that node's first rank), the list of values, or a ``LaunchHandle``.
+        of that node's first rank), the list of values, or a ``LaunchHandle``. A single
+        blocking process runs in the kernel itself and its value is returned as it is
+        (CUDA tensors stay on the GPU, in the kernel's own CUDA context).
 
     Raises:
         TypeError, ValueError: bad arguments, before anything is started.
