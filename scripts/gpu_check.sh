@@ -11,7 +11,8 @@
 #   bash scripts/gpu_check.sh --smoke         # on a CPU machine: plumbing only, no GPU
 #
 # Options also: --no-install. Environment: PYTHON (default python3, the image's torch),
-# GPU_TEST_BUDGET / GPU_BENCH_BUDGET (seconds, default 330 / 200), PYTEST_ARGS,
+# GPU_TEST_BUDGET / GPU_BENCH_BUDGET (seconds; default 250 each, 500 for a part run alone),
+# PYTEST_ARGS, NBACCEL_COMMIT (the commit to name in the report where the copy has no .git),
 # GPU_CHECK_DIR (where the results go, default bench/gpu).
 # Exit status: 0 when every step passed, else 1 (the report is written either way).
 set -uo pipefail
@@ -30,6 +31,10 @@ for arg in "$@"; do
     *) echo "unknown option $arg (see the top of $0)" >&2; exit 2 ;;
   esac
 done
+# Seconds per part: both parts in one call must fit the device tool's 10 minutes a command.
+if [ "$TESTS" = 1 ] && [ "$BENCH" = 1 ]; then share=250; else share=500; fi
+TEST_BUDGET=${GPU_TEST_BUDGET:-$share}
+BENCH_BUDGET=${GPU_BENCH_BUDGET:-$share}
 mkdir -p "$DIR"
 rm -f "$DIR/steps.txt"
 FAILED=0
@@ -73,7 +78,7 @@ if [ "$TESTS" = 1 ]; then
   [ "$SMOKE" = 1 ] && require=0  # on a CPU machine the GPU tests skip, as they should
   # SIGINT first: pytest then still writes the JUnit XML of the tests that ran
   NBACCEL_REQUIRE_GPU=$require OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} \
-    timeout -s INT -k 30 "${GPU_TEST_BUDGET:-330}" \
+    timeout -s INT -k 30 "$TEST_BUDGET" \
     "$PY" -m pytest -m gpu tests/gpu -v -rA -p no:cacheprovider \
     --junitxml="$DIR/gpu_tests.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$DIR/gpu_tests.log"
   code=${PIPESTATUS[0]}
@@ -86,7 +91,7 @@ if [ "$BENCH" = 1 ]; then
   rm -f "$DIR/gpu_bench.md" "$DIR/gpu_bench.json"
   smoke=()
   [ "$SMOKE" = 1 ] && smoke=(--smoke)
-  timeout -s INT -k 30 "${GPU_BENCH_BUDGET:-200}" "$PY" bench/gpu.py --out "$DIR" "${smoke[@]}"
+  timeout -s INT -k 30 "$BENCH_BUDGET" "$PY" bench/gpu.py --out "$DIR" "${smoke[@]}"
   code=$?
   if [ "$code" = 0 ]; then step "bench: ok"; else step "bench: FAILED (exit $code)"; FAILED=1; fi
 fi
