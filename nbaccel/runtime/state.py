@@ -101,8 +101,9 @@ def barrier_kwargs(backend: str) -> dict[str, Any]:
     """``dist.barrier`` arguments: NCCL gets this process's GPU (``device_ids``).
 
     Without it NCCL guesses the device from the rank ("using GPU N to perform barrier as
-    devices used by this process are currently unknown"), which is wrong, or hangs,
-    whenever rank and GPU index differ. Other backends take no ``device_ids``.
+    devices used by this process are currently unknown"), which can be another GPU than
+    the one this rank trains on (an extra CUDA context there, or a hang). Other backends
+    take no ``device_ids``.
 
     Example:
         >>> barrier_kwargs("gloo")
@@ -129,8 +130,9 @@ def _select_device_and_backend(
     distributed = env.world_size > 1
     # The backend picks the collective library, not the device: gloo moves CUDA tensors
     # through host memory and DDP works over it, so an explicit or adopted gloo group keeps
-    # the GPU (as in Accelerate and Lightning). Training silently on the CPU because of a
-    # communication choice would be 10-100x slower without a word; cpu=True asks for the CPU.
+    # the GPU (as Lightning does with process_group_backend="gloo"). Training silently on the
+    # CPU because of a communication choice would be 10-100x slower without a word; cpu=True
+    # is how to ask for the CPU.
     use_cuda = not (cpu or env.use_cpu) and torch.cuda.is_available()
     if backend == "nccl" and not use_cuda:
         raise ConfigError(
