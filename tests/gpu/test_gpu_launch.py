@@ -84,6 +84,15 @@ def cuda_kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSess
     session.stop()
 
 
+@pytest.fixture(scope="module")
+def driver_kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
+    """A kernel that asked torch.cuda.is_available(): the driver is loaded, CUDA not initialised."""
+    session = _kernel(tmp_path_factory, "gpu-driver")
+    session.run("available = torch.cuda.is_available()", timeout=120)
+    yield session
+    session.stop()
+
+
 def _after(kernel: KernelSession) -> None:
     kernel.assert_no_descendants(timeout=10)
 
@@ -242,3 +251,37 @@ def test_two_ranks_over_nccl_when_two_gpus_exist(clean_kernel):
     )
     assert clean_kernel.evaluate_json("nccl") == ["nccl", 3.0]
     _after(clean_kernel)
+
+
+DRIVER_LOADED = """
+import warnings
+state = {"available": available, "initialized": torch.cuda.is_initialized()}
+forks_before = FORKS[0]
+h = notebook_launcher(where, args=('auto',), num_processes=1, block=False)
+state["auto"] = summary(h.result(timeout=300))
+state["auto_forks"] = FORKS[0] - forks_before
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    h = notebook_launcher(where, args=('fork',), num_processes=1, start_method='fork',
+                          block=False)
+    try:
+        state["fork"] = summary(h.result(timeout=300))
+    except Exception as err:  # a forked child with an inherited driver may fail: say how
+        state["fork"] = {"error": f"{type(err).__name__}: {err}"[:500]}
+        h.stop()
+state["fork_warnings"] = [str(w.message) for w in caught]
+"""
+
+
+@pytest.mark.timeout(500)
+def test_driver_loaded_by_is_available_makes_auto_spawn(driver_kernel):
+    # torch.cuda.is_available() in a cell loads the CUDA driver without initialising CUDA;
+    # a fork then hands children a driver that may not work, so "auto" must spawn, and an
+    # explicit "fork" warns (it is allowed: torch's own flag says CUDA is not initialised).
+    driver_kernel.run(DRIVER_LOADED, timeout=460)
+    got = driver_kernel.evaluate_json("state")
+    assert got["available"] is True and got["initialized"] is False, got
+    assert got["auto_forks"] == 0 and got["auto"]["forked"] is False, got
+    assert got["auto"]["device"] == "cuda:0" and got["auto"]["tensor_device"] == "cpu", got
+    assert any("driver is already loaded" in w for w in got["fork_warnings"]), got
+    _after(driver_kernel)
