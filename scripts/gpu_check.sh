@@ -11,7 +11,7 @@
 #   bash scripts/gpu_check.sh --smoke         # on a CPU machine: plumbing only, no GPU
 #
 # Options also: --no-install. Environment: PYTHON (default python3, the image's torch),
-# GPU_TEST_BUDGET / GPU_BENCH_BUDGET (seconds; default 250 each, 500 for a part run alone),
+# GPU_TEST_BUDGET / GPU_BENCH_BUDGET (seconds; default 250 each, 480 for a part run alone),
 # PYTEST_ARGS, NBACCEL_COMMIT (the commit to name in the report where the copy has no .git),
 # GPU_CHECK_DIR (where the results go, default bench/gpu).
 # Exit status: 0 when every step passed, else 1 (the report is written either way).
@@ -32,7 +32,7 @@ for arg in "$@"; do
   esac
 done
 # Seconds per part: both parts in one call must fit the device tool's 10 minutes a command.
-if [ "$TESTS" = 1 ] && [ "$BENCH" = 1 ]; then share=250; else share=500; fi
+if [ "$TESTS" = 1 ] && [ "$BENCH" = 1 ]; then share=250; else share=480; fi
 TEST_BUDGET=${GPU_TEST_BUDGET:-$share}
 BENCH_BUDGET=${GPU_BENCH_BUDGET:-$share}
 mkdir -p "$DIR"
