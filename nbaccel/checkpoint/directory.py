@@ -24,13 +24,17 @@ import torch
 from .._version import __version__
 from ..errors import ConfigError
 from ..platform.process_env import distributed_active
-from .weights import CheckpointError, fsync_path
+from .durable import exchange, fsync_path, fsync_tree
+from .weights import CheckpointError
 
 MANIFEST = "nbaccel_checkpoint.json"
 FORMAT = "nbaccel-checkpoint"
 VERSION = 1
 AUTO_NAME = re.compile(r"checkpoint_(\d+)")
 _NDARRAY = "__nbaccel_ndarray__"
+# Written into a save's temporary directory by global rank 0 before any other write:
+# a node that cannot see it does not share node 0's filesystem (see save_state).
+VISIBILITY_MARKER = ".nbaccel-node0"
 
 
 # -- collectives (no-ops on one process) ---------------------------------------------------
@@ -107,7 +111,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         CheckpointError: ``path`` is not an nbaccel checkpoint, or is incomplete/damaged.
     """
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not recover(path):
         raise FileNotFoundError(
             f"no checkpoint at {str(path)!r}: check the path (or save_state first)."
         )
@@ -149,6 +153,41 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
+def _displaced(target: Path) -> list[Path]:
+    """Copies of ``target`` moved aside by an overwrite (``.name.old-<token>``), newest first."""
+    pattern = f".{glob.escape(target.name)}.old-*"
+    found = [p for p in target.parent.glob(pattern) if p.is_dir()] if target.parent.is_dir() else []
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def recover(target: str | os.PathLike[str]) -> bool:
+    """Put back a checkpoint that an overwrite moved aside and never replaced; say if it did.
+
+    Where the filesystem cannot exchange two directories atomically, overwriting a
+    checkpoint takes two renames (old copy aside, new one in). A crash between them
+    leaves ``target`` missing and the complete old copy under ``.name.old-<token>``;
+    loading ``target`` then restores that copy instead of failing.
+    """
+    target = Path(target)
+    for old in _displaced(target):
+        if not (old / MANIFEST).is_file():
+            continue
+        try:
+            os.rename(old, target)  # rename, not replace: never over a target that reappeared
+        except OSError:
+            if target.exists():  # another rank (or node) recovered it first
+                return True
+            continue
+        fsync_path(target.parent)
+        warnings.warn(
+            f"{target} was missing after an interrupted overwrite; restored the previous "
+            f"copy from {old.name}.",
+            stacklevel=3,
+        )
+        return True
+    return target.exists()
+
+
 def checkpoints_root(acc: Any) -> Path:
     """``project_dir/checkpoints``, where automatic naming puts checkpoints."""
     project_dir = acc.project_configuration.project_dir
@@ -162,6 +201,10 @@ def checkpoints_root(acc: Any) -> Path:
 def _numbered(root: Path) -> list[tuple[int, Path]]:
     found = []
     if root.is_dir():
+        for old in list(root.glob(".checkpoint_*.old-*")):
+            name = old.name[1:].split(".old-")[0]
+            if AUTO_NAME.fullmatch(name) and not (root / name).exists():
+                recover(root / name)
         for child in root.iterdir():
             match = AUTO_NAME.fullmatch(child.name)
             if match and child.is_dir():
@@ -197,32 +240,52 @@ def _manifest(acc: Any, tmp: Path, safe_serialization: bool) -> dict[str, Any]:
             "custom_objects": len(acc._custom_objects),
         },
         "scaler": (tmp / "scaler.pt").exists(),
-        "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+        "files": {
+            p.name: p.stat().st_size
+            for p in sorted(tmp.iterdir())
+            if p.is_file() and p.name != VISIBILITY_MARKER
+        },
     }
 
 
 def publish(acc: Any, tmp: Path, target: Path, token: str, safe_serialization: bool) -> None:
+    """Write the manifest into ``tmp`` and move it to ``target`` with no gap in between.
+
+    An existing ``target`` is swapped with ``tmp`` in one atomic exchange where the
+    filesystem allows it; elsewhere it is moved aside first and :func:`recover` puts
+    it back if the process dies before the new copy is in place. Either way some
+    complete checkpoint is at (or recoverable for) ``target`` at every moment.
+    """
     if not tmp.is_dir():  # another node's main already renamed it (shared filesystem)
         return
+    (tmp / VISIBILITY_MARKER).unlink(missing_ok=True)
     manifest_path = tmp / MANIFEST
     manifest_path.write_text(json.dumps(_manifest(acc, tmp, safe_serialization), indent=2) + "\n")
-    fsync_path(manifest_path)
-    fsync_path(tmp)
-    old = target.parent / f".{target.name}.old-{token}"
-    if target.exists():
-        os.replace(target, old)
-    os.replace(tmp, target)
-    fsync_path(target.parent)
+    fsync_tree(tmp)
+    displaced = None
+    if target.exists() and exchange(tmp, target):
+        displaced = tmp  # now holds the old checkpoint
+    else:
+        if target.exists():
+            displaced = target.parent / f".{target.name}.old-{token}"
+            os.replace(target, displaced)
+            fsync_path(target.parent)
+        os.replace(tmp, target)
+        fsync_path(target.parent)
     # this save's displaced copy, and leftovers of earlier saves to the same place that died
-    for stale in (old, *target.parent.glob(f".{glob.escape(target.name)}.tmp-*")):
+    leftovers = [*target.parent.glob(f".{glob.escape(target.name)}.tmp-*"), *_displaced(target)]
+    for stale in {p for p in (displaced, *leftovers) if p is not None}:
         shutil.rmtree(stale, ignore_errors=True)
 
 
 def prune(acc: Any, root: Path) -> None:
     """Drop stale temporary dirs and the oldest checkpoints beyond ``total_limit``."""
     for child in root.iterdir() if root.is_dir() else ():
-        if child.name.startswith(".checkpoint_") and (
-            ".tmp-" in child.name or ".old-" in child.name
+        if not child.name.startswith(".checkpoint_"):
+            continue
+        if ".tmp-" in child.name or (
+            # a displaced copy is only stale once its checkpoint is back in place
+            ".old-" in child.name and (root / child.name[1:].split(".old-")[0]).exists()
         ):
             shutil.rmtree(child, ignore_errors=True)
     limit = acc.project_configuration.total_limit

@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import re
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,16 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, NbaccelError
+from .durable import fsync_path, make_dirs, temp_name
 
 SAFE_WEIGHTS = "model.safetensors"
 TORCH_WEIGHTS = "pytorch_model.bin"
 _TIED_KEY = "nbaccel_tied_weights"  # safetensors metadata / index key: {alias: kept_name}
+# One id per save_model call, in every safetensors file's metadata and in the index: it
+# marks the files as written by save_model (so a later save may remove them, and only
+# them) and lets a reader detect a shard set mixed from two saves.
+_SAVE_ID = "nbaccel_save_id"
+_FORMATS = (("model", ".safetensors"), ("pytorch_model", ".bin"))
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
@@ -58,18 +65,6 @@ def parse_size(size: int | str) -> int:
     if value < 1:
         raise ConfigError(f"max_shard_size={size!r} must be at least 1 byte.")
     return value
-
-
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    """Flush a written file (or a directory entry list) to disk."""
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
 
 
 def torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -144,29 +139,73 @@ def dedupe_tied(
 
 
 def write_safetensors(
-    tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], aliases: Mapping[str, str]
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    aliases: Mapping[str, str],
+    save_id: str | None = None,
 ) -> None:
     """Write one safetensors file (fsynced), recording ``aliases`` in its metadata."""
     from safetensors.torch import save_file
 
     metadata = {"format": "pt"}
+    if save_id is not None:
+        metadata[_SAVE_ID] = save_id
     if aliases:
         metadata[_TIED_KEY] = json.dumps(dict(aliases), sort_keys=True)
     save_file(dict(tensors), str(path), metadata=metadata)
     fsync_path(path)
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _safetensors_metadata(path: Path) -> dict[str, str]:
     from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return dict(fh.metadata() or {})
+
+
+def _read_safetensors(path: Path, save_id: str | None = None) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path), device="cpu")
-    with safe_open(str(path), framework="pt") as fh:
-        aliases = json.loads((fh.metadata() or {}).get(_TIED_KEY, "{}"))
+    metadata = _safetensors_metadata(path)
+    if save_id is not None and metadata.get(_SAVE_ID, save_id) != save_id:
+        raise CheckpointError(
+            f"{path} belongs to another save_model() than its index (an interrupted save "
+            "replaced some shards): save the model again."
+        )
+    aliases = json.loads(metadata.get(_TIED_KEY, "{}"))
     for alias, name in aliases.items():
         if name in tensors:
             tensors[alias] = tensors[name]
     return tensors
+
+
+def _written_by_save_model(directory: Path) -> set[Path]:
+    """Weight files in ``directory`` that an earlier ``save_model`` wrote, in either format.
+
+    Known from its index (the index and every shard it names) or, for a single
+    safetensors file, from the save id in the file's metadata. Anything else (a
+    user's ``model_ema.safetensors``, ``model-best.safetensors``) is not ours.
+    """
+    ours: set[Path] = set()
+    for base, ext in _FORMATS:
+        index_path = directory / f"{base}{ext}.index.json"
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            names = {str(name) for name in weight_map.values()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            names = None
+        if names is not None:
+            ours.add(index_path)
+            ours.update(directory / n for n in names if Path(n).name == n)
+        single = directory / f"{base}{ext}"
+        if ext == ".safetensors" and single.is_file():
+            try:
+                if _SAVE_ID in _safetensors_metadata(single):
+                    ours.add(single)
+            except Exception:  # not a readable safetensors file: not ours to delete
+                pass
+    return ours
 
 
 def save_model_files(
@@ -179,60 +218,74 @@ def save_model_files(
     """Write ``state`` as one weights file or as shards plus an index JSON; return the files.
 
     Shard names follow the common convention (``model-00001-of-00003.safetensors`` and
-    ``model.safetensors.index.json`` with a ``weight_map``), so other tools read them.
-    Stale weight files from an earlier save into the same directory are removed.
+    ``model.safetensors.index.json`` with a ``weight_map``), so other tools read them;
+    the split is huggingface_hub's ``split_torch_state_dict_into_shards``.
+
+    Durable and atomic per file: every file is written under a temporary name,
+    fsynced and renamed into place, the index last (it is the commit point of a
+    sharded save), then the directory is fsynced. Only after that are the files of an
+    earlier ``save_model`` into the same directory that this save did not replace
+    removed; other files in the directory are never touched.
     """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
     limit = parse_size(max_shard_size)
     directory = Path(save_directory)
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"save_directory={str(directory)!r} is a file; pass a directory path.")
-    directory.mkdir(parents=True, exist_ok=True)
+    make_dirs(directory)
     if safe_serialization:
         tensors, aliases = dedupe_tied(state)
         base, ext = "model", ".safetensors"
     else:  # torch.save keeps shared storage within a file by itself
         tensors = {k: v.detach().cpu() for k, v in state.items()}
         aliases, base, ext = {}, "pytorch_model", ".bin"
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    # earlier weights in either format, so a reader can never pick up a stale file
-    for pattern in (
-        "model*.safetensors",
-        "pytorch_model*.bin",
-        "model.safetensors.index.json",
-        "pytorch_model.bin.index.json",
-    ):
-        for old in directory.glob(pattern):
-            old.unlink()
-    written: list[Path] = []
-    for i, shard in enumerate(shards, start=1):
-        name = f"{base}{ext}" if len(shards) == 1 else f"{base}-{i:05d}-of-{len(shards):05d}{ext}"
-        path = directory / name
-        if safe_serialization:
-            shard_aliases = {a: k for a, k in aliases.items() if k in shard}
-            write_safetensors(shard, path, shard_aliases)
-        else:
-            torch_save(shard, path)
-        written.append(path)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-            "weight_map": {k: p.name for p, s in zip(written, shards, strict=True) for k in s},
-        }
-        if aliases:
-            index[_TIED_KEY] = dict(aliases)
-        index_path = directory / f"{base}{ext}.index.json"
-        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        fsync_path(index_path)
-        written.append(index_path)
-    fsync_path(directory)
+    split = split_torch_state_dict_into_shards(
+        tensors, filename_pattern=base + "{suffix}" + ext, max_shard_size=limit
+    )
+    previous = _written_by_save_model(directory)
+    save_id = uuid.uuid4().hex
+    staged: list[tuple[Path, Path]] = []  # (temporary, final), renamed in this order
+    try:
+        for filename, names in split.filename_to_tensors.items():
+            shard = {name: tensors[name] for name in names}
+            final = directory / filename
+            staged.append((temp_name(final), final))
+            if safe_serialization:
+                shard_aliases = {a: k for a, k in aliases.items() if k in shard}
+                write_safetensors(shard, staged[-1][0], shard_aliases, save_id)
+            else:
+                torch_save(shard, staged[-1][0])
+        if split.is_sharded:
+            index: dict[str, Any] = {
+                "metadata": {
+                    "total_size": sum(t.numel() * t.element_size() for t in tensors.values()),
+                    _SAVE_ID: save_id,
+                },
+                "weight_map": dict(sorted(split.tensor_to_filename.items())),
+            }
+            if aliases:
+                index[_TIED_KEY] = dict(aliases)
+            final = directory / f"{base}{ext}.index.json"
+            staged.append((temp_name(final), final))
+            with open(staged[-1][0], "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        for tmp, final in staged:
+            os.replace(tmp, final)
+        fsync_path(directory)
+    finally:
+        for tmp, _ in staged:
+            if tmp.exists():
+                tmp.unlink()
+    written = [final for _, final in staged]
+    # indexes first, so that no index ever names a shard that is already gone
+    stale = sorted(previous - set(written), key=lambda p: not p.name.endswith(".index.json"))
+    for old in stale:
+        old.unlink(missing_ok=True)
+    if stale:
+        fsync_path(directory)
     return written
 
 
@@ -270,13 +323,17 @@ def read_weights(
                 f"{path} is not a weights index (no 'weight_map'): {err}"
             ) from err
         state: dict[str, torch.Tensor] = {}
+        save_id = (index.get("metadata") or {}).get(_SAVE_ID)
         for shard in sorted(set(weight_map.values())):
             shard_path = path.parent / shard
             if not shard_path.is_file():
                 raise CheckpointError(
                     f"{path} names shard {shard!r}, which is missing: re-save the model."
                 )
-            state.update(read_weights(shard_path, weights_only=weights_only))
+            if shard_path.suffix == ".safetensors":
+                state.update(_read_safetensors(shard_path, save_id))
+            else:
+                state.update(read_weights(shard_path, weights_only=weights_only))
         for alias, name in index.get(_TIED_KEY, {}).items():
             if name in state:
                 state[alias] = state[name]

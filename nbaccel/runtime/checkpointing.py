@@ -32,6 +32,7 @@ from typing import Any
 from ..checkpoint.directory import (
     AUTO_NAME,
     MANIFEST,
+    VISIBILITY_MARKER,
     all_ok,
     checkpoints_root,
     decode,
@@ -42,16 +43,17 @@ from ..checkpoint.directory import (
     publish,
     read_manifest,
 )
+from ..checkpoint.durable import make_dirs
 from ..checkpoint.weights import (
     CheckpointError,
     dedupe_tied,
-    fsync_path,
     read_weights,
     torch_load,
     torch_save,
     write_safetensors,
 )
 from ..errors import ConfigError
+from ..platform.process_env import distributed_active
 
 # -- save_state ---------------------------------------------------------------------------
 
@@ -119,22 +121,36 @@ def save_state(
     token = from_main(acc, uuid.uuid4().hex[:12])
     tmp = target.parent / f".{target.name}.tmp-{token}"
     state = acc.state
-    writes_shared = state.is_main_process or (
-        config.save_on_each_node and state.is_local_main_process
-    )
+    # Phase 1: global rank 0 creates the temporary directory with a marker in it. A node
+    # whose ranks cannot see the marker shares no filesystem with node 0: its local main
+    # then writes the shared files and publishes a complete copy there itself, so every
+    # node finds what its ranks need (as with save_on_each_node).
     error: BaseException | None = None
+    if state.is_main_process:
+        try:
+            _check_target(target)
+            make_dirs(tmp)
+            (tmp / VISIBILITY_MARKER).write_bytes(b"")
+        except Exception as err:
+            error = err
     try:
-        occupied = target.exists() and (not target.is_dir() or any(target.iterdir()))
-        if writes_shared and occupied and not (target / MANIFEST).is_file():
-            raise ConfigError(
-                f"save_state will not overwrite {str(target)!r}: it exists and is not an nbaccel "
-                "checkpoint. Choose an empty or new directory."
-            )
-        tmp.mkdir(parents=True, exist_ok=True)
+        all_ok(acc, error, "save_state")
+    except BaseException:
+        if state.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    separate = _nodes_without_node0_files(acc, tmp / VISIBILITY_MARKER)
+    writes_shared = state.is_main_process or (
+        state.is_local_main_process and (config.save_on_each_node or state.node_rank in separate)
+    )
+    error = None
+    try:
+        if writes_shared and not state.is_main_process:
+            _check_target(target)
+        make_dirs(tmp)
         if writes_shared:
             _write_shared(acc, tmp, safe_serialization)
         _write_rank(acc, tmp)
-        fsync_path(tmp)
     except Exception as err:
         error = err
     try:
@@ -143,8 +159,7 @@ def save_state(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     # rename node by node so that mains sharing one filesystem never race
-    num_nodes = max(1, state.world_size // max(1, state.local_world_size))
-    for node in range(num_nodes if config.save_on_each_node else 1):
+    for node in range(state.num_nodes):
         error = None
         if writes_shared and state.node_rank == node:
             try:
@@ -163,6 +178,27 @@ def save_state(
         # nobody looks for "the latest checkpoint" while old ones are being removed
         all_ok(acc, error, "save_state (pruning)")
     return str(target)
+
+
+def _check_target(target: Path) -> None:
+    occupied = target.exists() and (not target.is_dir() or any(target.iterdir()))
+    if occupied and not (target / MANIFEST).is_file():
+        raise ConfigError(
+            f"save_state will not overwrite {str(target)!r}: it exists and is not an nbaccel "
+            "checkpoint. Choose an empty or new directory."
+        )
+
+
+def _nodes_without_node0_files(acc: Any, marker: Path) -> set[int]:
+    """Node ranks on which some rank cannot see ``marker`` (written on node 0)."""
+    import torch
+
+    seen = (acc.state.node_rank, marker.is_file())
+    if not distributed_active():
+        return set() if seen[1] else {seen[0]}
+    views: list[Any] = [None] * acc.state.world_size
+    torch.distributed.all_gather_object(views, seen)
+    return {node for node, visible in views if not visible}
 
 
 # -- load_state ---------------------------------------------------------------------------

@@ -17,13 +17,13 @@ Example:
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from ..checkpoint.durable import replace, temp_name
 from ..checkpoint.weights import (
     CheckpointError,
     dedupe_tied,
@@ -141,7 +141,7 @@ def save(acc: Any, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         torch.save(obj, f)
         return
     path = Path(f)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = temp_name(path)
     try:
         if safe_serialization:
             if not isinstance(obj, dict):
@@ -152,7 +152,7 @@ def save(acc: Any, obj: Any, f: Any, safe_serialization: bool = False) -> None:
             write_safetensors(tensors, tmp, aliases)
         else:
             torch_save(obj, tmp)
-        os.replace(tmp, path)
+        replace(tmp, path)  # and fsync the folder, so the new name survives a crash
     finally:
         if tmp.exists():
             tmp.unlink()
