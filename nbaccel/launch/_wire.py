@@ -63,7 +63,7 @@ class FrameReader:
             body = bytes(self._buffer[HEADER.size : HEADER.size + size])
             del self._buffer[: HEADER.size + size]
             try:
-                out.append(pickle.loads(body))
+                out.append(_CPUUnpickler(io.BytesIO(body)).load())
             except Exception:
                 continue
         return out
@@ -73,21 +73,57 @@ def _to_cpu(tensor: Any) -> Any:
     return tensor
 
 
+def _needs_move(obj: Any) -> bool:
+    """A tensor whose storage is not on the CPU (CUDA, XLA, MPS...)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu"
+
+
+def _cpu_reduction(pickler: Any, obj: Any) -> Any:
+    """``reducer_override`` of both picklers: device tensors travel as CPU tensors."""
+    if not _needs_move(obj):
+        return NotImplemented
+    torch = sys.modules["torch"]
+    cpu = obj.detach().to("cpu")
+    if isinstance(obj, torch.nn.Parameter):
+        cpu = torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
+    return _to_cpu, (cpu,)
+
+
 class _CPUPickler(pickle.Pickler):
     """Moves tensors on any device to the CPU while pickling (no CUDA in the kernel)."""
 
-    def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            cpu = obj.detach().to("cpu")
-            if isinstance(obj, torch.nn.Parameter):
-                cpu = torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
-            return _to_cpu, (cpu,)
-        return NotImplemented
+    reducer_override = _cpu_reduction
+
+
+def _load_storage_on_cpu(data: bytes) -> Any:
+    """Stand-in for ``torch.storage._load_from_bytes`` that never restores onto a GPU."""
+    import torch
+
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def _find_class(module: str, name: str) -> Any | None:
+    # A tensor's storage is pickled as torch.save bytes that remember its device; loading
+    # them as they are would initialise CUDA in the kernel (and forbid every later fork).
+    if module == "torch.storage" and name == "_load_from_bytes":
+        return _load_storage_on_cpu
+    return None
+
+
+class _CPUUnpickler(pickle.Unpickler):
+    """Kernel side: whatever the worker's pickler did, storages are restored on the CPU."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _find_class(module, name) or super().find_class(module, name)
 
 
 def dumps(value: Any) -> tuple[str, bytes]:
-    """Pickle ``value`` for the kernel: ``("pickle", bytes)``, or ``("dill", bytes)``."""
+    """Pickle ``value`` for the kernel: ``("pickle", bytes)``, or ``("dill", bytes)``.
+
+    Both picklers move device tensors to the CPU first, so neither can ship a CUDA
+    tensor to the kernel.
+    """
     buffer = io.BytesIO()
     try:
         _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
@@ -95,16 +131,25 @@ def dumps(value: Any) -> tuple[str, bytes]:
     except Exception:
         import dill
 
-        return "dill", dill.dumps(value, recurse=True)
+        class _CPUDillPickler(dill.Pickler):  # type: ignore[misc]
+            reducer_override = _cpu_reduction
+
+        buffer = io.BytesIO()
+        _CPUDillPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL, recurse=True).dump(value)
+        return "dill", buffer.getvalue()
 
 
 def loads(codec: str, data: bytes) -> Any:
-    """Inverse of :func:`dumps` (runs in the kernel)."""
+    """Inverse of :func:`dumps` (runs in the kernel); tensors always come back on the CPU."""
     if codec == "dill":
         import dill
 
-        return dill.loads(data)
-    return pickle.loads(data)
+        class _CPUDillUnpickler(dill.Unpickler):  # type: ignore[misc]
+            def find_class(self, module: str, name: str) -> Any:
+                return _find_class(module, name) or super().find_class(module, name)
+
+        return _CPUDillUnpickler(io.BytesIO(data)).load()
+    return _CPUUnpickler(io.BytesIO(data)).load()
 
 
 __all__ = ["HEADER", "Channel", "FrameReader", "dumps", "loads"]

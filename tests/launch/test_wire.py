@@ -1,0 +1,64 @@
+"""Results and events reach the kernel with every tensor on the CPU, whatever the pickler."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.serialization
+
+from nbaccel.launch import _wire
+
+
+def _gpu_tagged(value, monkeypatch):
+    """Pickle ``value`` as a worker without nbaccel's pickler would on a GPU machine:
+    the storages' torch.save bytes say "cuda:0" (what a CUDA tensor records)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        return pickle.dumps(value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_plain_loading_of_such_bytes_would_touch_cuda(monkeypatch):
+    data = _gpu_tagged(torch.arange(3.0), monkeypatch)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        pickle.loads(data)
+
+
+@pytest.mark.parametrize("codec", ["pickle", "dill"])
+def test_kernel_side_loading_restores_storages_on_the_cpu(codec, monkeypatch):
+    value = {"w": torch.arange(3.0)}
+    if codec == "dill":
+        import dill
+
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+            data = dill.dumps(value)
+    else:
+        data = _gpu_tagged(value, monkeypatch)
+    loaded = _wire.loads(codec, data)
+    assert loaded["w"].device.type == "cpu" and loaded["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_the_dill_fallback_moves_device_tensors_too(monkeypatch):
+    moved = []
+    tensor = torch.ones(2, 5)
+
+    def needs_move(obj):
+        if obj is tensor:  # stands for "on a GPU" on this CPU-only machine
+            moved.append(tuple(obj.shape))
+            return True
+        return False
+
+    monkeypatch.setattr(_wire, "_needs_move", needs_move)
+    codec, data = _wire.dumps(lambda: tensor)  # a lambda: plain pickle refuses, dill runs
+    assert codec == "dill"
+    assert (2, 5) in moved, "dill pickled the tensor with torch's own (device-keeping) reducer"
+    assert _wire.loads(codec, data)().tolist() == tensor.tolist()
+
+
+def test_frames_are_decoded_on_the_cpu(monkeypatch):
+    body = _gpu_tagged(("result", 0, torch.ones(2)), monkeypatch)
+    [message] = _wire.FrameReader().feed(_wire.HEADER.pack(len(body)) + body)
+    assert message[2].device.type == "cpu"
