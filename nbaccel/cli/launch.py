@@ -4,6 +4,11 @@ One process runs the script with plain ``python``; several run it through torch'
 own elastic launcher (``torch.distributed.run``, i.e. torchrun) inside this
 process, so nbaccel invents no rendezvous of its own. The resolved settings reach
 ``Accelerator()`` in the script through ``NBACCEL_*`` environment variables.
+
+On a single machine the rendezvous is what the notebook path uses: a free port
+(unless ``--main_process_port`` is given) and torch's TCPStore listening on
+127.0.0.1 only, never on every interface, so two launches on one machine do not
+collide and the store cannot be reached from the network.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..config import LaunchConfig, resolve_launch_config
 from ..errors import ConfigError
@@ -127,15 +133,19 @@ def run_torchrun(
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    env = dict(env)
+    master_addr, master_port, store = cfg.master_addr, cfg.master_port, None
+    if cfg.num_nodes == 1:
+        master_addr, master_port, store = _loopback_store(cfg, env)
     argv = [
         f"--nnodes={cfg.num_nodes}",
         f"--nproc-per-node={nproc}",
         f"--node-rank={cfg.node_rank}",
-        f"--master-addr={cfg.master_addr}",
+        f"--master-addr={master_addr}",
         f"--max-restarts={cfg.max_restarts}",
     ]
-    if cfg.master_port is not None:
-        argv.append(f"--master-port={cfg.master_port}")
+    if master_port is not None:
+        argv.append(f"--master-port={master_port}")
     # Each worker runs `python -u -m nbaccel.cli._run_script SCRIPT ...`: the script as
     # __main__, then its process group destroyed (see _run_script for why).
     argv += ["-m", "nbaccel.cli._run_script", *command]
@@ -156,7 +166,34 @@ def run_torchrun(
         return 128 + int(err.sigval)
     except KeyboardInterrupt:
         return 128 + int(signal.SIGINT)
+    finally:
+        del store  # stops the store server (torchrun's agent has finished with it)
     return 0
+
+
+def _loopback_store(cfg: LaunchConfig, env: dict[str, str]) -> tuple[str, int, Any]:
+    """Start this launch's TCPStore on a loopback socket; torchrun's agent then reuses it.
+
+    torchrun's static rendezvous creates node 0's store with ``multi_tenant=True``,
+    and torch shares one server per port within a process: so a server started here,
+    on a socket bound to 127.0.0.1 (a free port unless one was given), is the one the
+    agent and the workers use. Also keeps gloo/NCCL on the loopback interface.
+
+    Raises:
+        ConfigError: the requested port is busy (names it), or the address is not local.
+    """
+    from ..launch._rendezvous import Rendezvous, host_store
+
+    rdzv = Rendezvous.reserve(cfg.master_addr, cfg.master_port, num_nodes=1, node_rank=0)
+    try:
+        fd = rdzv.listen_fd()
+        assert fd is not None, "node 0 always holds the listening socket"
+        # the store server takes over a duplicate; this process's socket object closes
+        store = host_store(os.dup(fd), rdzv.store_host(), rdzv.port, cfg.timeout)
+    finally:
+        rdzv.close()
+    env.update(rdzv.worker_env())
+    return rdzv.addr, rdzv.port, store
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,7 +211,11 @@ def run(args: argparse.Namespace) -> int:
     if nproc * cfg.num_nodes == 1 or cfg.compute_device == "tpu":
         # TPU: torch_xla's PJRT runtime starts one process per chip from a single host process.
         return run_single(["-u", *command], env)
-    return run_torchrun(cfg, nproc, command, env)
+    try:
+        return run_torchrun(cfg, nproc, command, env)
+    except ConfigError as err:  # e.g. --main_process_port busy
+        print(f"nbaccel launch: error: {err}", file=sys.stderr)
+        return 2
 
 
 __all__ = ["processes_per_node", "register", "run", "run_single", "run_torchrun"]

@@ -73,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
     if nproc * cfg.num_nodes == 1:
         code = run_single(["-u", *command], env)
     else:
-        code = run_torchrun(cfg, nproc, command, env)
+        try:
+            code = run_torchrun(cfg, nproc, command, env)
+        except ConfigError as err:  # e.g. the port is busy
+            print(f"nbaccel test: FAIL: {err}", file=sys.stderr)
+            return 1
     seconds = time.monotonic() - started
     if code == 0:
         print(f"nbaccel test: PASS ({seconds:.1f}s): distributed training works with this setup.")
