@@ -49,8 +49,13 @@ def start_attempt(
     want: set[int],
     streams: tuple[Any, Any],
     on_event: Callable[[int, str, dict], None],
+    round_: int = 0,
 ) -> Supervisor:
-    """Reserve the rendezvous, start one worker per rank, return their supervisor."""
+    """Reserve the rendezvous, start one worker per rank, return their supervisor.
+
+    ``round_`` is the restart attempt: multi-node agreement keys carry it, so that a
+    restarted node never meets the previous attempt's keys (see ``_agreement``).
+    """
     cfg = plan.config
     rdzv = Rendezvous.reserve(
         cfg.master_addr, cfg.master_port, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank
@@ -58,7 +63,7 @@ def start_attempt(
     try:
         if cfg.node_rank != 0:
             rdzv.check_reachable(cfg.timeout)  # before any worker exists
-        specs = _specs(plan, ranks, want, rdzv)
+        specs = _specs(plan, ranks, want, rdzv, round_)
         listen_fd = rdzv.listen_fd()
         procs = start_workers(
             specs,
@@ -83,7 +88,7 @@ def start_attempt(
 
 
 def _specs(
-    plan: LaunchPlan, ranks: list[int], want: set[int], rdzv: Rendezvous
+    plan: LaunchPlan, ranks: list[int], want: set[int], rdzv: Rendezvous, round_: int = 0
 ) -> list[WorkerSpec]:
     cfg = plan.config
     # PR_SET_PDEATHSIG follows the *thread* that forks: only tie workers to the main one.
@@ -100,6 +105,11 @@ def _specs(
                 local_world_size=len(ranks),
                 node_rank=cfg.node_rank,
             ),
+            # what the nodes compare before training (multi-node; see _agreement). Not
+            # NBACCEL_<field> names: those are LaunchConfig settings for Accelerator()
+            "NBACCEL_RDZV_NODES": str(cfg.num_nodes),
+            "NBACCEL_RDZV_START": plan.method,
+            "NBACCEL_RDZV_ROUND": str(round_),
         }
         spec = WorkerSpec(rank, local_rank, env, {}, rank in want, plan.threads, os.getpid())
         spec.new_session = not plan.block  # background runs ignore the kernel's interrupts

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..tracking import events
-from . import _rendezvous
+from . import _agreement, _rendezvous
 from ._wire import HEADER, Channel, dumps
 from ._worker_os import die_with_parent, flush_c_stdio, redirect_output, reset_signals
 
@@ -182,6 +182,8 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
             store = _rendezvous.connect_exit_client(
                 spec.env["MASTER_ADDR"], int(spec.env["MASTER_PORT"]), spec.timeout
             )
+        # multi-node: the nodes agree on world size, versions and start method first
+        _agreement.agree(store, spec.env, spec.timeout)
         _set_threads(spec.threads)
         try:
             value = function(*args)

@@ -171,7 +171,7 @@ class LaunchHandle:
     # ------------------------------------------------------------------ running
     def _start_attempt(self) -> None:
         self._supervisor = start_attempt(
-            self._plan, self.ranks, self._want, self._streams, self._on_event
+            self._plan, self.ranks, self._want, self._streams, self._on_event, self.attempt
         )
         if self._stopping.is_set():
             self._supervisor.stop_requested.set()

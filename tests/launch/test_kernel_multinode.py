@@ -127,3 +127,69 @@ def test_node_whose_peer_never_comes_gets_a_clear_error(nodes, node_rank):
     # Not a hang: the 5 s timeout, plus start-up and clean-up.
     assert lonely["elapsed"] < 30, f"took {lonely['elapsed']:.0f}s with timeout=5"
     assert time.monotonic() - started < 60
+
+
+DISAGREE_CELL = """
+def never_trains():
+    open("trained", "w").close()
+
+disagreement = {{"type": "no error", "message": ""}}
+try:
+    notebook_launcher(never_trains, num_processes={nproc}, num_nodes=2, node_rank={node_rank},
+                      master_addr="127.0.0.1", use_port={port}, timeout=60)
+except Exception as err:
+    disagreement = {{"type": type(err).__name__, "message": str(err)}}
+"""
+
+
+@pytest.mark.timeout(180)
+def test_nodes_that_disagree_on_the_world_size_fail_on_every_node(nodes, tmp_path):
+    """Node 0 has 2 processes, node 1 has 1 (as with num_processes=None on nodes with
+    different GPU counts): each computes another world size. Before, this hung."""
+    port = find_free_port()
+    msg_ids = [
+        node.submit(DISAGREE_CELL.format(nproc=2 - rank, node_rank=rank, port=port))
+        for rank, node in enumerate(nodes)
+    ]
+    for node, msg_id in zip(nodes, msg_ids, strict=True):
+        node.collect(msg_id, timeout=150).raise_for_error()
+    for node in nodes:
+        error = node.evaluate_json("disagreement")
+        assert error["type"] != "no error", "the nodes trained although they disagree"
+        assert "world_size: node 0 has 4, node 1 has 2" in error["message"], error
+        assert "num_processes" in error["message"], error  # the fix is named
+        assert not node.evaluate_json("__import__('os').path.exists('trained')")
+
+
+SAVE_CELL = """
+def save_and_resume():
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = accelerator.prepare(torch.nn.Linear(4, 4))
+    expected = [p.detach().clone() for p in model.parameters()]
+    accelerator.save_state("ckpt")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state("ckpt")
+    same = all(torch.equal(a, b) for a, b in zip(expected, model.parameters()))
+    return [accelerator.process_index, same, sorted(os.listdir("ckpt"))]
+
+saved = notebook_launcher(save_and_resume, num_processes=1, num_nodes=2,
+                          node_rank={node_rank}, master_addr="127.0.0.1", use_port={port})
+"""
+
+
+@pytest.mark.timeout(180)
+def test_save_and_load_state_on_two_nodes_without_a_shared_filesystem(nodes):
+    """Each kernel works in its own directory: like two machines with their own disks."""
+    port = find_free_port()
+    msg_ids = [
+        node.submit(SAVE_CELL.format(node_rank=rank, port=port)) for rank, node in enumerate(nodes)
+    ]
+    for node, msg_id in zip(nodes, msg_ids, strict=True):
+        node.collect(msg_id, timeout=150).raise_for_error()
+    for rank, node in enumerate(nodes):
+        process_index, same, files = node.evaluate_json("saved")
+        assert process_index == rank and same, (rank, files)
+        assert f"rank_{rank}.pt" in files and "nbaccel_checkpoint.json" in files, files

@@ -1,0 +1,107 @@
+"""Multi-node agreement: before any training, the nodes check they launched the same job.
+
+Each node computes its own world size (``num_processes=None`` counts its GPUs),
+runs its own nbaccel and torch, and picks its own start method. If they differ,
+ranks collide and the job hangs until the timeout. So every worker, before the
+user's function, publishes its node's view in the launch's rendezvous store
+(torch's TCPStore, hosted by global rank 0) under a key of the current *round*
+(the restart attempt), waits for every node's view of the same round, and
+raises on every node, naming both values, when they differ.
+
+Example:
+    >>> compare({0: {"world_size": "4"}, 1: {"world_size": "2"}})
+    ['world_size: node 0 has 4, node 1 has 2']
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+from ..errors import LaunchError
+
+_PREFIX = "nbaccel/agree"
+DEFAULT_TIMEOUT = 300.0
+
+_FIXES = {
+    "world_size": "pass the same num_processes on every node (num_processes=None counts "
+    "each node's own GPUs)",
+    "nbaccel_version": "install the same nbaccel version on every node",
+    "torch_version": "install the same torch version on every node",
+    "start_method": "pass the same start_method on every node (with 'auto' a node whose "
+    "kernel has initialised CUDA spawns instead of forking: restart that kernel)",
+    "num_nodes": "pass the same num_nodes on every node",
+}
+
+
+def node_facts(env: dict[str, str]) -> dict[str, str]:
+    """What must be equal on every node, as this worker sees it."""
+    import torch
+
+    from .._version import __version__
+
+    return {
+        "world_size": env.get("WORLD_SIZE", "1"),
+        "num_nodes": env.get("NBACCEL_RDZV_NODES", "1"),
+        "nbaccel_version": __version__,
+        "torch_version": str(torch.__version__),
+        "start_method": env.get("NBACCEL_RDZV_START", ""),
+    }
+
+
+def compare(views: dict[int, dict[str, str]]) -> list[str]:
+    """The facts on which the nodes differ, each naming every node's value."""
+    problems = []
+    names = sorted({name for view in views.values() for name in view})
+    for name in names:
+        values = {node: view.get(name, "?") for node, view in sorted(views.items())}
+        if len(set(values.values())) > 1:
+            problems.append(
+                f"{name}: "
+                + ", ".join(f"node {node} has {value}" for node, value in values.items())
+            )
+    return problems
+
+
+def agree(store: Any, env: dict[str, str], timeout: float | None) -> None:
+    """Publish this node's facts for the current round, wait for all nodes, compare.
+
+    Only for multi-node launches; a no-op when ``store`` is None or there is one node.
+
+    Raises:
+        LaunchError: the nodes differ (every difference, with every node's value, and
+            the fix), or not every node reached this round within ``timeout``.
+    """
+    num_nodes = int(env.get("NBACCEL_RDZV_NODES", "1"))
+    if store is None or num_nodes < 2:
+        return
+    node_rank = int(env.get("GROUP_RANK", "0"))
+    round_ = int(env.get("NBACCEL_RDZV_ROUND", "0"))
+    keys = [f"{_PREFIX}/{round_}/node{node}" for node in range(num_nodes)]
+    if env.get("LOCAL_RANK", "0") == "0":
+        store.set(keys[node_rank], json.dumps(node_facts(env)))
+    seconds = timeout or DEFAULT_TIMEOUT
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+    except Exception:
+        missing = [node for node, key in enumerate(keys) if not store.check([key])]
+        where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
+        raise LaunchError(
+            f"node(s) {missing} did not reach round {round_} of the rendezvous at {where} "
+            f"within {seconds:g}s (node {node_rank} did). Fix: run the same launch on every "
+            "node; with max_restarts every node restarts together, so check the other "
+            "nodes' output for the failure that made them stop."
+        ) from None
+    views = {node: json.loads(store.get(key)) for node, key in enumerate(keys)}
+    problems = compare(views)
+    if problems:
+        fixes = "; ".join(_FIXES[p.split(":")[0]] for p in problems if p.split(":")[0] in _FIXES)
+        raise LaunchError(
+            f"the {num_nodes} nodes of this launch disagree (seen on node {node_rank}, "
+            f"pid {os.getpid()}, before any training): " + "; ".join(problems) + f". Fix: {fixes}."
+        )
+
+
+__all__ = ["agree", "compare", "node_facts"]
