@@ -50,17 +50,47 @@ class LoggerType(str, Enum):
 
 
 class _FileTracker(GeneralTracker):
-    """Shared part of the dependency-free trackers: one directory, ``config.json``, one file."""
+    """Shared part of the dependency-free trackers: one directory, ``config.json``, one file.
+
+    Each run writes a fresh metrics file, so a notebook run twice (or "Restart & Run
+    All") never mixes two runs in one file: an earlier run's file is kept, renamed to
+    ``metrics.1.jsonl``, ``metrics.2.jsonl``, ... (oldest first), together with its
+    ``config.json``. Pass ``resume=True`` (``init_kwargs={"jsonl": {"resume": True}}``)
+    to append to the existing file instead, e.g. when resuming from a checkpoint.
+    """
 
     requires_logging_directory = True
     filename: ClassVar[str] = ""
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, run_name: str, logging_dir: str | os.PathLike[str], *, resume: bool = False
+    ) -> None:
+        if not isinstance(resume, bool):
+            raise ConfigError(
+                f"resume={resume!r} must be True (append to the last run's {self.filename}) "
+                "or False (start a new file, keeping the old one under a numbered name)."
+            )
         self.run_name = run_name
         self.logging_dir = Path(logging_dir) / run_name
         self.logging_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.logging_dir / self.filename
+        #: where the previous run's metrics went (None: there was none, or ``resume``)
+        self.previous_run: Path | None = None
+        if not resume and self.path.is_file() and self.path.stat().st_size > 0:
+            self.previous_run = self._keep_previous_run()
         self._file: IO[str] = open(self.path, "a", encoding="utf-8", newline="")  # noqa: SIM115
+
+    def _keep_previous_run(self) -> Path:
+        stem, suffix = self.path.stem, self.path.suffix
+        number = 1
+        while (self.logging_dir / f"{stem}.{number}{suffix}").exists():
+            number += 1
+        kept = self.logging_dir / f"{stem}.{number}{suffix}"
+        os.rename(self.path, kept)
+        config = self.logging_dir / "config.json"
+        if config.is_file():
+            os.rename(config, self.logging_dir / f"config.{number}.json")
+        return kept
 
     @property
     def tracker(self) -> Any:
@@ -105,8 +135,10 @@ class CSVTracker(_FileTracker):
     name = "csv"
     filename = "metrics.csv"
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str]) -> None:
-        super().__init__(run_name, logging_dir)
+    def __init__(
+        self, run_name: str, logging_dir: str | os.PathLike[str], *, resume: bool = False
+    ) -> None:
+        super().__init__(run_name, logging_dir, resume=resume)
         self._writer = csv.writer(self._file)
         if self._file.tell() == 0:
             self._writer.writerow(["step", "time", "key", "value"])

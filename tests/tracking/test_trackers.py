@@ -83,6 +83,44 @@ def test_csv_tracker_long_format_flattens_nested_dicts(tmp_path):
     assert all(math.isfinite(float(r["time"])) for r in rows)
 
 
+@pytest.mark.parametrize("name", ["jsonl", "csv"])
+def test_a_second_run_starts_a_new_file_and_keeps_the_first(tmp_path, name):
+    """Restart & Run All: the second run's file holds only the second run."""
+    for run in range(3):
+        [t] = start_trackers(name, "run", tmp_path, config={"run": run})
+        for step in range(2):
+            t.log({"loss": float(run)}, step=step)
+        t.finish()
+    folder = tmp_path / "run"
+    ext = "jsonl" if name == "jsonl" else "csv"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [f"metrics.{ext}", f"metrics.1.{ext}", f"metrics.2.{ext}",
+         "config.json", "config.1.json", "config.2.json"]
+    )  # fmt: skip
+    for run, file in enumerate([f"metrics.1.{ext}", f"metrics.2.{ext}", f"metrics.{ext}"]):
+        text = (folder / file).read_text()
+        if name == "jsonl":
+            values = [json.loads(line)["loss"] for line in text.splitlines()]
+        else:
+            values = [float(r["value"]) for r in csv.DictReader(text.splitlines())]
+        assert values == [float(run)] * 2, (file, text)
+    assert json.loads((folder / "config.json").read_text()) == {"run": 2}
+
+
+def test_resume_appends_to_the_last_run(tmp_path):
+    [t] = start_trackers("jsonl", "run", tmp_path)
+    t.log({"loss": 1.0}, step=0)
+    t.finish()
+    [t] = start_trackers("jsonl", "run", tmp_path, init_kwargs={"jsonl": {"resume": True}})
+    t.log({"loss": 0.5}, step=1)
+    t.finish()
+    assert t.previous_run is None
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]
+    with pytest.raises(ConfigError, match="resume='yes' must be True"):
+        start_trackers("jsonl", "run", tmp_path, init_kwargs={"jsonl": {"resume": "yes"}})
+
+
 def test_all_starts_every_installed_tracker(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -192,6 +230,7 @@ def test_tensorboard_skips_unloggable_values_with_a_warning(tmp_path):
     assert any("skipped 'weights'" in str(w.message) for w in caught)
 
 
+@pytest.mark.integration  # under NBACCEL_REQUIRE_ALL a missing wandb fails (CI installs it)
 def test_wandb_offline(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -208,6 +247,7 @@ def test_wandb_offline(tmp_path, monkeypatch):
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
 
 
+@pytest.mark.integration  # under NBACCEL_REQUIRE_ALL a missing mlflow fails (CI installs it)
 def test_mlflow_local_store(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
