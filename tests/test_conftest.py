@@ -1,0 +1,82 @@
+"""The suite's own guards (tests/conftest.py), checked by running pytest on small suites."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFTEST = Path(__file__).with_name("conftest.py")
+INI = "[pytest]\nmarkers =\n    integration: x\n    kernel: x\n    browser: x\n    xla: x\n    faults: x\n"
+
+
+def _pytest(tmp_path: Path, source: str, *args: str, require_all: bool = False):
+    shutil.copy(CONFTEST, tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text(INI)
+    (tmp_path / "test_case.py").write_text(source)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "NBACCEL_REQUIRE_ALL"}
+    if require_all:
+        env["NBACCEL_REQUIRE_ALL"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+         *args, str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER")
+def test_an_orphaned_grandchild_is_a_leak(tmp_path):
+    out = _pytest(
+        tmp_path,
+        "import subprocess\n"
+        "def test_orphan():\n"
+        "    subprocess.run(['sh', '-c', 'sleep 60 > /dev/null 2>&1 &'], check=True)\n",
+    )
+    assert out.returncode == 1, out.stdout
+    assert "left child processes" in out.stdout and "sleep" in out.stdout, out.stdout
+
+
+def test_an_unwaited_zombie_is_a_leak(tmp_path):
+    out = _pytest(
+        tmp_path,
+        "import subprocess, time\n"
+        "keep = []\n"
+        "def test_zombie():\n"
+        "    keep.append(subprocess.Popen(['true']))\n"
+        "    time.sleep(0.5)\n",
+    )
+    assert out.returncode == 1, out.stdout
+    assert "zombie" in out.stdout, out.stdout
+
+
+def test_clean_tests_pass(tmp_path):
+    out = _pytest(
+        tmp_path,
+        "import subprocess\n"
+        "def test_ok():\n"
+        "    subprocess.run(['sh', '-c', 'sleep 0.2 & wait'], check=True)\n",
+    )
+    assert out.returncode == 0, out.stdout
+
+
+def test_require_all_counts_module_skips_and_marker_deselection(tmp_path):
+    source = (
+        "import pytest\n"
+        "@pytest.mark.kernel\n"
+        "def test_kernel():\n"
+        "    pass\n"
+        "def test_plain():\n"
+        "    pass\n"
+    )
+    out = _pytest(tmp_path, source, "-m", "not kernel", require_all=True)
+    assert out.returncode == 1, out.stdout
+    assert "test_kernel (kernel) was deselected" in out.stdout, out.stdout
+    assert _pytest(tmp_path, source, "-m", "not kernel").returncode == 0
+    assert _pytest(tmp_path, source, "-k", "plain", require_all=True).returncode == 0
+    skipped = "import pytest\npytest.importorskip('no_such_module_xyz')\ndef test_a():\n    pass\n"
+    out = _pytest(tmp_path, skipped, require_all=True)
+    assert out.returncode == 1, out.stdout
+    assert "skipped whole at collection" in out.stdout and "no_such_module_xyz" in out.stdout
