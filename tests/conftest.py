@@ -133,10 +133,7 @@ def _require_all() -> bool:
 def pytest_deselected(items):
     # -k picks tests on purpose (`scripts/test.sh -k launcher`); -m is how whole
     # capabilities vanish (`-m "not kernel"`), so only a -m run is held to account
-    if not _require_all() or not items:
-        config = None
-    else:
-        config = items[0].config
+    config = items[0].config if _require_all() and items else None
     if config is None or not config.option.markexpr or config.option.keyword:
         return
     for item in items:
