@@ -22,7 +22,9 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import uuid
 import warnings
@@ -132,7 +134,7 @@ def save_state(
             make_dirs(tmp)
             (tmp / VISIBILITY_MARKER).write_bytes(b"")
         except Exception as err:
-            error = err
+            error = _write_error(err, target)
     try:
         all_ok(acc, error, "save_state")
     except BaseException:
@@ -152,7 +154,7 @@ def save_state(
             _write_shared(acc, tmp, safe_serialization)
         _write_rank(acc, tmp)
     except Exception as err:
-        error = err
+        error = _write_error(err, target)
     try:
         all_ok(acc, error, "save_state")
     except BaseException:
@@ -165,7 +167,8 @@ def save_state(
             try:
                 publish(acc, tmp, target, token, safe_serialization)
             except Exception as err:
-                error = err
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = _write_error(err, target)
         all_ok(acc, error, "save_state (publishing)")
     if auto:
         config.iteration += 1
@@ -178,6 +181,43 @@ def save_state(
         # nobody looks for "the latest checkpoint" while old ones are being removed
         all_ok(acc, error, "save_state (pruning)")
     return str(target)
+
+
+_WRITE_FIXES = {
+    errno.ENOSPC: "free disk space (or save elsewhere; total_limit keeps fewer checkpoints)",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EFBIG: "raise the file size limit (ulimit -f) or save elsewhere",
+    errno.EACCES: "make the directory writable for this user or choose another project_dir",
+    errno.EPERM: "make the directory writable for this user or choose another project_dir",
+    errno.EROFS: "the filesystem is read-only: choose a project_dir on a writable one",
+}
+
+
+def _os_errno(err: BaseException) -> int | None:
+    """The errno behind ``err``: its own, a chained OSError's, or "(os error N)" in Rust text."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen.errno
+        seen = seen.__cause__ or seen.__context__
+    match = re.search(r"os error (\d+)", str(err))
+    return int(match.group(1)) if match else None
+
+
+def _write_error(err: Exception, target: Path) -> Exception:
+    """A save that could not write: say where, why, that the previous copy is intact, the fix."""
+    if isinstance(err, ConfigError | CheckpointError):
+        return err
+    code = _os_errno(err)
+    reason = os.strerror(code) if code is not None else f"{type(err).__name__}: {err}"
+    fix = _WRITE_FIXES.get(code or -1, "check the directory and the disk")
+    wrapped = CheckpointError(
+        f"save_state could not write {str(target)!r}: {reason} ({type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}). The previous checkpoint is "
+        f"untouched and still loads; nothing half-written is left. Fix: {fix}."
+    )
+    wrapped.__cause__ = err
+    return wrapped
 
 
 def _check_target(target: Path) -> None:
