@@ -34,6 +34,9 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 DEFAULT_PREFIX = "[rank{rank}] "
+#: A "line" longer than this (a worker printing without newlines) is forwarded in pieces
+#: of this size, so the kernel never holds more than this per stream while waiting for "\n".
+MAX_LINE = 1 << 20
 
 #: ``output=`` may be a callable receiving ``(rank, stream, line)``; ``line`` has no newline.
 LineCallback = Callable[[int, str, str], Any]
@@ -151,6 +154,9 @@ class LineForwarder:
                 for piece in done.split("\r"):
                     if piece:
                         self._emit(rank, stream, piece, "\r")
+            while len(rest) > MAX_LINE:  # no newline in sight: memory stays bounded
+                self._emit(rank, stream, rest[:MAX_LINE], "\n")
+                rest = rest[MAX_LINE:]
             self._buffers[key] = rest
 
     def close(self, rank: int, stream: str) -> None:

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 
+import nbaccel.runtime.accelerator  # noqa: F401  (likewise: forked children inherit it)
 from nbaccel.launch.testing import run_on_workers
 from nbaccel.platform.forksafe import release_openmp_threads
 
@@ -218,7 +220,7 @@ def test_disk_full_during_save_state(tmp_path, kind, record_property):
 
 
 def _save_as_other_user(root: str, report: str) -> None:
-    acc, model, optimizer, counter = _build(root)
+    acc, *_ = _build(root)
     warm = os.path.join(os.path.dirname(root), "warm-up")
     acc.save_state(warm)  # imports everything saving needs while files are still readable
     shutil.rmtree(warm)

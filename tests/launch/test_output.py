@@ -30,3 +30,16 @@ def test_a_progress_bars_final_redraw_keeps_the_prefix():
 def test_unterminated_last_line_is_flushed_on_close_and_one_process_has_no_prefix():
     assert _forward([b"done\r100%"], num_processes=1).endswith("100%\n")
     assert _forward([b"\xc3", b"\xa9t\xc3\xa9\n"], num_processes=1) == "été\n"
+
+
+def test_a_line_without_end_is_forwarded_in_bounded_pieces():
+    from nbaccel.launch._output import MAX_LINE
+
+    out = io.StringIO()
+    fwd = LineForwarder(out, out, num_processes=1)
+    chunk = b"y" * (MAX_LINE // 4)
+    for _ in range(10):  # 2.5 x MAX_LINE and never a newline
+        fwd.feed(0, "stdout", chunk)
+    assert len(fwd._buffers[(0, "stdout")]) <= MAX_LINE  # not the whole stream
+    fwd.close(0, "stdout")
+    assert out.getvalue().replace("\n", "") == "y" * (10 * MAX_LINE // 4)

@@ -1,0 +1,129 @@
+"""Fault injection seen from a REAL IPython kernel (jupyter_client + ipykernel).
+
+A worker flooding stdout must leave the kernel responsive with bounded memory; an
+exception class defined in the notebook, whose arguments cannot be pickled, must
+still reach the cell as a clear error. No process may be left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from kernel_harness import KernelSession, describe_processes, isolated_env
+
+pytestmark = [pytest.mark.faults, pytest.mark.kernel]
+
+# Flood for at most this long (or until 1 GB): enough to saturate the pipes, the
+# forwarder and the kernel's iopub channel many times over, cheap enough for CI.
+FLOOD_SECONDS = float(os.environ.get("NBACCEL_FLOOD_SECONDS", "6"))
+FLOOD_BYTES = 1 << 30
+
+SETUP = """
+import os, sys, time, threading
+import torch
+from nbaccel import Accelerator, notebook_launcher
+"""
+
+FLOOD_CELL = """
+def flood(seconds, limit):
+    line = "flood " + "x" * 93 + "\\n"  # 100-byte lines
+    block = line * 10_000  # 1 MB per write
+    written, end = 0, time.monotonic() + seconds
+    while written < limit and time.monotonic() < end:
+        sys.stdout.write(block)
+        written += len(block)
+    sys.stdout.flush()
+    return written
+
+flood_handle = notebook_launcher(flood, args=({seconds}, {limit}), num_processes=2, block=False,
+                                  return_all_ranks=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
+    workdir = tmp_path_factory.mktemp("kernel-faults")
+    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
+    session.start()
+    session.run(SETUP, timeout=120)
+    yield session
+    session.stop()
+
+
+@pytest.fixture(autouse=True)
+def _kernel_left_clean(kernel: KernelSession) -> Iterator[None]:
+    yield
+    if kernel.busy or not kernel.is_alive():
+        kernel.restart()
+        kernel.run(SETUP, timeout=120)
+    alive = kernel.wait_for_no_descendants(timeout=10)
+    assert not alive, f"the kernel kept children:\n{describe_processes(alive)}"
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_flooding_stdout_leaves_the_kernel_responsive(kernel, record_property):
+    rss = psutil.Process(kernel.pid)
+    before = rss.memory_info().rss
+    kernel.run(FLOOD_CELL.format(seconds=FLOOD_SECONDS, limit=FLOOD_BYTES), timeout=60)
+    latencies, peak = [], before
+    started = time.monotonic()
+    while kernel.evaluate_json("not flood_handle.done()", timeout=60):
+        t0 = time.monotonic()
+        assert kernel.evaluate_json("sum(range(1000))", timeout=30) == 499500
+        latencies.append(time.monotonic() - t0)
+        peak = max(peak, rss.memory_info().rss)
+        assert time.monotonic() - started < 120, "the flood never ended"
+    written = kernel.evaluate_json("sum(flood_handle.result())", timeout=60)
+    growth_mb = (peak - before) / 2**20
+    record_property("flood_bytes", written)
+    record_property("flood_max_latency_s", max(latencies or [0.0]))
+    record_property("flood_rss_growth_mb", growth_mb)
+    print(
+        f"flood: {written / 2**20:.0f} MB from 2 workers in ~{FLOOD_SECONDS:g}s; "
+        f"{len(latencies)} cells answered, slowest {max(latencies or [0]):.2f}s; "
+        f"kernel RSS +{growth_mb:.0f} MB"
+    )
+    assert latencies, "the flood ended before the kernel could be asked anything"
+    assert max(latencies) < 5.0, latencies
+    assert growth_mb < 300, f"kernel memory grew by {growth_mb:.0f} MB"
+
+
+NOTEBOOK_ERROR_CELL = """
+class NotebookError(Exception):
+    \"\"\"Defined in the notebook (__main__); its argument holds a lock (unpicklable).\"\"\"
+
+    def __init__(self, message, resource):
+        super().__init__(message)
+        self.resource = resource
+
+
+def fails_with_notebook_error():
+    if Accelerator(cpu=True).process_index == 1:
+        raise NotebookError("the data shard is corrupt", threading.Lock())
+    time.sleep(5)
+
+caught = None
+try:
+    notebook_launcher(fails_with_notebook_error, num_processes=2)
+except Exception as err:
+    caught = err
+report = {
+    "type": type(caught).__name__,
+    "is_notebook_error": isinstance(caught, NotebookError),
+    "message": str(caught),
+}
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_defined_in_the_notebook_with_unpicklable_args(kernel):
+    kernel.run(NOTEBOOK_ERROR_CELL, timeout=90)
+    report = kernel.evaluate_json("report")
+    assert report["type"] != "NoneType", report
+    assert "rank 1" in report["message"], report
+    assert "NotebookError" in report["message"], report
+    assert "the data shard is corrupt" in report["message"], report
