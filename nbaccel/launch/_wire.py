@@ -131,7 +131,7 @@ def dumps(value: Any) -> tuple[str, bytes]:
     except Exception:
         import dill
 
-        class _CPUDillPickler(dill.Pickler):  # type: ignore[misc]
+        class _CPUDillPickler(dill.Pickler):
             reducer_override = _cpu_reduction
 
         buffer = io.BytesIO()
@@ -144,7 +144,7 @@ def loads(codec: str, data: bytes) -> Any:
     if codec == "dill":
         import dill
 
-        class _CPUDillUnpickler(dill.Unpickler):  # type: ignore[misc]
+        class _CPUDillUnpickler(dill.Unpickler):
             def find_class(self, module: str, name: str) -> Any:
                 return _find_class(module, name) or super().find_class(module, name)
 
