@@ -122,7 +122,7 @@ def _restore_process_state():
 # .xla-venv, kernel) would hide that the capability is untested, so it fails instead.
 _REQUIRED_MARKERS = ("browser", "xla", "kernel", "integration", "faults")
 # What NBACCEL_REQUIRE_ALL found missing without a test report of its own: required tests
-# deselected (-m/-k) and modules skipped whole at collection (module-level importorskip).
+# deselected by -m and modules skipped whole at collection (module-level importorskip).
 _UNRUN: list[str] = []
 
 
