@@ -23,16 +23,29 @@ class TensorBoardTracker(GeneralTracker):
     become ``add_scalars`` groups. Each ``log`` flushes, so TensorBoard can follow
     a running job.
 
+    A second run with the same name (a notebook run again) writes to
+    ``logging_dir/run_name-2`` (then ``-3``, ...) instead of adding its points to the
+    first run's curves; TensorBoard shows them as separate runs. ``resume=True``
+    continues in the latest of those directories.
+
     Args:
         run_name: the project name given to ``init_trackers``.
         logging_dir: root directory of the event files.
+        resume: write into the latest existing run directory instead of a new one.
         **kwargs: forwarded to ``torch.utils.tensorboard.SummaryWriter``.
     """
 
     name = "tensorboard"
     requires_logging_directory = True
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        run_name: str,
+        logging_dir: str | os.PathLike[str],
+        *,
+        resume: bool = False,
+        **kwargs: Any,
+    ) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:  # torch raises this when the tensorboard package is missing
@@ -40,7 +53,7 @@ class TensorBoardTracker(GeneralTracker):
                 "log_with='tensorboard' needs the tensorboard package: pip install tensorboard"
             ) from err
         self.run_name = run_name
-        self.logging_dir = Path(logging_dir) / run_name
+        self.logging_dir = _run_directory(Path(logging_dir), run_name, resume)
         self.writer = SummaryWriter(str(self.logging_dir), **kwargs)
 
     @property
@@ -73,6 +86,20 @@ class TensorBoardTracker(GeneralTracker):
 
     def finish(self) -> None:
         self.writer.close()
+
+
+def _has_events(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.rglob("events.out.tfevents.*"))
+
+
+def _run_directory(root: Path, run_name: str, resume: bool) -> Path:
+    """``root/run_name`` if unused, else the first unused ``root/run_name-N`` (N >= 2)."""
+    candidates = [root / run_name]
+    while _has_events(candidates[-1]):
+        candidates.append(root / f"{run_name}-{len(candidates) + 1}")
+    if resume and len(candidates) > 1:
+        return candidates[-2]  # the latest run that has events
+    return candidates[-1]
 
 
 class WandBTracker(GeneralTracker):

@@ -49,6 +49,29 @@ def test_tensorboard_event_files_parse_and_hold_the_logged_scalars(tmp_path):
     assert {"group_a", "group_b"} <= subdirs
 
 
+def test_a_second_tensorboard_run_is_a_separate_run(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folders = []
+    for run in range(2):
+        [tb] = start_trackers("tensorboard", "proj", tmp_path)
+        for step in range(3):
+            tb.log({"loss": float(run)}, step=step)
+        tb.finish()
+        folders.append(tb.logging_dir)
+    assert [f.name for f in folders] == ["proj", "proj-2"]
+    for run, folder in enumerate(folders):
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        assert [e.value for e in acc.Scalars("loss")] == [float(run)] * 3  # not mixed
+    [tb] = start_trackers(
+        "tensorboard", "proj", tmp_path, init_kwargs={"tensorboard": {"resume": True}}
+    )
+    tb.finish()
+    assert tb.logging_dir.name == "proj-2"
+
+
 def test_jsonl_tracker_writes_one_json_object_per_log(tmp_path):
     [t] = start_trackers(["jsonl"], "run", tmp_path, config={"lr": 3e-4, "dims": (2, 3)})
     assert isinstance(t, JSONLTracker)
