@@ -8,9 +8,17 @@ rank with that rank's RNG states and dataloader positions, plus a manifest
 Atomicity: all ranks write into ``.<name>.tmp-<token>`` next to the target (the
 token is agreed via broadcast), every file is fsynced, the ranks exchange a
 success flag, then the main process (each node's, with ``save_on_each_node``)
-writes the manifest and renames the directory into place. A process killed at
-any point leaves the previous checkpoint untouched and no directory that
-:func:`load_state` accepts: it refuses anything without a valid manifest.
+writes the manifest and swaps the directory into place (an atomic exchange where
+the filesystem allows it, see :func:`nbaccel.checkpoint.directory.publish`). A
+process killed at any point leaves the previous checkpoint loadable and no
+directory that :func:`load_state` accepts: it refuses anything without a valid
+manifest. A write that fails (full disk, read-only directory) raises a
+``CheckpointError`` naming the path, the reason and the fix.
+
+Nodes without a shared filesystem: global rank 0 first puts a marker into the
+temporary directory; the local main of every node whose ranks cannot see it
+writes the shared files itself and publishes a complete copy on its own disk, so
+``load_state`` finds everything each rank needs on every node.
 
 Every function that takes ``acc`` must be called on every rank, except
 ``save_model`` and ``save``, which only write on the main process.
