@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "notebook_launcher": "launch.launcher",
     "debug_launcher": "launch.launcher",
     "LaunchHandle": "launch.launcher",
+    "start_workers": "launch.pool",
+    "WorkerPool": "launch.pool",
     "DistributedType": "runtime.state",
     "ProcessState": "runtime.state",
     "LaunchConfig": "config",
@@ -53,7 +55,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerError": "errors",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = [*sorted(_EXPORTS), "__version__", "load_ipython_extension"]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .config import LaunchConfig as LaunchConfig
@@ -65,6 +67,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .launch.launcher import LaunchHandle as LaunchHandle
     from .launch.launcher import debug_launcher as debug_launcher
     from .launch.launcher import notebook_launcher as notebook_launcher
+    from .launch.pool import WorkerPool as WorkerPool
+    from .launch.pool import start_workers as start_workers
     from .runtime.accelerator import Accelerator as Accelerator
     from .runtime.data import skip_first_batches as skip_first_batches
     from .runtime.model_io import load_checkpoint_in_model as load_checkpoint_in_model
@@ -88,6 +92,13 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(f".{module_name}", __name__), name)
     globals()[name] = value  # cache: later lookups skip __getattr__
     return value
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbaccel``: register the ``%%distributed`` cell magic (see nbaccel.launch.magic)."""
+    from .launch.magic import load_ipython_extension as load
+
+    load(ipython)
 
 
 def __dir__() -> list[str]:

@@ -1,0 +1,280 @@
+"""The machinery behind :class:`~nbaccel.launch.pool.WorkerPool`: workers, calls, restarts.
+
+:class:`PoolEngine` owns the started workers (:mod:`._pool_start`), sends each
+call's job to the ranks taking part, lets :class:`._pool_call.PoolSupervisor`
+wait for their answers, turns the answers into the value or the first real error,
+and replaces the workers (saying so on the cell's stderr) when they cannot go on:
+a rank died, hung or is stuck, or the ranks' collective sequence numbers differ
+after a call (the process group is out of step, so the next collective would
+pair the wrong operations). It also keeps the pool's per-rank status for the
+panel and ``nbaccel.monitor.watch``.
+
+Example:
+    >>> from nbaccel.launch._pool_engine import PoolEngine
+    >>> PoolEngine.__name__
+    'PoolEngine'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import linecache
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..errors import LaunchError
+from ._failures import add_note, pick_failure, remote_exception
+from ._pool_call import PoolBroken
+from ._pool_start import Workers, boot, forwarder
+from ._preflight import LaunchPlan
+from ._supervise import Stopped
+from ._wire import HEADER, loads
+
+Listener = Callable[[int, str, dict], Any]
+
+
+class PoolEngine:
+    """Workers of one pool and the calls made on them (one call at a time)."""
+
+    def __init__(self, plan: LaunchPlan, streams: tuple[Any, Any]) -> None:
+        self.plan, self.streams = plan, streams
+        self.ranks = [plan.global_rank(i) for i in range(plan.num_processes or 1)]
+        self.busy = threading.Lock()  # held by the call in progress
+        self.workers: Workers | None = None
+        self.restarts = 0
+        self._ids = itertools.count(1)
+        self._cells = itertools.count(1)
+        self._handle: Any = None  # the LaunchHandle following the call in progress
+        self._sent_sources: set[str] = set()
+        self._lock = threading.RLock()
+        self._listeners: list[Listener] = []
+        self._status: dict[int, dict[str, Any]] = {
+            r: {"state": "starting", "step": None, "scalars": {}, "pid": None, "last_event": None}
+            for r in self.ranks
+        }
+
+    # ------------------------------------------------------------------ workers
+    def start(self) -> None:
+        self._sent_sources = set()
+        self.workers = boot(self.plan, self.ranks, self.streams, self._event)
+        for proc in self.workers.supervisor.procs:
+            self._event(proc.rank, "state", {"state": "idle", "pid": proc.pid})
+
+    def replace(self, reason: str | None) -> None:
+        """Kill the current workers (children included) and start fresh ones."""
+        if reason:
+            with contextlib.suppress(Exception):
+                sys.stderr.write(
+                    f"nbaccel: {reason}; the pool restarted its workers (restart "
+                    f"{self.restarts + 1}). Names set with push or in %%distributed cells "
+                    "are gone; the process group forms again at the next Accelerator().\n"
+                )
+                sys.stderr.flush()
+        self._stop_workers(graceful=False, timeout=0)
+        self.restarts += 1
+        self.start()
+
+    def _stop_workers(self, *, graceful: bool, timeout: float) -> None:
+        workers, self.workers = self.workers, None
+        if workers is None:
+            return
+        sup = workers.supervisor
+        children = [d for p in sup.procs for d in p.descendants()]
+        if graceful:  # serve() returns, the group is destroyed, the store shuts down
+            for conn in workers.conns.values():
+                with contextlib.suppress(OSError):
+                    conn.sendall(_frame(("exit",)))
+            deadline = time.monotonic() + timeout
+            with contextlib.suppress(Exception):
+                while any(p.poll() is None for p in sup.procs) and time.monotonic() < deadline:
+                    sup._pump(0.05)
+        sup.terminate()  # SIGTERM (the worker kills its children), then SIGKILL
+        sup.close()
+        for child in children:
+            with contextlib.suppress(Exception):
+                child.kill()
+        workers.close_sockets()
+
+    def ensure_healthy(self) -> None:
+        """Replace the workers if one died while the pool was idle (e.g. SIGKILL, OOM)."""
+        if self.workers is None:
+            self.start()
+            return
+        sup = self.workers.supervisor
+        dead = [p for p in sup.procs if p.poll() is not None]
+        if dead:
+            time.sleep(0.05)
+            sup._pump(0)
+            failures = sup._failures()
+            what = pick_failure(failures).summary() if failures else f"rank {dead[0].rank} exited"
+            self.replace(f"{what} while the pool was idle")
+
+    def shutdown(self, timeout: float) -> None:
+        handle = self._handle
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                handle.stop(timeout=timeout)
+        got = self.busy.acquire(timeout=max(timeout, 0.1))
+        try:
+            self._stop_workers(graceful=True, timeout=timeout)
+        finally:
+            if got:
+                self.busy.release()
+        for rank in self.ranks:
+            self._event(rank, "state", {"state": "terminated"})
+
+    @contextlib.contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        if not self.busy.acquire(blocking=False):
+            raise LaunchError(f"cannot {what} while a call runs in the background; stop it first.")
+        try:
+            yield
+        finally:
+            self.busy.release()
+
+    # ------------------------------------------------------------------ calls
+    def next_cell_name(self) -> str:
+        return f"<distributed-cell-{next(self._cells)}>"
+
+    def execute(
+        self, job: tuple[Any, ...], targets: list[int], handle: Any, stop: threading.Event
+    ) -> dict[int, Any]:
+        """Run one job on ``targets``; return the wanted ranks' values or raise."""
+        assert self.workers is not None
+        call_id = next(self._ids)
+        frame = _frame((job[0], call_id, set(handle._want), self._new_sources(), *job[1:]))
+        sup = self.workers.supervisor
+        sup.forwarder = forwarder(handle._plan, self.ranks, handle._streams)
+        self._handle = handle
+        try:
+            for rank in targets:
+                self._event(rank, "state", {"state": "running", "pid": self.pids().get(rank)})
+            try:
+                for rank in targets:
+                    self.workers.conns[rank].sendall(frame)
+                result = sup.call(call_id, targets, stop)
+            except OSError as err:  # a worker's socket is gone: it died
+                gone = LaunchError(f"a worker is gone ({err})")
+                raise PoolBroken(gone, "a worker is gone") from err
+            self._finish_states(targets, result.done)
+        except PoolBroken as broken:
+            self._finish_states(targets, {})
+            self._handle = None
+            self.replace(broken.reason)
+            if stop.is_set():
+                raise Stopped("the call was stopped; the pool restarted its workers") from None
+            raise broken.error from None
+        finally:
+            self._handle = None
+        restart = _out_of_step(result.done)
+        try:
+            if result.stopped:
+                raise Stopped("the call was stopped with LaunchHandle.stop(); the pool stays")
+            if result.interrupted:
+                raise KeyboardInterrupt
+            failures = sup.call_failures()
+            if failures:
+                real = [f for f in failures if f.info.get("type_qualname") != "KeyboardInterrupt"]
+                chosen = pick_failure(real or failures)
+                error = remote_exception(chosen)
+                others = [f.summary() for f in failures if f is not chosen]
+                if others:
+                    add_note(
+                        error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others)
+                    )
+                raise error
+            return self._values(result.done, handle._want)
+        finally:
+            if restart:
+                self.replace(restart)
+
+    def _values(self, done: dict[int, tuple[bool, Any, Any]], want: set[int]) -> dict[int, Any]:
+        values = {}
+        for rank in sorted(want):
+            codec, data = done[rank][1]
+            try:
+                values[rank] = loads(codec, data)
+            except Exception as err:
+                raise LaunchError(
+                    f"rank {rank}'s value could not be loaded in the kernel ({type(err).__name__}: "
+                    f"{err}); return plain data (numbers, tensors, dicts, lists)."
+                ) from err
+        return values
+
+    def _new_sources(self) -> dict[str, Any]:
+        """Notebook cells not yet sent to these workers (for their tracebacks)."""
+        out = {}
+        for name, entry in list(linecache.cache.items()):
+            if len(entry) == 4 and entry[1] is None and name not in self._sent_sources:
+                out[name] = entry
+                self._sent_sources.add(name)
+        return out
+
+    # ------------------------------------------------------------------ status
+    def pids(self) -> dict[int, int]:
+        workers = self.workers
+        return {p.rank: p.pid for p in workers.supervisor.procs} if workers else {}
+
+    def _finish_states(self, targets: list[int], done: dict[int, tuple[bool, Any, Any]]) -> None:
+        for rank in targets:
+            ok = done.get(rank, (False,))[0]
+            self._event(rank, "state", {"state": "finished" if ok else "failed"})
+
+    def _event(self, rank: int, kind: str, data: dict) -> None:
+        with self._lock:
+            entry = self._status.setdefault(rank, {"state": "idle", "step": None, "scalars": {}})
+            if kind == "state":
+                state = data.get("state", entry["state"])
+                entry["state"] = "idle" if state in ("finished", "failed") else state
+                if data.get("pid"):
+                    entry["pid"] = data["pid"]
+            else:
+                entry["last_event"] = kind
+                if isinstance(data.get("step"), int):
+                    entry["step"] = data["step"]
+                if isinstance(data.get("values"), dict):
+                    entry["scalars"].update(
+                        {k: v for k, v in data["values"].items() if isinstance(v, int | float)}
+                    )
+            listeners = list(self._listeners)
+        handle = self._handle
+        if handle is not None:
+            handle._on_event(rank, kind, data)
+        for callback in listeners:
+            with contextlib.suppress(Exception):
+                callback(rank, kind, data)
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(self._status)
+
+    def add_listener(self, callback: Listener) -> Listener:
+        with self._lock:
+            self._listeners.append(callback)
+        return callback
+
+    def remove_listener(self, callback: Listener) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
+
+
+def _frame(message: tuple[Any, ...]) -> bytes:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(data)) + data
+
+
+def _out_of_step(done: dict[int, tuple[bool, Any, int | None]]) -> str | None:
+    seqs = {rank: seq for rank, (_, _, seq) in done.items() if seq is not None}
+    if len(set(seqs.values())) > 1:
+        counts = ", ".join(f"rank {r}: {s}" for r, s in sorted(seqs.items()))
+        return f"the ranks ran different numbers of collectives ({counts}), so the process group is out of step"
+    return None
+
+
+__all__ = ["PoolEngine"]

@@ -1,0 +1,113 @@
+"""``%%distributed``: run a notebook cell on every rank of the current warm pool.
+
+Load it with ``%load_ext nbaccel``. The cell runs in each worker's namespace
+(shared with ``pool.push``/``pool.pull``; names persist between cells), its output
+is streamed into the cell with rank prefixes, an exception is raised with its rank
+and remote traceback, and the value of a final expression on the first rank is
+shown as the cell's result. A name ``accelerator`` is ready to use: the first cell
+that mentions it creates ``Accelerator()`` on the workers (let that cell run on
+every rank: it forms the process group).
+
+Options: ``--ranks 0`` or ``--ranks 0,1`` (a subset of ranks); ``--pool NAME`` (a
+pool held in the notebook variable ``NAME`` instead of the last one started).
+
+Example::
+
+    %load_ext nbaccel
+    pool = nbaccel.start_workers(num_processes=2)
+
+    %%distributed
+    import torch
+    t = torch.ones(2) * (accelerator.process_index + 1)
+    print(t.sum())
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from .pool import WorkerPool, current_pool
+
+USAGE = "%%distributed [--ranks 0,1] [--pool NAME]"
+
+
+def _parse(line: str) -> tuple[list[int] | None, str | None]:
+    try:
+        words = shlex.split(line)
+    except ValueError as err:
+        raise ValueError(f"cannot parse {line!r} ({err}); usage: {USAGE}") from None
+    ranks: list[int] | None = None
+    pool: str | None = None
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word in ("--ranks", "-r", "--pool") and i + 1 >= len(words):
+            raise ValueError(f"{word} needs a value; usage: {USAGE}")
+        if word in ("--ranks", "-r"):
+            ranks = []
+            i += 1
+            while i < len(words) and not words[i].startswith("-"):
+                parts = [p for p in words[i].split(",") if p.strip()]
+                if not all(p.strip().isdigit() for p in parts):
+                    raise ValueError(
+                        f"--ranks takes rank numbers such as 0 or 0,1, not {words[i]!r}"
+                    )
+                ranks += [int(p) for p in parts]
+                i += 1
+            if not ranks:
+                raise ValueError(f"--ranks needs at least one rank; usage: {USAGE}")
+        elif word == "--pool":
+            pool, i = words[i + 1], i + 2
+        else:
+            raise ValueError(f"unknown option {word!r}; usage: {USAGE}")
+    return ranks, pool
+
+
+def distributed(line: str, cell: str, user_ns: dict[str, Any] | None = None) -> Any:
+    """Body of the ``%%distributed`` cell magic (testable without IPython).
+
+    Returns the first rank's value of the cell's last expression (``None`` if none).
+
+    Raises:
+        RuntimeError: no pool is running (or ``--pool`` names no pool).
+        ValueError: bad options.
+        WorkerError: the cell raised on a rank.
+    """
+    ranks, name = _parse(line)
+    if name is not None:
+        pool = (user_ns or {}).get(name)
+        if not isinstance(pool, WorkerPool):
+            raise RuntimeError(
+                f"--pool {name}: there is no WorkerPool named {name!r} in the notebook; "
+                "create it with pool = nbaccel.start_workers(num_processes=...)."
+            )
+    else:
+        found = current_pool()
+        if found is None:
+            raise RuntimeError(
+                "%%distributed needs a running pool of workers and none is open: run "
+                "`import nbaccel; pool = nbaccel.start_workers(num_processes=2)` in a cell "
+                "first (or restart it if it was closed)."
+            )
+        pool = found
+    return pool.exec_cell(cell, ranks)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register ``%%distributed`` (called by ``%load_ext nbaccel``)."""
+    from IPython.core.error import UsageError
+
+    def magic(line: str, cell: str) -> Any:
+        try:
+            return distributed(line, cell, ipython.user_ns)
+        except (RuntimeError, ValueError) as err:
+            if type(err) in (RuntimeError, ValueError):  # misuse, not a worker's error
+                raise UsageError(str(err)) from None
+            raise
+
+    magic.__doc__ = __doc__
+    ipython.register_magic_function(magic, "cell", "distributed")
+
+
+__all__ = ["distributed", "load_ipython_extension"]
