@@ -124,16 +124,22 @@ class PoolSupervisor(Supervisor):
                 self._hang(busy, reason)
 
     def _check_alive(self, procs: list[WorkerProcess]) -> None:
+        chosen = self.dead_failure()
+        if chosen is not None:
+            raise PoolBroken(remote_exception(chosen), chosen.summary())
+
+    def dead_failure(self) -> Failure | None:
+        """How a dead worker died (its exit, signal and last stack), or None if all live."""
         dead = [p for p in self.procs if p.poll() is not None]
         if not dead:
-            return
-        deadline = time.time() + 0.3  # let the exit's last output and stack arrive
-        while time.time() < deadline and self._open:
+            return None
+        deadline = time.time() + 1.0  # let its last output, frames and stack arrive
+        while time.time() < deadline and not all(self._ctrl_done(p) for p in dead):
             self._pump(0.05)
         failures = self._failures() + self.call_failures()
-        chosen = pick_failure([f for f in failures if f.kind != "exception"] or failures)
-        err = remote_exception(chosen)
-        raise PoolBroken(err, f"{chosen.summary()}")
+        if not failures:
+            return Failure(dead[0].rank, dead[0].pid, time.time(), "exit", code=0)
+        return pick_failure([f for f in failures if f.kind != "exception"] or failures)
 
     def call_failures(self) -> list[Failure]:
         """The ranks of the current call that answered with an exception."""

@@ -106,14 +106,9 @@ class PoolEngine:
         if self.workers is None:
             self.start()
             return
-        sup = self.workers.supervisor
-        dead = [p for p in sup.procs if p.poll() is not None]
-        if dead:
-            time.sleep(0.05)
-            sup._pump(0)
-            failures = sup._failures()
-            what = pick_failure(failures).summary() if failures else f"rank {dead[0].rank} exited"
-            self.replace(f"{what} while the pool was idle")
+        chosen = self.workers.supervisor.dead_failure()
+        if chosen is not None:
+            self.replace(f"{chosen.summary()} while the pool was idle")
 
     def shutdown(self, timeout: float) -> None:
         handle = self._handle

@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import LaunchError
+from ..errors import LaunchError, WorkerError
 from ._pool_engine import PoolEngine
 from ._preflight import plan_launch
 from ._supervise import Stopped
@@ -292,7 +292,10 @@ class WorkerPool:
             handle._run_in_background()
             return handle
         handle._run()
-        return handle.result()
+        try:
+            return handle.result()
+        except WorkerError as err:  # the remote traceback tells the story, not our frames
+            raise err.with_traceback(None) from None
 
 
 def _dill(value: Any, what: str) -> bytes:
