@@ -151,7 +151,7 @@ class PoolSupervisor(Supervisor):
         return out
 
     def _hang(self, busy: list[WorkerProcess], reason: str) -> None:
-        stacks = self.dump_stacks(busy)
+        stacks = {r: trim_pool_stack(text) for r, text in self.dump_stacks(busy).items()}
         stacks.update({f.rank: f.info.get("traceback", "") for f in self.call_failures()})
         pid = busy[0].pid if busy else None
         err = WorkerTimeoutError([p.rank for p in busy], stacks, reason, pid)
@@ -193,8 +193,34 @@ class PoolSupervisor(Supervisor):
                 self.forwarder.close(proc.rank, stream)
 
 
+def trim_pool_stack(text: str) -> str:
+    """Keep the user's frames of a faulthandler dump: cut each thread at the pool's loop,
+    and drop threads that only run nbaccel's own code (the watchdog).
+
+    Example:
+        >>> dump = ("Current thread 0x1 (most recent call first):\\n"
+        ...         '  File "cell", line 3 in train\\n'
+        ...         '  File "/x/nbaccel/launch/_pool_worker.py", line 9 in handle')
+        >>> trim_pool_stack(dump).splitlines()[-1]
+        '  File "cell", line 3 in train'
+    """
+    blocks: list[list[str]] = []
+    for line in text.splitlines():
+        if not line.startswith("  ") or not blocks:
+            blocks.append([line])
+        else:
+            blocks[-1].append(line)
+    out = []
+    for header, *frames in blocks:
+        cut = next((i for i, f in enumerate(frames) if "_pool_worker.py" in f), len(frames))
+        if frames and cut == 0:
+            continue  # a thread that is all nbaccel (the watchdog)
+        out.append("\n".join([header, *frames[:cut]]))
+    return "\n".join(out).strip() or text
+
+
 def _interrupted(failure: Failure) -> bool:
     return failure.info.get("type_qualname") == "KeyboardInterrupt"
 
 
-__all__ = ["CallResult", "PoolBroken", "PoolSupervisor"]
+__all__ = ["CallResult", "PoolBroken", "PoolSupervisor", "trim_pool_stack"]

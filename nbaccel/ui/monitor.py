@@ -283,6 +283,9 @@ class RunMonitor:
 def watch(handle: _Handle, **kwargs: Any) -> RunMonitor:
     """Show a live :class:`RunMonitor` for ``handle`` in the current cell and return it.
 
+    ``handle`` is a ``LaunchHandle`` or a warm ``WorkerPool`` (``watch(pool)`` follows
+    every call made on the pool; its ranks show "idle" between calls).
+
     In a kernel the widget is displayed at once; elsewhere the text table is
     printed as the run goes (see ``text_interval``). Keyword arguments go to
     :class:`RunMonitor`.

@@ -109,6 +109,9 @@ class LaunchPanel(widgets.VBox):
         config: starting values (default: arguments > NBACCEL_* env > config file).
         launcher_kwargs: extra keyword arguments for ``notebook_launcher`` (e.g. ``output``,
             ``return_all_ranks``); the seam the live view plugs into.
+        pool: a warm :class:`~nbaccel.WorkerPool`: Launch runs the function on its
+            workers (``pool.run``) instead of starting new ones; the pool's own settings
+            apply, the controls are not used for the run.
 
     Attributes:
         controls: ``{field: widget}`` for every LaunchConfig field.
@@ -126,12 +129,14 @@ class LaunchPanel(widgets.VBox):
         config: LaunchConfig | None = None,
         launcher_kwargs: Mapping[str, Any] | None = None,
         hardware: Hardware | None = None,
+        pool: Any = None,
     ) -> None:
         if not callable(training_function):
             raise TypeError(f"training_function must be callable, got {training_function!r}.")
         self.training_function = training_function
         self.args = tuple(args)
         self.launcher_kwargs = dict(launcher_kwargs or {})
+        self.pool = pool
         self.hardware = hardware or detect_hardware()
         self.result: Any = None
         note = ""
@@ -301,9 +306,13 @@ class LaunchPanel(widgets.VBox):
         try:
             # Output printed by the kernel itself (warnings, errors) lands here too.
             with self.output:
-                handle = launcher.notebook_launcher(
-                    self.training_function, self.args, config=cfg, block=False, **options
-                )
+                if self.pool is not None:  # warm workers: no new processes
+                    own = {k: options[k] for k in ("output", "return_all_ranks") if k in options}
+                    handle = self.pool.run(self.training_function, *self.args, block=False, **own)
+                else:
+                    handle = launcher.notebook_launcher(
+                        self.training_function, self.args, config=cfg, block=False, **options
+                    )
             self.monitor.attach(handle)
             if not block:
                 self.result = handle

@@ -1,0 +1,196 @@
+"""WorkerPool driven from this process (2 CPU workers over gloo): the decisions that
+need precise timing or in-process inspection: hangs, ranks stuck in a collective,
+collectives out of step, background calls and stop, the monitor and the panel, and
+the %%distributed option parser. Real-kernel behaviour is in test_pool_kernel.py.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import psutil
+import pytest
+
+from nbaccel import WorkerPool, start_workers
+from nbaccel.errors import LaunchError, WorkerError
+from nbaccel.launch import magic
+from nbaccel.launch._failures import WorkerTimeoutError
+from nbaccel.launch._supervise import Stopped
+
+pytestmark = pytest.mark.integration
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+@pytest.fixture
+def pool() -> WorkerPool:
+    with start_workers(num_processes=2, timeout=4, start_method="fork") as p:
+        yield p
+
+
+def slow_rank_one() -> int:
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator()
+    if accelerator.process_index == 1:
+        time.sleep(60)
+    return 0
+
+
+@pytest.mark.timeout(180)
+def test_hang_names_the_stuck_rank_with_its_stack_and_restarts(pool, capsys):
+    old = pool.pids
+    with pytest.raises(WorkerTimeoutError) as info:
+        pool.run(slow_rank_one)
+    err = info.value
+    assert err.stuck_ranks == [1], str(err)
+    assert "slow_rank_one" in err.stacks[1], err.stacks[1]
+    assert "_pool_worker" not in err.stacks[1] and "in watch" not in err.stacks[1], err.stacks[1]
+    assert "restarted" in capsys.readouterr().err
+    assert pool.restarts == 1 and set(pool.pids.values()).isdisjoint(old.values())
+    assert pool.run(_rank, return_all_ranks=True) == [0, 1]
+
+
+def fails_while_peer_waits() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    Accelerator()
+    if _rank() == 1:
+        raise ValueError("rank one gives up")
+    dist.all_reduce(torch.ones(1))  # waits for rank 1 forever (in C++)
+
+
+@pytest.mark.timeout(180)
+def test_real_error_first_when_a_peer_is_stuck_in_a_collective(pool, capsys):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="rank one gives up") as info:
+        pool.run(fails_while_peer_waits)
+    assert isinstance(info.value, WorkerError) and info.value.rank == 1
+    assert time.monotonic() - start < 15
+    err = capsys.readouterr().err
+    # rank 0 either stays stuck in C++ or comes back from the interrupt with one
+    # collective more than rank 1: either way the group cannot go on
+    assert "restarted" in err and ("did not come back" in err or "out of step" in err), err
+    assert pool.restarts == 1
+    assert pool.run(_rank) == 0
+
+
+def extra_collective_on_rank0() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    Accelerator()
+    if _rank() == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)  # rank 1 never matches it
+
+
+@pytest.mark.timeout(180)
+def test_collectives_out_of_step_restart_the_pool(pool, capsys):
+    pool.run(extra_collective_on_rank0)
+    assert "out of step" in capsys.readouterr().err
+    assert pool.restarts == 1
+    assert pool.run(_rank, return_all_ranks=True) == [0, 1]
+
+
+def sleepy(seconds: float) -> str:
+    time.sleep(seconds)
+    return f"slept-{_rank()}"
+
+
+@pytest.mark.timeout(180)
+def test_background_call_busy_error_stop_and_closed_pool(pool):
+    pids = pool.pids
+    handle = pool.run(sleepy, 0.5, block=False, return_all_ranks=True)
+    with pytest.raises(LaunchError, match="busy"):
+        pool.run(_rank)
+    assert handle.result(timeout=60) == ["slept-0", "slept-1"]
+    assert {s["state"] for s in handle.status().values()} == {"finished"}
+    handle = pool.run(sleepy, 60, block=False)
+    time.sleep(0.5)
+    handle.stop(timeout=30)
+    assert isinstance(handle.exception(), Stopped)
+    assert pool.pids == pids and pool.restarts == 0
+    assert pool.run(_rank) == 0
+    pool.close()
+    with pytest.raises(LaunchError, match="start_workers"):
+        pool.run(_rank)
+
+
+def logs_steps(steps: int) -> int:
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator()
+    for step in range(steps):
+        accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+    print(f"logged-{accelerator.process_index}")
+    return steps
+
+
+@pytest.mark.timeout(180)
+def test_monitor_watch_and_panel_drive_a_pool(pool, tmp_path, monkeypatch):
+    from nbaccel.monitor import watch
+
+    out = io.StringIO()
+    monitor = watch(pool, widget=False, stream=out, interval=0)
+    assert pool.run(logs_steps, 4) == 4
+    rows = monitor.rows()
+    assert [r[:3] for r in rows[1:]] == [["0", "idle", "3"], ["1", "idle", "3"]], rows
+    assert rows[1][rows[0].index("loss")] == "0.25"
+    monitor.detach()
+
+    pytest.importorskip("ipywidgets")
+    from nbaccel.widgets import LaunchPanel
+
+    monkeypatch.setenv("NBACCEL_CONFIG_FILE", str(tmp_path / "cfg.yaml"))
+    pids = pool.pids
+    panel = LaunchPanel(logs_steps, args=(3,), pool=pool)
+    assert panel.launch() == 3
+    assert "[rank1] logged-1" in panel.sink.getvalue()
+    assert [r[1] for r in panel.monitor.rows()[1:]] == ["finished", "finished"]
+    assert pool.pids == pids
+
+
+def dataloader_in_namespace() -> list[int]:
+    import psutil
+    import torch
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(torch.arange(8), num_workers=2, persistent_workers=True)
+    next(iter(loader))
+    globals()["keep"] = loader  # stays alive in the worker after the call
+    return [c.pid for c in psutil.Process().children()]
+
+
+@pytest.mark.timeout(180)
+def test_close_ends_dataloader_workers_too():
+    pool = start_workers(num_processes=2)
+    children = pool.run(dataloader_in_namespace, return_all_ranks=True)
+    procs = [psutil.Process(pid) for pids in children for pid in pids]
+    assert len(procs) >= 4
+    workers = [psutil.Process(pid) for pid in pool.pids.values()]
+    pool.close()
+    gone, alive = psutil.wait_procs(procs + workers, timeout=10)
+    assert not alive, alive
+
+
+def test_magic_options_and_errors(monkeypatch):
+    assert magic._parse("") == (None, None)
+    assert magic._parse("--ranks 0,1") == ([0, 1], None)
+    assert magic._parse("--ranks 1 0 --pool p") == ([1, 0], "p")
+    for bad in ("--ranks", "--ranks x", "--pool", "--nope"):
+        with pytest.raises(ValueError, match="ranks|pool|option"):
+            magic._parse(bad)
+    monkeypatch.setattr("nbaccel.launch.pool._current", [])
+    with pytest.raises(RuntimeError, match=r"start_workers\(num_processes=2\)"):
+        magic.distributed("", "print(1)")
+    with pytest.raises(RuntimeError, match="no WorkerPool named 'p'"):
+        magic.distributed("--pool p", "print(1)", {"p": 3})
