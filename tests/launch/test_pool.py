@@ -178,7 +178,7 @@ def test_close_ends_dataloader_workers_too():
     assert len(procs) >= 4
     workers = [psutil.Process(pid) for pid in pool.pids.values()]
     pool.close()
-    gone, alive = psutil.wait_procs(procs + workers, timeout=10)
+    _, alive = psutil.wait_procs(procs + workers, timeout=10)
     assert not alive, alive
 
 
@@ -187,7 +187,7 @@ def test_magic_options_and_errors(monkeypatch):
     assert magic._parse("--ranks 0,1") == ([0, 1], None)
     assert magic._parse("--ranks 1 0 --pool p") == ([1, 0], "p")
     for bad in ("--ranks", "--ranks x", "--pool", "--nope"):
-        with pytest.raises(ValueError, match="ranks|pool|option"):
+        with pytest.raises(ValueError, match=r"ranks|pool|option"):
             magic._parse(bad)
     monkeypatch.setattr("nbaccel.launch.pool._current", [])
     with pytest.raises(RuntimeError, match=r"start_workers\(num_processes=2\)"):
