@@ -178,6 +178,29 @@ def targets(res: dict) -> list[str]:
     return rows
 
 
+def pool_rows(res: dict) -> list[str]:
+    """Issue 14: warm workers (start_workers) against warm notebook_launcher calls."""
+    if not any(k.startswith("pool") for k in res["samples"]):
+        return []
+    call = ratio(med(res, "poolcall/pool"), med(res, "poolcall/launcher"))
+    train = ratio(med(res, "pooltrain/pool"), med(res, "pooltrain/launcher"))
+    growth = med(res, "poolmem/pool", "max_growth_mb")
+    return [
+        "",
+        "## Warm workers (issue 14: start_workers, 2 processes; ratios within this run)",
+        "",
+        "| | pool | notebook_launcher (warm) | ratio | target | result |",
+        "|---|---|---|---|---|---|",
+        f"| call: Accelerator + all-reduce + barrier (ms) | {cell(res, 'poolcall/pool', scale=1e3, fmt='{:.1f}')} | "
+        f"{cell(res, 'poolcall/launcher', scale=1e3)} | {_r(call, '{:.3f}×')} | ≤ 0.2× | "
+        f"{verdict(None if call is None else call <= 0.2)} |",
+        f"| small training function run 3 times (s) | {cell(res, 'pooltrain/pool', fmt='{:.2f}')} | "
+        f"{cell(res, 'pooltrain/launcher', fmt='{:.2f}')} | {_r(train)} | (reported) | |",
+        f"| worker USS growth over 50 calls, max over ranks (MB) | {cell(res, 'poolmem/pool', 'max_growth_mb', fmt='{:+.2f}')} | "
+        f"| | ≤ 5 MB | {verdict(None if growth is None else growth <= 5)} |",
+    ]
+
+
 def by_system(
     res: dict, systems: list[str], rows_spec: list[tuple[str, str, str | None, float, str]]
 ) -> list[str]:
@@ -326,6 +349,7 @@ def render_markdown(res: dict) -> str:
                 ("bytes written (GB)", "checkpoint", "bytes", 1e-9, "{:.3f}"),
             ],
         )
+    lines += pool_rows(res)
     if res.get("errors"):
         lines += ["", "## Failed measurements", ""] + [f"- {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n"

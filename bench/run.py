@@ -36,8 +36,8 @@ sys.path.insert(0, str(BENCH))
 from kernel_harness import KernelSession, isolated_env  # noqa: E402
 from report import machine_info, render_markdown  # noqa: E402
 
-SCENARIOS = ("launch", "train", "gather", "spawn", "checkpoint", "memory")
-CELLS = ("common", "launch", "train", "gather", "spawn", "checkpoint", "memory")
+SCENARIOS = ("launch", "train", "gather", "spawn", "checkpoint", "pool", "memory")
+CELLS = ("common", "launch", "train", "gather", "spawn", "checkpoint", "pool", "memory")
 IMPORTS = {  # what a notebook using each system imports in its first cell
     "raw": "import torch.multiprocessing",
     "nbaccel": "from nbaccel import Accelerator, notebook_launcher",
@@ -158,6 +158,19 @@ def bench_main(
         rounds(
             "checkpoint", cfg["checkpoint"], [(s, f"bench_checkpoint_once({s!r})") for s in ck], 900
         )
+    if "pool" in scenarios and "nbaccel" in systems:  # issue 14: warm workers
+        bench.run("bench_pool_start()")
+        try:
+            launcher = ("launcher", "bench_launch_once('nbaccel')")
+            rounds("poolwarmup", 1, [("pool", "bench_pool_call_once()"), launcher], 300)
+            for key in ("poolwarmup/pool", "poolwarmup/launcher"):
+                samples.pop(key, None)  # first calls: not recorded
+            rounds("poolcall", cfg["warm"], [("pool", "bench_pool_call_once()"), launcher], 120)
+            train3 = [(k, f"bench_pool_train3({k!r})") for k in ("pool", "launcher")]
+            rounds("pooltrain", cfg["train"], train3, 600)
+            rounds("poolmem", cfg["memory"], [("pool", "bench_pool_memory()")], 300)
+        finally:
+            bench.run("bench_pool_close()")
     if "memory" in scenarios:  # last: the 1 GiB array stays out of the other scenarios
         bench.run("mem_alloc()")
         rounds("memory", cfg["memory"], [(s, f"bench_memory_once({s!r})") for s in systems], 300)
