@@ -48,7 +48,9 @@ from ._supervise import Stopped
 from .handle import LaunchHandle
 
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
-_current: list[WorkerPool] = []  # the pool %%distributed uses: the last one started
+# The pools %%distributed may use, newest last. Weak: a pool the notebook no longer
+# references is garbage-collected, and closed, like any object (see __del__).
+_current: list[weakref.ref[WorkerPool]] = []
 _atexit_registered = [False]
 
 
@@ -60,9 +62,12 @@ def _close_live_pools() -> None:
 
 def current_pool() -> WorkerPool | None:
     """The most recently started pool that is still open (``%%distributed`` uses it)."""
-    while _current and _current[-1].closed:
+    while _current:
+        pool = _current[-1]()
+        if pool is not None and not pool.closed:
+            return pool
         _current.pop()
-    return _current[-1] if _current else None
+    return None
 
 
 class _CallDriver:
@@ -379,7 +384,7 @@ def start_workers(
         atexit.register(_close_live_pools)
         _atexit_registered[0] = True
     _LIVE.add(pool)
-    _current.append(pool)
+    _current.append(weakref.ref(pool))
     return pool
 
 

@@ -194,3 +194,12 @@ def test_magic_options_and_errors(monkeypatch):
         magic.distributed("", "print(1)")
     with pytest.raises(RuntimeError, match="no WorkerPool named 'p'"):
         magic.distributed("--pool p", "print(1)", {"p": 3})
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_nobody_references_is_closed():
+    pool = start_workers(num_processes=2)
+    workers = [psutil.Process(pid) for pid in pool.pids.values()]
+    del pool  # e.g. `pool = start_workers(...)` run again in the notebook
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, alive
