@@ -259,6 +259,28 @@ class PoolEngine:
             self._listeners.remove(callback)
 
 
+class CallDriver:
+    """Plays the Supervisor's part for a :class:`LaunchHandle` that follows one pool call."""
+
+    def __init__(self, engine: PoolEngine, job: tuple[Any, ...], targets: list[int]) -> None:
+        self.engine, self.job, self.targets = engine, job, targets
+        self.stop_requested = threading.Event()
+        self.handle: Any = None
+
+    def run(self) -> dict[int, Any]:
+        assert self.handle is not None
+        try:
+            return self.engine.execute(self.job, self.targets, self.handle, self.stop_requested)
+        finally:
+            self.engine.busy.release()
+
+    def terminate(self) -> None:
+        """Nothing to kill: the call was already interrupted; the workers stay."""
+
+    def close(self) -> None:
+        """Nothing to close: the pipes belong to the pool."""
+
+
 def _frame(message: tuple[Any, ...]) -> bytes:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return HEADER.pack(len(data)) + data
@@ -272,4 +294,4 @@ def _out_of_step(done: dict[int, tuple[bool, Any, int | None]]) -> str | None:
     return None
 
 
-__all__ = ["PoolEngine"]
+__all__ = ["CallDriver", "PoolEngine"]

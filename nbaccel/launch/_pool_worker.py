@@ -89,7 +89,11 @@ def _arm_death_watch(parent: int) -> None:
         with contextlib.suppress(Exception):
             import ctypes
 
-            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+            libc = ctypes.CDLL(None)
+            current = ctypes.c_int(0)
+            libc.prctl(2, ctypes.byref(current), 0, 0, 0)  # PR_GET_PDEATHSIG
+            if current.value:  # only where the bootstrap tied us to the kernel's thread
+                libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     signal.signal(signal.SIGTERM, lambda *_: _die(143))
     if os.getppid() != parent:
         _die()
@@ -232,9 +236,15 @@ def _mentions(code: Any, name: str) -> bool:
     return any(_mentions(c, name) for c in code.co_consts if hasattr(c, "co_names"))
 
 
+CELL_VALUE_LIMIT = 8 << 20  # a bigger cell result is shown by its repr (pull it if needed)
+
+
 def _ship(value: Any, *, repr_fallback: bool) -> tuple[str, bytes]:
     try:
-        return dumps(value)
+        shipped = dumps(value)
+        if repr_fallback and len(shipped[1]) > CELL_VALUE_LIMIT:
+            return dumps(RemoteRepr(repr(value)))
+        return shipped
     except Exception as err:
         if repr_fallback:
             return dumps(RemoteRepr(repr(value)))

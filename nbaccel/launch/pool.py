@@ -36,13 +36,12 @@ import atexit
 import contextlib
 import dataclasses
 import sys
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchError, WorkerError
-from ._pool_engine import PoolEngine
+from ._pool_engine import CallDriver, PoolEngine
 from ._preflight import plan_launch
 from ._supervise import Stopped
 from .handle import LaunchHandle
@@ -68,28 +67,6 @@ def current_pool() -> WorkerPool | None:
             return pool
         _current.pop()
     return None
-
-
-class _CallDriver:
-    """Plays the Supervisor's part for a :class:`LaunchHandle` that follows one pool call."""
-
-    def __init__(self, engine: PoolEngine, job: tuple[Any, ...], targets: list[int]) -> None:
-        self.engine, self.job, self.targets = engine, job, targets
-        self.stop_requested = threading.Event()
-        self.handle: LaunchHandle | None = None
-
-    def run(self) -> dict[int, Any]:
-        assert self.handle is not None
-        try:
-            return self.engine.execute(self.job, self.targets, self.handle, self.stop_requested)
-        finally:
-            self.engine.busy.release()
-
-    def terminate(self) -> None:
-        """Nothing to kill: the call was already interrupted; the workers stay."""
-
-    def close(self) -> None:
-        """Nothing to close: the pipes belong to the pool."""
 
 
 class WorkerPool:
@@ -154,7 +131,7 @@ class WorkerPool:
         """
         if not isinstance(source, str):
             raise TypeError(f"source must be a str, got {type(source).__name__}.")
-        compile(source, "<distributed cell>", "exec")  # a syntax error stays in the kernel
+        _check_syntax(source)  # a syntax error is reported here, before any rank runs
         targets = self._ranks(ranks)
         job = ("exec", source, self._engine.next_cell_name())
         return self._submit(job, targets, False, True, output, want=targets[:1])
@@ -287,7 +264,7 @@ class WorkerPool:
             handle.ranks = list(targets)
             handle._want = set(targets if return_all_ranks else (want or targets[:1]))
             handle._status = {r: s for r, s in handle._status.items() if r in targets}
-            driver = _CallDriver(engine, job, targets)
+            driver = CallDriver(engine, job, targets)
             driver.handle = handle
             handle._supervisor = driver  # type: ignore[assignment]
         except BaseException:
@@ -301,6 +278,19 @@ class WorkerPool:
             return handle.result()
         except WorkerError as err:  # the remote traceback tells the story, not our frames
             raise err.with_traceback(None) from None
+
+
+def _check_syntax(source: str) -> None:
+    try:
+        compile(source, "<distributed cell>", "exec")
+    except SyntaxError as err:
+        line = (err.text or "").strip()
+        if line.startswith(("%", "!")):
+            err.msg += (
+                " (a %%distributed cell runs as plain Python on the workers: IPython magics "
+                "and !shell lines work only in ordinary cells)"
+            )
+        raise
 
 
 def _dill(value: Any, what: str) -> bytes:

@@ -120,6 +120,9 @@ def test_background_call_busy_error_stop_and_closed_pool(pool):
     assert isinstance(handle.exception(), Stopped)
     assert pool.pids == pids and pool.restarts == 0
     assert pool.run(_rank) == 0
+    with pytest.raises(SyntaxError, match="plain Python"):
+        pool.exec_cell("!ls\nx = 1")
+    assert pool.exec_cell("y = 2\ny * 21") == 42  # ... and the pool is still usable
     pool.close()
     with pytest.raises(LaunchError, match="start_workers"):
         pool.run(_rank)
