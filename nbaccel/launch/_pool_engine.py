@@ -167,7 +167,10 @@ class PoolEngine:
             raise broken.error from None
         finally:
             self._handle = None
-        restart = _out_of_step(result.done)
+        # Only a call that did not end normally can leave ranks mid-collective; after a
+        # normal one, counts may differ legitimately (one-sided send/recv count too).
+        clean = not (result.stopped or result.interrupted or sup.call_failures())
+        restart = None if clean else _out_of_step(result.done)
         try:
             if result.stopped:
                 raise Stopped("the call was stopped with LaunchHandle.stop(); the pool stays")

@@ -82,7 +82,7 @@ def test_real_error_first_when_a_peer_is_stuck_in_a_collective(pool, capsys):
     assert pool.run(_rank) == 0
 
 
-def extra_collective_on_rank0() -> None:
+def extra_collective_then_fail() -> None:
     import torch
     import torch.distributed as dist
 
@@ -91,14 +91,42 @@ def extra_collective_on_rank0() -> None:
     Accelerator()
     if _rank() == 0:
         dist.all_reduce(torch.ones(1), async_op=True)  # rank 1 never matches it
+    else:
+        raise KeyError("rank 1 left early")
 
 
 @pytest.mark.timeout(180)
-def test_collectives_out_of_step_restart_the_pool(pool, capsys):
-    pool.run(extra_collective_on_rank0)
+def test_collectives_out_of_step_after_a_failure_restart_the_pool(pool, capsys):
+    with pytest.raises(KeyError, match="rank 1 left early"):
+        pool.run(extra_collective_then_fail)
     assert "out of step" in capsys.readouterr().err
     assert pool.restarts == 1
     assert pool.run(_rank, return_all_ranks=True) == [0, 1]
+
+
+def one_sided_sends() -> int:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator()
+    if accelerator.process_index == 0:  # rank 0 sends twice, the others receive once
+        for peer in (1, 2):
+            dist.send(torch.ones(1), peer)
+    else:
+        dist.recv(torch.zeros(1), 0)
+    accelerator.wait_for_everyone()
+    return accelerator.process_index
+
+
+@pytest.mark.timeout(180)
+def test_uneven_point_to_point_counts_after_a_normal_call_keep_the_pool():
+    with start_workers(num_processes=3, timeout=30) as pool3:
+        pids = pool3.pids
+        assert pool3.run(one_sided_sends, return_all_ranks=True) == [0, 1, 2]
+        assert pool3.run(one_sided_sends) == 0
+        assert pool3.restarts == 0 and pool3.pids == pids
 
 
 def sleepy(seconds: float) -> str:
