@@ -66,8 +66,8 @@ class PoolEngine:
         for proc in self.workers.supervisor.procs:
             self._event(proc.rank, "state", {"state": "idle", "pid": proc.pid})
 
-    def replace(self, reason: str | None) -> None:
-        """Kill the current workers (children included) and start fresh ones."""
+    def replace(self, reason: str | None, *, graceful: bool = False) -> None:
+        """End the current workers (children included) and start fresh ones."""
         if reason:
             with contextlib.suppress(Exception):
                 sys.stderr.write(
@@ -76,7 +76,7 @@ class PoolEngine:
                     "are gone; the process group forms again at the next Accelerator().\n"
                 )
                 sys.stderr.flush()
-        self._stop_workers(graceful=False, timeout=0)
+        self._stop_workers(graceful=graceful, timeout=5.0 if graceful else 0.0)
         self.restarts += 1
         self.start()
 

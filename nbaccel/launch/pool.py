@@ -166,7 +166,7 @@ class WorkerPool:
         """Replace every worker with a fresh one (names and process group are gone)."""
         self._check_open()
         with self._engine.exclusive("restart"):
-            self._engine.replace(None)
+            self._engine.replace(None, graceful=True)
 
     def close(self, timeout: float = 10.0) -> None:
         """End every worker and their children (idempotent); waits at most ``timeout`` s."""

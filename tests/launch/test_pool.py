@@ -129,6 +129,17 @@ def test_uneven_point_to_point_counts_after_a_normal_call_keep_the_pool():
         assert pool3.restarts == 0 and pool3.pids == pids
 
 
+def group_sum() -> float:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    value = torch.tensor([Accelerator().process_index + 1.0])
+    dist.all_reduce(value)
+    return value.item()
+
+
 def sleepy(seconds: float) -> str:
     time.sleep(seconds)
     return f"slept-{_rank()}"
@@ -148,6 +159,12 @@ def test_background_call_busy_error_stop_and_closed_pool(pool):
     assert isinstance(handle.exception(), Stopped)
     assert pool.pids == pids and pool.restarts == 0
     assert pool.run(_rank) == 0
+    pool.push(kept=1)
+    pool.restart()  # fresh workers: new pids, empty namespaces, a working group
+    assert pool.restarts == 1 and set(pool.pids.values()).isdisjoint(pids.values())
+    with pytest.raises(NameError, match="kept"):
+        pool.pull("kept")
+    assert pool.run(group_sum) == 3.0
     with pytest.raises(SyntaxError, match="plain Python"):
         pool.exec_cell("!ls\nx = 1")
     assert pool.exec_cell("y = 2\ny * 21") == 42  # ... and the pool is still usable
