@@ -85,21 +85,23 @@ class PoolEngine:
         if workers is None:
             return
         sup = workers.supervisor
-        children = [d for p in sup.procs for d in p.descendants()]
-        if graceful:  # serve() returns, the group is destroyed, the store shuts down
-            for conn in workers.conns.values():
-                with contextlib.suppress(OSError):
-                    conn.sendall(_frame(("exit",)))
-            deadline = time.monotonic() + timeout
-            with contextlib.suppress(Exception):
+        children: list[Any] = []
+        try:
+            children = [d for p in sup.procs for d in p.descendants()]
+            if graceful:  # serve() returns, the group is destroyed, the store shuts down
+                for conn in workers.conns.values():
+                    with contextlib.suppress(OSError):
+                        conn.sendall(_frame(("exit",)))
+                deadline = time.monotonic() + timeout
                 while any(p.poll() is None for p in sup.procs) and time.monotonic() < deadline:
                     sup._pump(0.05)
-        sup.terminate()  # SIGTERM (the worker kills its children), then SIGKILL
-        sup.close()
-        for child in children:
-            with contextlib.suppress(Exception):
-                child.kill()
-        workers.close_sockets()
+        finally:  # also when interrupted while waiting: nothing may stay behind
+            sup.terminate()  # SIGTERM (the worker kills its children), then SIGKILL
+            sup.close()
+            for child in children:
+                with contextlib.suppress(Exception):
+                    child.kill()
+            workers.close_sockets()
 
     def ensure_healthy(self) -> None:
         """Replace the workers if one died while the pool was idle (e.g. SIGKILL, OOM)."""
@@ -153,10 +155,13 @@ class PoolEngine:
             try:
                 for rank in targets:
                     self.workers.conns[rank].sendall(frame)
-                result = sup.call(call_id, targets, stop)
             except OSError as err:  # a worker's socket is gone: it died
                 gone = LaunchError(f"a worker is gone ({err})")
                 raise PoolBroken(gone, "a worker is gone") from err
+            except KeyboardInterrupt:  # some ranks may have the job, others not
+                reason = "the kernel was interrupted while the job was being sent"
+                raise PoolBroken(KeyboardInterrupt(), reason) from None
+            result = sup.call(call_id, targets, stop)
             self._finish_states(targets, result.done)
         except PoolBroken as broken:
             self._finish_states(targets, {})
