@@ -168,6 +168,11 @@ def test_background_call_busy_error_stop_and_closed_pool(pool):
     with pytest.raises(SyntaxError, match="plain Python"):
         pool.exec_cell("!ls\nx = 1")
     assert pool.exec_cell("y = 2\ny * 21") == 42  # ... and the pool is still usable
+    # a cell result that cannot travel (or is big) is shown by the worker's repr
+    gen = pool.exec_cell("(i for i in range(3))")
+    assert type(gen).__name__ == "RemoteRepr" and "generator object" in repr(gen)
+    big = pool.exec_cell("import torch\ntorch.zeros(3_000_000)")
+    assert type(big).__name__ == "RemoteRepr" and repr(big).startswith("tensor(")
     pool.close()
     with pytest.raises(LaunchError, match="start_workers"):
         pool.run(_rank)
