@@ -188,10 +188,15 @@ pool.run(long_call)
 """
 
 
-@pytest.mark.timeout(180)
-def test_interrupt_stops_the_call_on_every_rank_and_the_pool_stays(kernel):
-    pids = pool_pids(kernel)
-    msg_id = kernel.submit(LONG_CALL)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_interrupt_stops_the_call_on_every_rank_and_the_pool_stays(kernel, start_method):
+    name = "pool"
+    if start_method == "spawn":  # its own pool, closed at the end
+        name = "pspawn"
+        kernel.run(f"{name} = start_workers(num_processes=2, start_method='spawn')", timeout=120)
+    pids = kernel.evaluate_json(f"{name}.pids")
+    msg_id = kernel.submit(LONG_CALL.replace("pool.run", f"{name}.run"))
     kernel.wait_for_output(msg_id, r"long-started-\d", count=2, timeout=60)
     interrupted_at = time.monotonic()
     kernel.interrupt()
@@ -201,8 +206,12 @@ def test_interrupt_stops_the_call_on_every_rank_and_the_pool_stays(kernel):
     assert took < 5, f"the interrupt took {took:.1f}s"
     for rank in (0, 1):
         assert f"worker-interrupted-{rank}" in cell.stdout, cell.describe()
-    assert kernel.evaluate("pool.run(lambda: 'after-interrupt')") == "'after-interrupt'"
-    assert pool_pids(kernel) == pids and kernel.evaluate_json("pool.restarts") == 0
+    after = kernel.evaluate(f"{name}.run(lambda: 'after-interrupt')")
+    assert after == "'after-interrupt'"
+    assert kernel.evaluate_json(f"{name}.pids") == pids
+    assert kernel.evaluate_json(f"{name}.restarts") == 0
+    if start_method == "spawn":
+        kernel.run(f"{name}.close()", timeout=60)
 
 
 @pytest.mark.timeout(240)
