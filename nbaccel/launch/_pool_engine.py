@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import linecache
 import pickle
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import LaunchError
+from ..platform import environment
 from ._failures import add_note, pick_failure, remote_exception
 from ._pool_call import PoolBroken
 from ._pool_start import Workers, boot, forwarder
@@ -62,9 +64,25 @@ class PoolEngine:
     # ------------------------------------------------------------------ workers
     def start(self) -> None:
         self._sent_sources = set()
+        if self.plan.method == "fork" and self._fork_unsafe_now():
+            # CUDA (or a process group) appeared in the kernel since the pool started:
+            # forking now would hand the new workers a broken copy, so start them fresh.
+            self.plan = dataclasses.replace(self.plan, method="spawn", payload=None)
+            with contextlib.suppress(Exception):
+                sys.stderr.write(
+                    "nbaccel: CUDA or a process group is now initialised in the kernel, so "
+                    "the pool's workers are started with start_method='spawn' from now on.\n"
+                )
         self.workers = boot(self.plan, self.ranks, self.streams, self._event)
         for proc in self.workers.supervisor.procs:
             self._event(proc.rank, "state", {"state": "idle", "pid": proc.pid})
+
+    @staticmethod
+    def _fork_unsafe_now() -> bool:
+        if environment.cuda_initialized() or environment.cuda_driver_loaded():
+            return True
+        dist = sys.modules.get("torch.distributed")
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
     def replace(self, reason: str | None, *, graceful: bool = False) -> None:
         """End the current workers (children included) and start fresh ones."""

@@ -256,3 +256,25 @@ def test_a_pool_nobody_references_is_closed():
     del pool  # e.g. `pool = start_workers(...)` run again in the notebook
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, alive
+
+
+def _spawned() -> bool:
+    import psutil
+
+    return "-c" in psutil.Process().cmdline()  # `python -c ...spawn_main()`, not a fork
+
+
+@pytest.mark.timeout(180)
+def test_restart_after_cuda_appeared_in_the_kernel_spawns(monkeypatch, capsys):
+    import signal
+
+    import torch
+
+    with start_workers(num_processes=2) as pool:
+        assert pool.run(_spawned, return_all_ranks=True) == [False, False]
+        monkeypatch.setattr(torch.cuda, "_initialized", True)  # simulate CUDA in the kernel
+        os.kill(pool.pids[1], signal.SIGKILL)
+        time.sleep(0.2)
+        assert pool.run(_spawned, return_all_ranks=True) == [True, True]
+        err = capsys.readouterr().err
+        assert "SIGKILL" in err and "start_method='spawn'" in err, err
