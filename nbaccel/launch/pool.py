@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..config import LaunchConfig
 from ..errors import LaunchError, WorkerError
 from ._pool_engine import CallDriver, PoolEngine
 from ._preflight import plan_launch
@@ -320,7 +321,7 @@ def start_workers(
     rdzv_endpoint: str = "",
     monitor_interval: float = 0.1,
     log_line_prefix_template: str | None = None,
-    config: Any = None,
+    config: LaunchConfig | None = None,
 ) -> WorkerPool:
     """Start a :class:`WorkerPool`: one warm worker per device, kept across cells.
 
