@@ -343,8 +343,12 @@ def start_workers(
         CUDAInitializedError: ``start_method="fork"`` after CUDA was initialised.
         WorkerError, LaunchError: a worker could not start.
     """
+    from ..platform.xla import xla_requested
     from ._pool_worker import serve
 
+    no_tpu = "start_workers does not support TPUs (torch_xla) yet; use notebook_launcher."
+    if config.compute_device == "tpu" if config is not None else xla_requested():
+        raise LaunchError(no_tpu)  # before the planner, whose TPU message is about block=False
     plan = plan_launch(
         serve,
         (),
@@ -365,9 +369,7 @@ def start_workers(
         block=False,  # always worker processes (never "run in the kernel"), own session
     )
     if plan.method == "xla":
-        raise LaunchError(
-            "start_workers does not support TPUs (torch_xla) yet; use notebook_launcher."
-        )
+        raise LaunchError(no_tpu)
     engine = PoolEngine(plan, (sys.stdout, sys.stderr))
     engine.start()
     pool = WorkerPool(engine)
