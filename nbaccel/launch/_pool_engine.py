@@ -73,7 +73,7 @@ class PoolEngine:
                     "nbaccel: CUDA or a process group is now initialised in the kernel, so "
                     "the pool's workers are started with start_method='spawn' from now on.\n"
                 )
-        self.workers = boot(self.plan, self.ranks, self.streams, self._event)
+        self.workers = boot(self.plan, self.ranks, self.streams, self._event, self.restarts)
         for proc in self.workers.supervisor.procs:
             self._event(proc.rank, "state", {"state": "idle", "pid": proc.pid})
 

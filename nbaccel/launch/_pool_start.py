@@ -71,8 +71,13 @@ def boot(
     ranks: list[int],
     streams: tuple[Any, Any],
     on_event: Callable[[int, str, dict], None],
+    round_: int = 0,
 ) -> Workers:
-    """Start one worker per rank and wait until all are connected (or raise)."""
+    """Start one worker per rank and wait until all are connected (or raise).
+
+    ``round_`` counts the pool's restarts: multi-node agreement keys carry it, so the
+    workers of a restart never meet the previous workers' keys (see ``_agreement``).
+    """
     tmpdir = tempfile.mkdtemp(prefix="nbaccel-pool-")  # mode 0700: only this user
     address = os.path.join(tmpdir, "jobs")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -87,7 +92,7 @@ def boot(
 
             payload = bytes(dill.dumps((serve, args)))
         plan = dataclasses.replace(plan, function=serve, args=args, payload=payload)
-        supervisor = _start(plan, ranks, streams, on_event, listener.fileno())
+        supervisor = _start(plan, ranks, streams, on_event, listener.fileno(), round_)
         try:
             conns = _accept(listener, token, supervisor, plan)
         except BaseException:
@@ -108,6 +113,7 @@ def _start(
     streams: tuple[Any, Any],
     on_event: Callable[[int, str, dict], None],
     listener_fd: int,
+    round_: int,
 ) -> PoolSupervisor:
     cfg = plan.config
     rdzv = Rendezvous.reserve(
@@ -116,7 +122,7 @@ def _start(
     try:
         if cfg.node_rank != 0:
             rdzv.check_reachable(cfg.timeout)  # before any worker exists
-        specs = _specs(plan, ranks, set(), rdzv)
+        specs = _specs(plan, ranks, set(), rdzv, round_)
         listen_fd = rdzv.listen_fd()
         close = (listener_fd,) + ((listen_fd,) if listen_fd is not None else ())
         procs = start_processes(
