@@ -63,6 +63,7 @@ def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
 # cheaper than all_gather_object (pickling plus two collectives), and a gather is then
 # two collectives in all (header + packed data) however many tensors it carries.
 _HEADER_SLOTS = 64
+_ALIGN = 16  # bytes: the largest element size gathered (complex128)
 _OVERFLOW = -2
 _DTYPE_CODES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -170,20 +171,26 @@ def _gather_packed(leaves: list[torch.Tensor], everyone: list[Any]) -> list[torc
         if wire.shape[0] < longest:
             pad = wire.new_zeros((longest - wire.shape[0], *wire.shape[1:]))
             wire = torch.cat([wire, pad])
-        wires.append(wire.reshape(-1).view(torch.uint8))
-        plan.append((sizes, wire.shape, wire.dtype))
+        raw = wire.reshape(-1).view(torch.uint8)
+        # Every leaf starts at a multiple of _ALIGN bytes in the packed buffer: viewing a
+        # slice as int64/float64 needs an offset divisible by the element size.
+        tail = -raw.numel() % _ALIGN
+        if tail and len(leaves) > 1:
+            raw = torch.cat([raw, raw.new_zeros(tail)])
+        wires.append(raw)
+        plan.append((sizes, wire.shape, wire.dtype, wire.numel() * wire.element_size()))
     packed = torch.cat(wires) if len(wires) > 1 else wires[0]
     parts = [torch.empty_like(packed) for _ in everyone]
     dist.all_gather(parts, packed)
     gathered, offset = [], 0
-    for tensor, wire_bytes, (sizes, shape, dtype) in zip(leaves, wires, plan, strict=True):
-        end = offset + wire_bytes.numel()
+    for tensor, wire_bytes, (sizes, shape, dtype, nbytes) in zip(leaves, wires, plan, strict=True):
+        end = offset + nbytes
         pieces = [
             part[offset:end].view(dtype).reshape(shape)[:n]
             for part, n in zip(parts, sizes, strict=True)
         ]
         gathered.append(torch.cat(pieces).to(device=tensor.device, dtype=tensor.dtype))
-        offset = end
+        offset += wire_bytes.numel()
     return gathered
 
 
