@@ -146,7 +146,14 @@ class Fp16Precision(AutocastPrecision):
     ``backward`` scales the loss; ``unscale_`` divides the gradients by the scale
     once per step (a second call before :meth:`step` is a no-op, so clipping and
     stepping can both ask for it); ``step`` skips the update when a gradient is
-    inf/nan and returns False, then lowers the scale.
+    inf/nan and returns False.
+
+    The scale is updated once per iteration, after *every* registered optimizer has
+    stepped (PyTorch's AMP rule): updating between two optimizers' steps would reset the
+    scaler's record of which gradients are already unscaled, and the second optimizer
+    would step with gradients still multiplied by the loss scale. An iteration in which
+    some optimizer does not step (GAN-style alternation) is closed by the next
+    ``backward``.
     """
 
     def __init__(
@@ -165,8 +172,21 @@ class Fp16Precision(AutocastPrecision):
                 "or check GradScalerKwargs."
             ) from err
         self._unscaled: set[int] = set()
+        self._optimizers: set[int] = set()  # registered by the prepared optimizers
+        self._stepped: set[int] = set()  # stepped since the last scale update
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer`` among those that step before each scale update."""
+        self._optimizers.add(id(optimizer))
+
+    def _update(self) -> None:
+        if self._stepped:
+            self.scaler.update()
+            self._stepped.clear()
+            self._unscaled.clear()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self._update()  # an iteration in which not every optimizer stepped ends here
         self.scaler.scale(loss).backward(**kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -175,6 +195,14 @@ class Fp16Precision(AutocastPrecision):
         self.scaler.unscale_(optimizer)
         self._unscaled.add(id(optimizer))
 
+    def _found_inf(self, optimizer: torch.optim.Optimizer) -> bool | None:
+        """Whether ``scaler.step`` skipped ``optimizer`` (None if torch hides it)."""
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        found = (states or {}).get(id(optimizer), {}).get("found_inf_per_device")
+        if not found:
+            return None
+        return bool(sum(v.item() for v in found.values()))
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         self._unscaled.discard(id(optimizer))
         if not self.scaler.is_enabled():
@@ -182,12 +210,17 @@ class Fp16Precision(AutocastPrecision):
             return True
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
-        self.scaler.update()
-        # update() lowers the scale exactly when the step was skipped for inf/nan
-        # (backoff_factor < 1); otherwise it keeps or grows it.
+        found_inf = self._found_inf(optimizer)
+        self._stepped.add(id(optimizer))
+        if self._optimizers <= self._stepped:  # every optimizer of the iteration stepped
+            self._update()
+        if found_inf is not None:
+            return not found_inf
+        # update() lowers the scale exactly when a step was skipped for inf/nan
         return bool(self.scaler.get_scale() >= before)
 
     def state_dict(self) -> dict[str, Any]:
+        self._update()
         return dict(self.scaler.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -149,6 +149,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 ]
         if device_placement:
             _move_optimizer_state(optimizer)
+        register = getattr(precision, "add_optimizer", None)
+        if callable(register):  # fp16 updates its loss scale once all optimizers stepped
+            register(optimizer)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

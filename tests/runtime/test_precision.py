@@ -283,3 +283,49 @@ def test_accelerator_rejects_unknown_and_unavailable_precisions():
     (errors,) = run_on_workers(_accelerator_precision_errors, 1)
     assert "mixed_precision='int8' is unknown" in errors["int8"]
     assert "fp8" in errors["fp8"] and "CUDA GPU" in errors["fp8"]
+
+
+def _two_optimizer_updates(mixed_precision):
+    """One GAN-style iteration: one loss, two models with their own optimizers, clipping."""
+    from nbaccel.runtime.options import GradScalerKwargs
+
+    scaler = [GradScalerKwargs(init_scale=1024.0)] if mixed_precision == "fp16" else None
+    acc = _accelerator(mixed_precision=mixed_precision, kwargs_handlers=scaler)
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt1 = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.1)
+    first, second, opt1, opt2 = acc.prepare(first, second, opt1, opt2)
+    before = [p.detach().clone() for p in (*first.parameters(), *second.parameters())]
+    x = torch.randn(8, 4)
+    loss = (second(first(x)).float() - 1.0).pow(2).mean()
+    acc.backward(loss)
+    acc.clip_grad_norm_([*first.parameters(), *second.parameters()], max_norm=1e6)
+    opt1.step()
+    opt2.step()
+    after = [p.detach() for p in (*first.parameters(), *second.parameters())]
+    deltas = [(a - b).flatten() for a, b in zip(after, before, strict=True)]
+    return torch.cat(deltas[:2]), torch.cat(deltas[2:])  # per optimizer
+
+
+def test_fp16_two_optimizers_with_clipping_match_fp32():
+    reference = _two_optimizer_updates("no")
+    updates = _two_optimizer_updates("fp16")
+    for got, want in zip(updates, reference, strict=True):
+        # the second optimizer used to step with gradients still scaled by 65536
+        ratio = got.norm() / want.norm()
+        assert 0.9 < ratio < 1.1, (got, want)
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.99
+
+
+def test_fp16_updates_the_scale_once_after_all_optimizers_stepped():
+    p = make_precision("fp16", CPU, scaler_kwargs={"init_scale": 256.0, "growth_interval": 1})
+    m1, m2 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
+    p.add_optimizer(o1)
+    p.add_optimizer(o2)
+    p.backward(m2(m1(torch.ones(1, 2))).sum())
+    assert p.step(o1) is True
+    assert p.scaler.get_scale() == 256.0  # not yet: o2 has not stepped
+    assert p.step(o2) is True
+    assert p.scaler.get_scale() == 512.0  # one update (growth_interval=1): once, not twice
