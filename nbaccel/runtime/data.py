@@ -42,7 +42,7 @@ from torch.utils.data import (
 )
 
 from ..errors import ConfigError
-from .rng import agree_on_seed, synchronize_rng_states
+from .rng import agree_on_seed, synchronize_generators, synchronize_rng_states
 from .sharding import BatchSamplerShard, IterableDatasetShard, _with_last
 from .tree import send_to_device
 
@@ -52,6 +52,8 @@ class LoaderProgress:
     """Epoch and position of a prepared loader; shared with its ``skip_first_batches`` views."""
 
     seed: int | None = None
+    # the user generators' states at the start of the current iteration (to replay it)
+    generator_states: list[torch.Tensor] | None = None
     epoch: int = 0  # epoch of the current (or last) iteration
     next_epoch: int = 0
     batches_yielded: int = 0
@@ -87,6 +89,7 @@ class PreparedDataLoader(DataLoader):
         gradient_state: Any = None,
         rng_types: Sequence[str] = (),
         seeded: Sequence[Any] = (),
+        synced: Sequence[torch.Generator] = (),
         progress: LoaderProgress | None = None,
         skip_once: int | None = None,
         **loader_kwargs: Any,
@@ -104,6 +107,7 @@ class PreparedDataLoader(DataLoader):
             gradient_state=gradient_state,
             rng_types=tuple(rng_types),
             seeded=tuple(seeded),
+            synced=tuple(synced),
             **loader_kwargs,
         )
         self.device = device
@@ -111,6 +115,9 @@ class PreparedDataLoader(DataLoader):
         self.gradient_state = gradient_state
         self.rng_types = tuple(rng_types)
         self._seeded = tuple(seeded)  # samplers whose generator we seed per epoch
+        # the user's own generators: left alone (so the order is the unprepared loader's),
+        # but copied from rank 0 at every iteration so every rank draws the same order
+        self._synced = tuple(synced)
         self._generators: dict[int, torch.Generator] = {}
         self.progress = progress if progress is not None else LoaderProgress()
         self._skip_once = skip_once
@@ -149,8 +156,14 @@ class PreparedDataLoader(DataLoader):
         """``{"epoch", "batches_yielded", "seed"}``: where the next iteration should resume."""
         p = self.progress
         if p.in_progress:
-            return {"epoch": p.epoch, "batches_yielded": p.batches_yielded, "seed": p.seed}
-        return {"epoch": p.next_epoch, "batches_yielded": 0, "seed": p.seed}
+            state = {"epoch": p.epoch, "batches_yielded": p.batches_yielded, "seed": p.seed}
+            generators = p.generator_states
+        else:
+            state = {"epoch": p.next_epoch, "batches_yielded": 0, "seed": p.seed}
+            generators = [g.get_state() for g in self._synced]
+        if generators:
+            state["generator_states"] = [g.clone() for g in generators]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration replays ``epoch``'s order and skips the seen batches."""
@@ -159,6 +172,10 @@ class PreparedDataLoader(DataLoader):
         p.pending_skip = int(state.get("batches_yielded", 0))
         if state.get("seed") is not None:
             p.seed = int(state["seed"])
+        for generator, saved in zip(
+            self._synced, state.get("generator_states") or (), strict=False
+        ):
+            generator.set_state(saved)
 
     def _seed_epoch(self, epoch: int) -> None:
         if self._own_generator is not None:
@@ -190,6 +207,8 @@ class PreparedDataLoader(DataLoader):
         skip = p.pending_skip if self._skip_once is None else self._skip_once
         p.pending_skip, self._skip_once = 0, None
         self._seed_epoch(p.epoch)
+        synchronize_generators(self._synced)
+        p.generator_states = [g.get_state() for g in self._synced]
         synchronize_rng_states(self.rng_types)
         consume = skip
         if isinstance(self._shard, BatchSamplerShard):  # skip indices, not loaded batches
@@ -237,6 +256,20 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     if getattr(loader, "in_order", True) is False:
         kwargs["in_order"] = False
     return kwargs
+
+
+def _samplers_of(*roots: Any) -> list[Any]:
+    """Every sampler reachable through ``.batch_sampler`` / ``.sampler`` (e.g. the
+    ``RandomSampler`` inside a ``BatchSampler`` passed as ``sampler=``), each once."""
+    found: list[Any] = []
+    pending = list(roots)
+    while pending and len(found) < 32:
+        obj = pending.pop(0)
+        if obj is None or any(obj is f for f in found):
+            continue
+        found.append(obj)
+        pending += [getattr(obj, "batch_sampler", None), getattr(obj, "sampler", None)]
+    return found
 
 
 def prepare_data_loader(
@@ -296,19 +329,24 @@ def prepare_data_loader(
     already_sharded = isinstance(inner_sampler, DistributedSampler)
     procs, index = (1, 0) if already_sharded else (num_processes, process_index)
     shard = BatchSamplerShard(batch_sampler, procs, index, split_batches, even_batches)
-    seeded: list[Any] = []
+    seeded: list[Any] = []  # samplers without a generator: we give them one, seeded per epoch
+    synced: list[torch.Generator] = []  # the user's generators: synchronised from rank 0
     if "generator" in rng_types:
-        for candidate in (batch_sampler, inner_sampler, dataloader.sampler):
-            if hasattr(candidate, "generator") and all(candidate is not s for s in seeded):
+        for candidate in _samplers_of(batch_sampler, dataloader.sampler):
+            if not hasattr(candidate, "generator"):
+                continue
+            if candidate.generator is None:
                 seeded.append(candidate)
-    seed = None
-    if seeded:
-        user_generator = next((s.generator for s in seeded if s.generator is not None), None)
-        seed = agree_on_seed(user_generator)
+            elif all(candidate.generator is not g for g in synced):
+                synced.append(candidate.generator)
+        if dataloader.generator is not None and all(dataloader.generator is not g for g in synced):
+            synced.append(dataloader.generator)  # it draws the iterators' base seeds
+    seed = agree_on_seed() if seeded else None
     return PreparedDataLoader(
         dataset,
         shard=shard,
         seeded=seeded,
+        synced=synced,
         progress=LoaderProgress(seed=seed),
         collate_fn=collate,
         **common,

@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -125,6 +125,22 @@ def synchronize_rng_states(rng_types: Iterable[str]) -> None:
     set_rng_state(payload[0])
 
 
+def synchronize_generators(generators: Sequence[torch.Generator]) -> None:
+    """Copy rank 0's state of each generator to every rank (a collective when distributed).
+
+    The generators keep drawing their own stream: a prepared loader with the user's
+    ``generator`` shuffles exactly like the unprepared loader would on rank 0.
+    """
+    if not generators or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() == 1:
+        return
+    states = [g.get_state() for g in generators]
+    dist.broadcast_object_list(states, src=0)
+    for generator, state in zip(generators, states, strict=True):
+        generator.set_state(state)
+
+
 def agree_on_seed(generator: torch.Generator | None = None) -> int:
     """Draw a 63-bit seed on every rank and return rank 0's (a collective when distributed).
 
@@ -144,6 +160,7 @@ __all__ = [
     "get_rng_state",
     "set_rng_state",
     "set_seed",
+    "synchronize_generators",
     "synchronize_rng_states",
     "validate_rng_types",
 ]
