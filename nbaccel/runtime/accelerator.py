@@ -27,25 +27,28 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import inspect
 import os
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..config import normalize_precision, resolve_launch_config
 from ..errors import ConfigError
 from ..tracking import events
-from . import checkpointing, model_io, ops, tree
+from . import checkpointing, compile, join, model_io
+from ._collective_api import CollectiveAPI
+from ._process_api import ProcessAPI
 from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
 from .data import PreparedDataLoader, prepare_data_loader, skip_first_batches
+from .hooks import HookRegistry
 from .options import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
@@ -54,13 +57,30 @@ from .options import (
     parse_kwargs_handlers,
     resolve_dataloader_config,
 )
+from .partial_state import AcceleratorState
 from .precision import make_precision
 from .rng import set_seed, validate_rng_types
 from .state import DistributedType, ProcessState, get_state
 from .strategy import Strategy, select_strategy
+from .triggers import Trigger
 from .wrappers import PreparedOptimizer, PreparedScheduler, is_scheduler, prepare_model
 
-F = TypeVar("F", bound=Callable[..., Any])
+
+def _accumulation_plugin(
+    plugin: GradientAccumulationPlugin | None, steps: int | None
+) -> GradientAccumulationPlugin | None:
+    if plugin is None:
+        return None
+    if not isinstance(plugin, GradientAccumulationPlugin):
+        raise TypeError(
+            f"gradient_accumulation_plugin={plugin!r}: pass a GradientAccumulationPlugin(...)."
+        )
+    if steps is not None and steps != plugin.num_steps:
+        raise ConfigError(
+            f"gradient_accumulation_steps={steps!r} conflicts with gradient_accumulation_plugin"
+            f"(num_steps={plugin.num_steps}); set the number of steps in one place only."
+        )
+    return plugin
 
 
 def _launch_defaults(mixed_precision: Any, steps: Any) -> tuple[str, int]:
@@ -72,7 +92,7 @@ def _launch_defaults(mixed_precision: Any, steps: Any) -> tuple[str, int]:
     return cfg.mixed_precision, cfg.gradient_accumulation_steps
 
 
-class Accelerator:
+class Accelerator(ProcessAPI, CollectiveAPI):
     """Prepare a model, optimizer, dataloaders and scheduler for whatever hardware runs this.
 
     Args:
@@ -94,7 +114,11 @@ class Accelerator:
         step_scheduler_with_optimizer: step prepared schedulers only with real optimizer steps.
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
             ``AutocastKwargs``, ``InitProcessGroupKwargs`` (one of each at most).
-        dataloader_config: a ``DataLoaderConfiguration`` (alternative to split/even_batches).
+        dataloader_config: a ``DataLoaderConfiguration`` (alternative to split/even/dispatch).
+        dispatch_batches: rank 0 reads every global batch and sends each rank its slice.
+        gradient_accumulation_plugin: a ``GradientAccumulationPlugin`` (instead of
+            ``gradient_accumulation_steps``).
+        dynamo_backend: ``torch.compile`` backend applied to prepared models ("no": none).
 
     Raises:
         TypeError: an unknown keyword (the message lists the valid ones).
@@ -118,15 +142,21 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: list[KwargsHandler] | None = None,
         dataloader_config: DataLoaderConfiguration | None = None,
+        dispatch_batches: bool | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        dynamo_backend: Any = None,
         **unexpected: Any,
     ) -> None:
         valid = [p for p in inspect.signature(Accelerator).parameters if p != "unexpected"]
         check_unexpected_keywords("Accelerator", unexpected, valid)
         handlers = parse_kwargs_handlers(kwargs_handlers)
         self.dataloader_config = resolve_dataloader_config(
-            dataloader_config, split_batches, even_batches
+            dataloader_config, split_batches, even_batches, dispatch_batches
         )
         steps = gradient_accumulation_steps
+        plugin = _accumulation_plugin(gradient_accumulation_plugin, steps)
+        if plugin is not None:
+            steps = plugin.num_steps
         if steps is not None and (
             isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
         ):
@@ -136,11 +166,12 @@ class Accelerator:
             )
         mixed_precision, steps = _launch_defaults(mixed_precision, steps)
         self.rng_types = validate_rng_types(rng_types)
+        self.dynamo_backend = compile.normalize_backend(dynamo_backend)
         init = handlers.get(InitProcessGroupKwargs)
-        self.state: ProcessState = get_state(
+        self._process: ProcessState = get_state(
             cpu=cpu, init_kwargs=init.to_kwargs() if init else None
         )
-        self.strategy: Strategy = select_strategy(self.state)
+        self.strategy: Strategy = select_strategy(self._process)
         scaler, autocast = handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs)
         self.precision = make_precision(  # unsupported modes raise ConfigError here
             mixed_precision,
@@ -149,6 +180,7 @@ class Accelerator:
             autocast_kwargs=autocast.to_kwargs() if autocast else None,
         )
         self.mixed_precision: str = mixed_precision
+        self.state = AcceleratorState.for_accelerator(self._process, mixed_precision)
         ddp = handlers.get(DistributedDataParallelKwargs)
         self.ddp_kwargs: dict[str, Any] = ddp.to_kwargs() if ddp else {}
         self.device_placement = device_placement
@@ -161,7 +193,10 @@ class Accelerator:
                 config.logging_dir = project_dir
         self.log_with = log_with
         self.trackers: list[Any] = []
-        self.gradient_state = GradientState(steps)
+        self.gradient_accumulation_plugin = plugin or GradientAccumulationPlugin(num_steps=steps)
+        self.gradient_state = self._new_gradient_state()
+        self._hooks = HookRegistry()
+        self._trigger = Trigger()
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
@@ -172,21 +207,22 @@ class Accelerator:
 
     # -- process facts -------------------------------------------------------------------
 
-    device = property(lambda self: self.state.device, doc="The device this process computes on.")
-    distributed_type = property(lambda self: self.state.distributed_type)
-    num_processes = property(lambda self: self.state.world_size)
-    process_index = property(lambda self: self.state.rank)
-    local_process_index = property(lambda self: self.state.local_rank)
-    is_main_process = property(lambda self: self.state.is_main_process)
-    is_local_main_process = property(lambda self: self.state.is_local_main_process)
-    is_last_process = property(lambda self: self.state.is_last_process)
-    use_distributed = property(lambda self: self.state.use_distributed)
     split_batches = property(lambda self: self.dataloader_config.split_batches)
     even_batches = property(lambda self: self.dataloader_config.even_batches)
+    dispatch_batches = property(lambda self: bool(self.dataloader_config.dispatch_batches))
     project_dir = property(lambda self: self.project_configuration.project_dir)
     logging_dir = property(lambda self: self.project_configuration.logging_dir)
     sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
     gradient_accumulation_steps = property(lambda self: self.gradient_state.num_steps)
+
+    def _new_gradient_state(self) -> GradientState:
+        plugin = self.gradient_accumulation_plugin
+        return GradientState(
+            plugin.num_steps,
+            sync_with_dataloader=plugin.sync_with_dataloader,
+            sync_each_batch=plugin.sync_each_batch,
+            adjust_scheduler=plugin.adjust_scheduler,
+        )
 
     @property
     def step(self) -> int:
@@ -203,7 +239,7 @@ class Accelerator:
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     def __repr__(self) -> str:
-        s = self.state
+        s = self._process
         return (
             f"Accelerator(distributed_type={s.distributed_type.value}, num_processes="
             f"{s.world_size}, process_index={s.rank}, device={s.device}, "
@@ -216,17 +252,15 @@ class Accelerator:
         """Prepare models, optimizers, schedulers and dataloaders; returns them in order.
 
         Models are handled first, then optimizers, schedulers and loaders, whatever the
-        argument order. Objects prepared before are returned unchanged.
-
-        Raises:
-            TypeError: an argument is none of the four kinds.
+        argument order. Objects prepared before, and objects of any other kind (None,
+        numbers, custom objects), are returned unchanged.
         """
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects."
             )
         placement = device_placement or [self.device_placement] * len(args)
-        kinds = [self._kind(obj, i) for i, obj in enumerate(args)]
+        kinds = [self._kind(obj) for obj in args]
         steps: dict[str, Callable[[Any, bool], Any]] = {
             "model": self.prepare_model,
             "optimizer": self.prepare_optimizer,
@@ -240,7 +274,8 @@ class Accelerator:
                     result[i] = prepare_one(obj, placement[i])
         return result[0] if len(result) == 1 else tuple(result)
 
-    def _kind(self, obj: Any, index: int) -> str:
+    @staticmethod
+    def _kind(obj: Any) -> str:
         if isinstance(obj, torch.nn.Module):
             return "model"
         if isinstance(obj, torch.optim.Optimizer):
@@ -249,12 +284,7 @@ class Accelerator:
             return "dataloader"
         if isinstance(obj, PreparedScheduler) or is_scheduler(obj):
             return "scheduler"
-        raise TypeError(
-            f"prepare() argument {index} is a {type(obj).__module__}.{type(obj).__qualname__}, "
-            "which nbaccel cannot prepare: pass torch.nn.Module, torch.optim.Optimizer, "
-            "torch LR schedulers or torch.utils.data.DataLoader objects, and keep anything "
-            "else out of prepare()."
-        )
+        return "other"  # passed through unchanged
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> Any:
         """Prepare one model (see :meth:`prepare`)."""
@@ -270,6 +300,7 @@ class Accelerator:
             ddp_kwargs=self.ddp_kwargs,
         )
         self._replaced_params.update(replaced)
+        prepared = compile.compile_model(prepared, self.dynamo_backend)
         self._models.append(prepared)
         return prepared
 
@@ -325,6 +356,8 @@ class Accelerator:
             non_blocking=self.dataloader_config.non_blocking,
             gradient_state=self.gradient_state,
             rng_types=self.rng_types,
+            dispatch_batches=self.dispatch_batches,
+            data_seed=self.dataloader_config.data_seed,
         )
         self._dataloaders.append(prepared)
         return prepared
@@ -382,114 +415,49 @@ class Accelerator:
             parameters, clip_value, state=self.gradient_state, unscale=self._unscale_for
         )
 
-    # -- collectives -----------------------------------------------------------------------
-
-    def gather(self, tensor: Any) -> Any:
-        """Concatenate every process's tensors along dim 0 (same shapes on every rank)."""
-        return ops.gather(tensor)
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Gather picklable objects (lists are concatenated)."""
-        return ops.gather_object(obj)
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather for evaluation: drops the samples ``even_batches`` duplicated at the end.
-
-        Tensors may differ in size along dim 0 across ranks; non-tensor data is gathered
-        as objects.
-        """
-        tensors_only = tree.is_tensor_tree(input_data)
-        if use_gather_object or not tensors_only:
-            data = ops.gather_object(input_data)
-        else:
-            data = ops.gather(input_data, allow_uneven=True)
-        remainder = self.gradient_state.remainder
-        if self.gradient_state.end_of_dataloader and remainder >= 0:
-            if isinstance(data, list):
-                return data[:remainder]
-            return tree.recursively_apply(lambda t: t[:remainder], data)
-        return data
-
-    def pad_across_processes(
-        self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
-    ) -> Any:
-        """Pad tensors along ``dim`` to the largest size on any process."""
-        return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """All-reduce tensors across processes (``"sum"``, ``"mean"`` or ``"none"``)."""
-        return ops.reduce(tensor, reduction=reduction, scale=scale)
-
-    def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
-        """Copy ``from_process``'s tensors to every process."""
-        return ops.broadcast(tensor, from_process=from_process)
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Yield this process's contiguous share of a list, tuple, tensor or dict of those."""
-        yield ops.split_between_processes(
-            inputs, self.num_processes, self.process_index, apply_padding=apply_padding
-        )
-
-    def wait_for_everyone(self) -> None:
-        """Barrier: every process waits here until all arrive (no-op for one process)."""
-        ops.barrier()
-
-    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        """Run the block on the main process first, then on all others (e.g. downloads)."""
-        return ops.first(self.is_main_process)
-
-    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        """Like :meth:`main_process_first`, once per machine."""
-        return ops.first(self.is_local_main_process)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs)
-
     def tqdm(self, *args: Any, **kwargs: Any) -> Any:
         """A progress bar drawn by the main process only (see :func:`nbaccel.tracking.progress.tqdm`)."""
         from ..tracking.progress import tqdm
 
         return tqdm(*args, **kwargs)
 
-    def _only_on(self, condition: Callable[[], bool], function: F) -> F:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if condition() else None
+    # -- uneven inputs and cross-rank signals ---------------------------------------------
 
-        return wrapper  # type: ignore[return-value]
+    def join_uneven_inputs(
+        self, joinables: Sequence[Any], even_batches: bool | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Context for ranks with different numbers of batches (DDP ``Join``); ``even_batches``
+        overrides the prepared loaders' setting inside the block."""
+        return join.join_uneven_inputs(
+            joinables, loaders=self._dataloaders, even_batches=even_batches
+        )
 
-    def on_main_process(self, function: F) -> F:
-        """Decorator: run ``function`` on the main process only (``None`` elsewhere)."""
-        return self._only_on(lambda: self.is_main_process, function)
+    def trigger_sync_in_backward(self, model: Any) -> contextlib.AbstractContextManager[None]:
+        """Make the next backward all-reduce gradients after forwards under :meth:`no_sync`."""
+        return join.trigger_sync_in_backward(model)
 
-    def on_local_main_process(self, function: F) -> F:
-        """Decorator: run ``function`` on each machine's local main process only."""
-        return self._only_on(lambda: self.is_local_main_process, function)
+    def set_trigger(self) -> None:
+        """Raise this rank's flag; :meth:`check_trigger` then returns True on every rank."""
+        self._trigger.set()
 
-    def on_last_process(self, function: F) -> F:
-        """Decorator: run ``function`` on the last process only."""
-        return self._only_on(lambda: self.is_last_process, function)
-
-    def on_process(self, function: F | None = None, process_index: int = 0) -> Any:
-        """Decorator: run ``function`` on global rank ``process_index`` only."""
-        if function is None:
-            return functools.partial(self.on_process, process_index=process_index)
-        return self._only_on(lambda: self.process_index == process_index, function)
-
-    def on_local_process(self, function: F | None = None, local_process_index: int = 0) -> Any:
-        """Decorator: run ``function`` on local rank ``local_process_index`` of each machine."""
-        if function is None:
-            return functools.partial(self.on_local_process, local_process_index=local_process_index)
-        return self._only_on(lambda: self.local_process_index == local_process_index, function)
+    def check_trigger(self) -> bool:
+        """True on every rank if any rank called :meth:`set_trigger` (resets it); collective."""
+        return self._trigger.check()
 
     # -- models and memory -----------------------------------------------------------------
 
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> Any:
-        """The user's module inside DDP / ``torch.compile`` (see :func:`wrappers.unwrap_model`)."""
-        return self.strategy.unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper)
+    def unwrap_model(
+        self,
+        model: torch.nn.Module,
+        keep_fp32_wrapper: bool = True,
+        keep_torch_compile: bool = True,
+    ) -> Any:
+        """The user's module inside DDP (and ``torch.compile`` unless ``keep_torch_compile``)."""
+
+        def inner(m: Any) -> Any:
+            return self.strategy.unwrap_model(m, keep_fp32_wrapper=keep_fp32_wrapper)
+
+        return compile.unwrap(model, inner, keep_torch_compile)
 
     def set_seed(self, seed: int, device_specific: bool = False) -> None:
         """Seed python, numpy and torch (plus the process index if ``device_specific``)."""
@@ -501,7 +469,7 @@ class Accelerator:
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
-        self.gradient_state = GradientState(self.gradient_state.num_steps)
+        self.gradient_state = self._new_gradient_state()
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
@@ -523,6 +491,16 @@ class Accelerator:
                     f"{' and '.join(missing)}(); give it state_dict() and load_state_dict(state)."
                 )
         self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """Call ``hook(models, weights, output_dir)`` in :meth:`save_state` before weights are
+        written (remove an entry of ``weights`` to skip it); returns a removable handle."""
+        return self._hooks.add_save(hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """Call ``hook(models, input_dir)`` in :meth:`load_state` before weights are read
+        (remove a model from ``models`` to skip it); returns a removable handle."""
+        return self._hooks.add_load(hook)
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
         """Atomically save models, optimizers, schedulers, scaler, RNG and loader positions."""
@@ -584,4 +562,4 @@ class Accelerator:
         self.trackers = []
 
 
-__all__ = ["Accelerator", "DistributedType"]
+__all__ = ["Accelerator", "AcceleratorState", "DistributedType"]

@@ -34,8 +34,18 @@ class GradientState:
         updates: optimizer updates done so far (``Accelerator.step``).
     """
 
-    def __init__(self, num_steps: int = 1) -> None:
+    def __init__(
+        self,
+        num_steps: int = 1,
+        *,
+        sync_with_dataloader: bool = True,
+        sync_each_batch: bool = False,
+        adjust_scheduler: bool = True,
+    ) -> None:
         self.num_steps = num_steps
+        self.sync_with_dataloader = sync_with_dataloader  # the last batch always updates
+        self.sync_each_batch = sync_each_batch  # all-reduce on every micro-step
+        self.adjust_scheduler = adjust_scheduler
         self.sync_gradients = True
         self.updates = 0
         self._micro_step = 0
@@ -72,7 +82,7 @@ class GradientState:
 
     def begin_micro_step(self) -> None:
         """Decide whether this micro-step synchronises (the last batch always does)."""
-        if self.end_of_dataloader:
+        if self.sync_with_dataloader and self.end_of_dataloader:
             self._micro_step = 0
             self.sync_gradients = True
             return
@@ -96,7 +106,7 @@ def accumulate(
     """
     state.begin_micro_step()
     with contextlib.ExitStack() as stack:
-        if not state.sync_gradients and no_sync is not None:
+        if not state.sync_gradients and no_sync is not None and not state.sync_each_batch:
             for model in models:
                 stack.enter_context(no_sync(model))
         yield

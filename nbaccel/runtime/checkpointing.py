@@ -64,6 +64,7 @@ from ..checkpoint.weights import (
 )
 from ..errors import ConfigError
 from ..platform.process_env import distributed_active
+from .hooks import models_to_load, weights_to_save
 
 # -- save_state ---------------------------------------------------------------------------
 
@@ -74,8 +75,7 @@ def _suffix(i: int) -> str:
 
 def _write_shared(acc: Any, tmp: Path, safe_serialization: bool) -> None:
     """Files that are identical on every rank: written once (per node with save_on_each_node)."""
-    for i, model in enumerate(acc._models):
-        state = acc.strategy.model_state_dict(model)
+    for i, state in enumerate(weights_to_save(acc, tmp)):  # after the save pre-hooks
         if safe_serialization:
             tensors, aliases = dedupe_tied(state)
             write_safetensors(tensors, tmp / f"model{_suffix(i)}.safetensors", aliases)
@@ -317,7 +317,7 @@ def load_state(
 def _load_into(
     acc: Any, source: Path, manifest: dict[str, Any], *, weights_only: bool, strict: bool
 ) -> None:
-    for i, model in enumerate(acc._models):
+    for i, model in enumerate(models_to_load(acc, source)):  # after the load pre-hooks
         name = (
             f"model{_suffix(i)}.safetensors"
             if manifest.get("safe_serialization", True)

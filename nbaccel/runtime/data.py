@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,8 @@ from torch.utils.data import (
 )
 
 from ..errors import ConfigError
+from ._loader_parts import FirstItem, loader_kwargs, samplers_of
+from .dispatch import BatchDispatcher
 from .rng import agree_on_seed, synchronize_generators, synchronize_rng_states
 from .sharding import BatchSamplerShard, IterableDatasetShard, _with_last
 from .tree import send_to_device
@@ -59,16 +61,6 @@ class LoaderProgress:
     batches_yielded: int = 0
     in_progress: bool = False
     pending_skip: int = 0
-
-
-class _FirstItem:
-    """collate for ``batch_size=None`` loaders: every 'batch' holds exactly one sample."""
-
-    def __init__(self, collate: Callable[[Any], Any]) -> None:
-        self.collate = collate
-
-    def __call__(self, batch: list[Any]) -> Any:
-        return self.collate(batch[0])
 
 
 class PreparedDataLoader(DataLoader):
@@ -90,6 +82,7 @@ class PreparedDataLoader(DataLoader):
         rng_types: Sequence[str] = (),
         seeded: Sequence[Any] = (),
         synced: Sequence[torch.Generator] = (),
+        dispatcher: BatchDispatcher | None = None,
         progress: LoaderProgress | None = None,
         skip_once: int | None = None,
         **loader_kwargs: Any,
@@ -108,6 +101,7 @@ class PreparedDataLoader(DataLoader):
             rng_types=tuple(rng_types),
             seeded=tuple(seeded),
             synced=tuple(synced),
+            dispatcher=dispatcher,
             **loader_kwargs,
         )
         self.device = device
@@ -118,6 +112,7 @@ class PreparedDataLoader(DataLoader):
         # the user's own generators: left alone (so the order is the unprepared loader's),
         # but copied from rank 0 at every iteration so every rank draws the same order
         self._synced = tuple(synced)
+        self._dispatcher = dispatcher  # dispatch_batches: rank 0 reads, the ranks get slices
         self._generators: dict[int, torch.Generator] = {}
         self.progress = progress if progress is not None else LoaderProgress()
         self._skip_once = skip_once
@@ -143,6 +138,8 @@ class PreparedDataLoader(DataLoader):
     def remainder(self) -> int:
         """Real samples in the final round (rank-major), or -1 when none were duplicated."""
         shard = self._shard
+        if self._dispatcher is not None:
+            return self._dispatcher.remainder
         if isinstance(shard, IterableDatasetShard) and self.num_workers > 0:
             try:
                 total = len(shard.dataset)  # type: ignore[arg-type]
@@ -155,6 +152,7 @@ class PreparedDataLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         """``{"epoch", "batches_yielded", "seed"}``: where the next iteration should resume."""
         p = self.progress
+        state: dict[str, Any]
         if p.in_progress:
             state = {"epoch": p.epoch, "batches_yielded": p.batches_yielded, "seed": p.seed}
             generators = p.generator_states
@@ -199,6 +197,8 @@ class PreparedDataLoader(DataLoader):
 
     def __len__(self) -> int:
         full = super().__len__()
+        if self._dispatcher is not None:
+            full = self._dispatcher.steps(full)
         return max(full - (self._skip_once or 0), 0)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -211,7 +211,8 @@ class PreparedDataLoader(DataLoader):
         p.generator_states = [g.get_state() for g in self._synced]
         synchronize_rng_states(self.rng_types)
         consume = skip
-        if isinstance(self._shard, BatchSamplerShard):  # skip indices, not loaded batches
+        if isinstance(self._shard, BatchSamplerShard) and self._dispatcher is None:
+            # skip indices, not loaded batches
             self._shard.skip, consume = skip, 0
         p.batches_yielded, p.in_progress = skip, True
         self.end_of_dataloader = False
@@ -222,7 +223,10 @@ class PreparedDataLoader(DataLoader):
         if state is not None:
             state.enter(self)
         try:
-            batches = itertools.islice(super().__iter__(), consume, None)
+            if self._dispatcher is not None:
+                batches = self._dispatcher.stream(super().__iter__, consume)
+            else:
+                batches = itertools.islice(super().__iter__(), consume, None)
             for batch, last in _with_last(batches):
                 self.end_of_dataloader = last
                 if self.device is not None:
@@ -239,39 +243,6 @@ class PreparedDataLoader(DataLoader):
         return PreparedDataLoader(progress=self.progress, skip_once=num_batches, **self._rebuild)
 
 
-def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        persistent_workers=loader.persistent_workers,
-    )
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    if getattr(loader, "pin_memory_device", ""):
-        kwargs["pin_memory_device"] = loader.pin_memory_device
-    if getattr(loader, "in_order", True) is False:
-        kwargs["in_order"] = False
-    return kwargs
-
-
-def _samplers_of(*roots: Any) -> list[Any]:
-    """Every sampler reachable through ``.batch_sampler`` / ``.sampler`` (e.g. the
-    ``RandomSampler`` inside a ``BatchSampler`` passed as ``sampler=``), each once."""
-    found: list[Any] = []
-    pending = list(roots)
-    while pending and len(found) < 32:
-        obj = pending.pop(0)
-        if obj is None or any(obj is f for f in found):
-            continue
-        found.append(obj)
-        pending += [getattr(obj, "batch_sampler", None), getattr(obj, "sampler", None)]
-    return found
-
-
 def prepare_data_loader(
     dataloader: DataLoader,
     *,
@@ -283,10 +254,14 @@ def prepare_data_loader(
     non_blocking: bool = False,
     gradient_state: Any = None,
     rng_types: Sequence[str] = ("generator",),
+    dispatch_batches: bool = False,
+    data_seed: int | None = None,
 ) -> PreparedDataLoader:
     """Return a :class:`PreparedDataLoader` reading this rank's share of ``dataloader``.
 
     A collective when ``num_processes > 1`` (the shuffle seed is agreed through the group).
+    With ``dispatch_batches`` only rank 0 reads the data and every rank gets its slice of
+    each global batch (see :mod:`nbaccel.runtime.dispatch`).
 
     Raises:
         TypeError: ``dataloader`` is not a ``torch.utils.data.DataLoader``.
@@ -297,12 +272,17 @@ def prepare_data_loader(
         return dataloader
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"expected a torch DataLoader, got {type(dataloader).__name__}.")
-    kwargs = _loader_kwargs(dataloader)
+    kwargs = loader_kwargs(dataloader)
     collate = dataloader.collate_fn
-    common = dict(
+    common: dict[str, Any] = dict(
         device=device, non_blocking=non_blocking, gradient_state=gradient_state, rng_types=rng_types
     )
     dataset = dataloader.dataset
+    dispatcher = None
+    if dispatch_batches and num_processes > 1:  # rank 0 reads everything, unsharded
+        dispatcher = BatchDispatcher(num_processes, process_index, split_batches, even_batches)
+        num_processes, process_index, split_batches, even_batches = 1, 0, False, False
+    common["dispatcher"] = dispatcher
     if isinstance(dataset, IterableDataset):
         if dataloader.batch_size is None:
             raise ConfigError(
@@ -324,7 +304,7 @@ def prepare_data_loader(
         if split_batches:
             raise ConfigError("split_batches=True needs a DataLoader with a batch_size.")
         batch_sampler = BatchSampler(dataloader.sampler, 1, False)
-        collate = _FirstItem(collate)
+        collate = FirstItem(collate)
     inner_sampler = getattr(batch_sampler, "sampler", dataloader.sampler)
     already_sharded = isinstance(inner_sampler, DistributedSampler)
     procs, index = (1, 0) if already_sharded else (num_processes, process_index)
@@ -332,7 +312,7 @@ def prepare_data_loader(
     seeded: list[Any] = []  # samplers without a generator: we give them one, seeded per epoch
     synced: list[torch.Generator] = []  # the user's generators: synchronised from rank 0
     if "generator" in rng_types:
-        for candidate in _samplers_of(batch_sampler, dataloader.sampler):
+        for candidate in samplers_of(batch_sampler, dataloader.sampler):
             if not hasattr(candidate, "generator"):
                 continue
             if candidate.generator is None:
@@ -341,7 +321,9 @@ def prepare_data_loader(
                 synced.append(candidate.generator)
         if dataloader.generator is not None and all(dataloader.generator is not g for g in synced):
             synced.append(dataloader.generator)  # it draws the iterators' base seeds
-    seed = agree_on_seed() if seeded else None
+    seed = None
+    if seeded:  # an explicit data_seed, else one drawn on rank 0 and shared
+        seed = data_seed if data_seed is not None else agree_on_seed()
     return PreparedDataLoader(
         dataset,
         shard=shard,
@@ -393,7 +375,7 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
         dataloader.dataset,
         batch_sampler=_SkipBatches(dataloader.batch_sampler, num_batches),
         collate_fn=dataloader.collate_fn,
-        **_loader_kwargs(dataloader),
+        **loader_kwargs(dataloader),
     )
 
 

@@ -211,27 +211,40 @@ def gather_object(obj: Any) -> list[Any]:
     return everyone
 
 
-def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """All-reduce every tensor across ranks (``"sum"``, ``"mean"`` or ``"none"``); returns copies.
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """All-reduce every tensor across ranks; returns copies multiplied by ``scale``.
+
+    Args:
+        data: a tensor or nested tensors (same shapes on every rank).
+        reduction: ``"mean"``, ``"sum"``, ``"none"`` (this rank's values, unreduced) or
+            ``"max"``, ``"min"``, ``"product"``; case-insensitive.
+        scale: factor applied after the reduction.
 
     Example:
         >>> reduce(torch.tensor([2.0]), "mean")
         tensor([2.])
     """
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduce(reduction={reduction!r}): use 'sum', 'mean' or 'none'.")
+    mode = reduction.lower() if isinstance(reduction, str) else reduction
+    if mode not in (*_REDUCE_OPS, "none"):
+        raise ValueError(
+            f"reduce(reduction={reduction!r}): use 'mean', 'sum' or 'none' "
+            "(or 'max', 'min', 'product')."
+        )
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
-        if distributed_active() and reduction != "none":
+        if distributed_active() and mode != "none":
             wire = _to_wire(out)
-            dist.all_reduce(wire, op=dist.ReduceOp.SUM)
+            dist.all_reduce(wire, op=getattr(dist.ReduceOp, _REDUCE_OPS[mode]))
             out = wire.to(device=tensor.device, dtype=tensor.dtype)
-        if reduction == "mean":
+        if mode == "mean":
             out = out / world_size()
         return out * scale if scale != 1.0 else out
 
-    if distributed_active():
+    if distributed_active() and mode != "none":
         _check_same(data, "reduce")
     return recursively_apply(one, data)
 

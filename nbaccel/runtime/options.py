@@ -87,23 +87,33 @@ class DataLoaderConfiguration:
         split_batches: if True the loader's batch size is the *global* batch size and
             each rank gets a slice of every batch; if False each rank gets whole batches.
         even_batches: wrap around so every rank sees the same number of batches.
-        dispatch_batches: accepted for compatibility; only ``None``/``False`` supported.
-        use_seedable_sampler: use a sampler whose shuffle depends only on (seed, epoch).
+        dispatch_batches: rank 0 alone reads the data and sends each rank its slice of
+            every global batch (for iterable datasets that cannot be sharded). ``None``
+            means False: every rank reads its own shard.
+        use_seedable_sampler: accepted for compatibility: nbaccel's shuffles already
+            depend only on (seed, epoch), or follow the loader's own ``generator``.
+        data_seed: the seed of those shuffles (default: drawn once from rank 0's RNG).
         non_blocking: use ``non_blocking`` copies when moving batches to the device.
+        use_stateful_dataloader: accepted for compatibility: prepared loaders always have
+            ``state_dict()``/``load_state_dict()`` and resume mid-epoch.
+
+    Example:
+        >>> DataLoaderConfiguration(dispatch_batches=True, data_seed=3).data_seed
+        3
     """
 
     split_batches: bool = False
     even_batches: bool = True
     dispatch_batches: bool | None = None
     use_seedable_sampler: bool = False
+    data_seed: int | None = None
     non_blocking: bool = False
+    use_stateful_dataloader: bool = False
 
     def __post_init__(self) -> None:
-        if self.dispatch_batches:
-            raise ConfigError(
-                "dispatch_batches=True is not supported by nbaccel; every rank reads its own "
-                "shard. Leave dispatch_batches unset."
-            )
+        seed = self.data_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError(f"data_seed={seed!r} must be an int (or None).")
 
 
 @dataclass(kw_only=True)
@@ -149,18 +159,57 @@ class ProjectConfiguration:
             self.logging_dir = self.project_dir
 
 
-# Keywords of the best-known peer that nbaccel accepts only as None (clear error otherwise).
-PEER_ONLY_KEYWORDS: tuple[str, ...] = (
-    "deepspeed_plugin",
-    "deepspeed_plugins",
-    "fsdp_plugin",
-    "megatron_lm_plugin",
-    "torch_tp_plugin",
-    "gradient_accumulation_plugin",
-    "dynamo_backend",
-    "dynamo_plugin",
-    "parallelism_config",
-)
+@dataclass(kw_only=True)
+class GradientAccumulationPlugin:
+    """Gradient accumulation settings, as one object (``Accelerator(gradient_accumulation_plugin=)``).
+
+    Args:
+        num_steps: micro-steps per optimizer update (>= 1).
+        adjust_scheduler: accepted for compatibility: prepared schedulers always step
+            only with real optimizer updates.
+        sync_with_dataloader: force a gradient sync (and update) on the last batch of the
+            active prepared dataloader, even mid-accumulation.
+        sync_each_batch: all-reduce gradients on every micro-step (no ``no_sync``): more
+            communication, less memory for the un-synchronised gradients.
+
+    Example:
+        >>> GradientAccumulationPlugin(num_steps=4).num_steps
+        4
+    """
+
+    num_steps: int = 1
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.num_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(
+                f"GradientAccumulationPlugin(num_steps={n!r}): use an int >= 1 "
+                "(1 = update after every batch)."
+            )
+
+
+# Keywords of the best-known peer that nbaccel accepts only as None, with what to use instead.
+PEER_ONLY_KEYWORDS: dict[str, str] = {
+    "deepspeed_plugin": (
+        "DeepSpeed is not part of nbaccel. For ZeRO-3-style sharding of parameters, "
+        "gradients and optimizer state use PyTorch FSDP2 (fsdp_plugin=...); for ZeRO-1/2 "
+        "memory savings use torch.distributed.optim.ZeroRedundancyOptimizer with the "
+        "default DDP; drop deepspeed_plugin."
+    ),
+    "deepspeed_plugins": "DeepSpeed is not part of nbaccel: use fsdp_plugin=... (FSDP2).",
+    "fsdp_plugin": "FSDP is not available in this nbaccel build; remove fsdp_plugin.",
+    "megatron_lm_plugin": (
+        "Megatron-LM (tensor/pipeline parallelism) is not part of nbaccel. Shard a model "
+        "too large for one device with PyTorch FSDP2 (fsdp_plugin=...), or train with the "
+        "default DDP; drop megatron_lm_plugin."
+    ),
+    "torch_tp_plugin": "tensor parallelism is not part of nbaccel: use fsdp_plugin=... or DDP.",
+    "dynamo_plugin": "use dynamo_backend='inductor' (or another torch.compile backend).",
+    "parallelism_config": "use the default DDP, or fsdp_plugin=... for sharding.",
+}
 
 HANDLER_TYPES: tuple[type[KwargsHandler], ...] = (
     DistributedDataParallelKwargs,
@@ -171,8 +220,8 @@ HANDLER_TYPES: tuple[type[KwargsHandler], ...] = (
 
 
 def check_unexpected_keywords(owner: str, unexpected: dict[str, Any], valid: list[str]) -> None:
-    """Raise ``TypeError`` for an unknown keyword (listing ``valid``), ``ConfigError`` for a
-    peer-only keyword (``fsdp_plugin``, ...) given a value other than ``None``."""
+    """Raise ``TypeError`` for an unknown keyword (listing ``valid``), ``ConfigError`` naming
+    the alternative for a peer-only keyword (``deepspeed_plugin``, ...) given a value."""
     for name, value in unexpected.items():
         if name not in PEER_ONLY_KEYWORDS:
             raise TypeError(
@@ -180,10 +229,7 @@ def check_unexpected_keywords(owner: str, unexpected: dict[str, Any], valid: lis
                 f"{', '.join(sorted(valid))}."
             )
         if value is not None:
-            raise ConfigError(
-                f"{owner}({name}=...) is not supported by nbaccel; remove it (FSDP, DeepSpeed, "
-                "Megatron, tensor-parallel and dynamo plugins are not part of nbaccel)."
-            )
+            raise ConfigError(f"{owner}({name}=...) is not supported: {PEER_ONLY_KEYWORDS[name]}")
 
 
 def parse_kwargs_handlers(handlers: Any) -> dict[type, Any]:
@@ -208,7 +254,10 @@ def parse_kwargs_handlers(handlers: Any) -> dict[type, Any]:
 
 
 def resolve_dataloader_config(
-    config: DataLoaderConfiguration | None, split_batches: bool | None, even_batches: bool | None
+    config: DataLoaderConfiguration | None,
+    split_batches: bool | None,
+    even_batches: bool | None,
+    dispatch_batches: bool | None = None,
 ) -> DataLoaderConfiguration:
     """Merge the plain ``split_batches``/``even_batches`` keywords with ``dataloader_config``.
 
@@ -222,8 +271,14 @@ def resolve_dataloader_config(
         return DataLoaderConfiguration(
             split_batches=bool(split_batches),
             even_batches=True if even_batches is None else bool(even_batches),
+            dispatch_batches=dispatch_batches,
         )
-    for name, value in (("split_batches", split_batches), ("even_batches", even_batches)):
+    plain = {
+        "split_batches": split_batches,
+        "even_batches": even_batches,
+        "dispatch_batches": dispatch_batches,
+    }
+    for name, value in plain.items():
         if value is not None and value != getattr(config, name):
             raise ConfigError(
                 f"{name}={value!r} conflicts with dataloader_config.{name}="
@@ -239,6 +294,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "GradScalerKwargs",
+    "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
     "ProjectConfiguration",

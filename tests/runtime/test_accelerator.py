@@ -63,9 +63,14 @@ def test_unknown_keyword_is_a_type_error_listing_valid_keywords():
 
 
 def test_peer_plugins_are_accepted_only_as_none():
-    Accelerator(fsdp_plugin=None, dynamo_backend=None)
+    Accelerator(fsdp_plugin=None, dynamo_backend=None, deepspeed_plugin=None)
     with pytest.raises(ConfigError, match="fsdp_plugin"):
         Accelerator(fsdp_plugin=object())
+    # the error names what to use instead
+    with pytest.raises(ConfigError, match=r"deepspeed_plugin=\.\.\.\) is not supported.*FSDP2"):
+        Accelerator(deepspeed_plugin=object())
+    with pytest.raises(ConfigError, match=r"megatron_lm_plugin.*FSDP2.*DDP"):
+        Accelerator(megatron_lm_plugin=object())
 
 
 @pytest.mark.parametrize("steps", [0, -1, True, "2", 1.5])
@@ -119,10 +124,11 @@ def test_precision_and_accumulation_defaults_come_from_env_then_config_file(tmp_
     assert (acc.mixed_precision, acc.gradient_accumulation_steps) == ("no", 1)
 
 
-def test_prepare_rejects_unsupported_objects_and_keeps_order():
+def test_prepare_passes_other_objects_through_and_keeps_order():
     acc = Accelerator()
-    with pytest.raises(TypeError, match=r"prepare\(\) argument 1 is a builtins.dict"):
-        acc.prepare(torch.nn.Linear(1, 1), {"not": "preparable"})
+    custom = {"not": "preparable"}
+    out = acc.prepare(custom, None, 3, "text")
+    assert out[0] is custom and out[1:] == (None, 3, "text")
     model = MyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
@@ -177,7 +183,8 @@ def test_single_process_facts_and_helpers(capsys):
 def test_second_accelerator_in_one_process_may_change_precision():
     first = Accelerator()
     second = Accelerator(mixed_precision="bf16")
-    assert second.state is first.state and second.mixed_precision == "bf16"
+    assert second.state.process_state is first.state.process_state
+    assert second.mixed_precision == second.state.mixed_precision == "bf16"
     model = second.prepare(MyModel())
     assert model(torch.ones(2, 3)).dtype == torch.float32  # autocast inside, fp32 out
     assert second.unwrap_model(model, keep_fp32_wrapper=False).forward.__func__ is MyModel.forward
@@ -305,7 +312,7 @@ def _runtime_checks(log_path):
 
     # a second Accelerator shares the group; a conflicting backend is refused
     second = Accelerator(mixed_precision="bf16")
-    out["shared"] = second.state is acc.state
+    out["shared"] = second.state.process_state is acc.state.process_state
     try:
         Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="nccl")])
     except ConfigError as err:

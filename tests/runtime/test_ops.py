@@ -50,8 +50,9 @@ def test_single_process_collectives_are_identity():
     assert ops.gather_object([1, 2]) == [1, 2] and ops.gather_object("x") == ["x"]
     assert ops.reduce(t.float(), "mean").tolist() == [0.0, 1.0, 2.0]
     assert ops.broadcast(t) is t and ops.pad_across_processes(t) is t
-    with pytest.raises(ValueError, match="reduction='max'"):
-        ops.reduce(t, "max")
+    assert ops.reduce(t, "MAX").tolist() == [0, 1, 2]  # one process: unchanged copies
+    with pytest.raises(ValueError, match="reduction='avg'"):
+        ops.reduce(t, "avg")
 
 
 @pytest.mark.parametrize(
@@ -96,6 +97,10 @@ def _collectives():
     out["uneven"] = ops.gather(torch.arange(rank + 1), allow_uneven=True).tolist()
     out["objects"] = (ops.gather_object([f"r{rank}"]), ops.gather_object({"rank": rank}))
     out["sum"] = ops.reduce(torch.tensor([1.0, rank]), "sum").tolist()
+    out["reductions"] = {
+        name: ops.reduce(torch.tensor([rank + 2]), name).tolist()
+        for name in ("max", "min", "product", "none", "mean")
+    }
     out["mean"] = ops.reduce({"m": torch.tensor([2.0 * rank])}, "mean", scale=10.0)["m"].tolist()
     t = torch.tensor([rank + 5.0])
     out["broadcast"] = (ops.broadcast(t, from_process=1) is t, t.tolist())
@@ -140,6 +145,13 @@ def test_collectives_on_two_processes():
         assert out["uneven"] == [0, 0, 1]
         assert out["objects"] == (["r0", "r1"], [{"rank": 0}, {"rank": 1}])
         assert out["sum"] == [2.0, 1.0] and out["mean"] == [10.0]
+        assert out["reductions"] == {
+            "max": [3],
+            "min": [2],
+            "product": [6],
+            "none": [rank + 2],
+            "mean": [2.5],
+        }
         assert out["broadcast"] == (True, [6.0])
         assert out["broadcast_obj"] == ["from 0"]
         assert out["pad_end"] == (

@@ -81,12 +81,11 @@ def _unprepared_order() -> list:
 
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(accelerator.process_index)
-    make = lambda: DataLoader(
-        list(range(12)),
-        batch_size=2,
-        shuffle=True,  # noqa: E731
-        generator=torch.Generator().manual_seed(3),
-    )
+
+    def make():
+        generator = torch.Generator().manual_seed(3)
+        return DataLoader(list(range(12)), batch_size=2, shuffle=True, generator=generator)
+
     plain_loader = make()
     plain = [b.tolist() for _ in range(2) for b in plain_loader]
     prepared = accelerator.prepare(make())

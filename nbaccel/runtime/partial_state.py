@@ -1,0 +1,136 @@
+"""``PartialState`` and ``AcceleratorState``: the process facts, usable without an ``Accelerator``.
+
+Scripts ported from the best-known peer create ``PartialState()`` at the top (before any
+model exists) to ask who they are, to let the main process download first, or to split
+prompts between processes. Both classes are views of this process's one cached
+:class:`~nbaccel.runtime.state.ProcessState`: creating one joins (or adopts) the process
+group exactly as an ``Accelerator`` would, and every instance agrees.
+
+Example:
+    >>> state = PartialState(cpu=True)
+    >>> (state.num_processes, state.process_index, state.is_main_process)
+    (1, 0, True)
+    >>> with state.split_between_processes(["a", "b", "c"]) as mine:
+    ...     mine
+    ['a', 'b', 'c']
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from ..config import normalize_precision
+from ._process_api import ProcessAPI
+from .state import ProcessState, get_state
+
+_INIT_KEYWORDS = ("backend", "init_method", "timeout")
+_LAST_PRECISION: dict[str, str] = {}  # the most recent Accelerator's, for AcceleratorState()
+
+
+class PartialState(ProcessAPI):
+    """This process's place in the job, without training state.
+
+    Args:
+        cpu: run on the CPU even if a GPU is visible.
+        **kwargs: ``backend``, ``init_method``, ``timeout`` (seconds or ``timedelta``)
+            for ``torch.distributed.init_process_group`` when this creates the group.
+
+    Raises:
+        TypeError: another keyword.
+        LaunchError: the process group could not be formed.
+    """
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(_INIT_KEYWORDS))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}() got unexpected keyword(s) {unknown}; valid: cpu, "
+                f"{', '.join(_INIT_KEYWORDS)}."
+            )
+        timeout = kwargs.get("timeout")
+        if isinstance(timeout, int | float) and not isinstance(timeout, bool):
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+        self._process = get_state(cpu=cpu, init_kwargs=kwargs)
+
+    @property
+    def process_state(self) -> ProcessState:
+        """The frozen :class:`ProcessState` behind this view."""
+        return self._process
+
+    @property
+    def initialized(self) -> bool:
+        """Always True: constructing the state initialises it."""
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        # nbaccel's own field names (rank, world_size, local_rank...) keep working
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return getattr(self._process, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            ) from None
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PartialState):
+            return self._process == other._process
+        if isinstance(other, ProcessState):
+            return self._process == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._process)
+
+    def __repr__(self) -> str:
+        s = self._process
+        return (
+            f"{type(self).__name__}(distributed_type={s.distributed_type.value}, num_processes="
+            f"{s.world_size}, process_index={s.rank}, local_process_index={s.local_rank}, "
+            f"device={s.device})"
+        )
+
+
+class AcceleratorState(PartialState):
+    """:class:`PartialState` plus the training settings (``mixed_precision``).
+
+    ``AcceleratorState()`` created after an ``Accelerator`` reports that Accelerator's
+    mixed precision; ``accelerator.state`` is the one belonging to the accelerator.
+
+    Args:
+        mixed_precision: "no", "fp16", "bf16", "fp8"; None: the last Accelerator's, else "no".
+        cpu: run on the CPU even if a GPU is visible.
+        **kwargs: as for :class:`PartialState`.
+
+    Example:
+        >>> AcceleratorState(cpu=True).mixed_precision in ("no", "fp16", "bf16", "fp8")
+        True
+    """
+
+    # plugins of the best-known peer that nbaccel does not have (scripts test them for None)
+    deepspeed_plugin: Any = None
+    megatron_lm_plugin: Any = None
+    dynamo_plugin: Any = None
+
+    def __init__(self, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any):
+        super().__init__(cpu=cpu, **kwargs)
+        if mixed_precision is None:
+            mixed_precision = _LAST_PRECISION.get("mode", "no")
+        self.mixed_precision: str = normalize_precision(mixed_precision)
+
+    @classmethod
+    def for_accelerator(cls, process: ProcessState, mixed_precision: str) -> AcceleratorState:
+        """The state of an Accelerator that already built ``process``."""
+        state = cls.__new__(cls)
+        state._process = process
+        state.mixed_precision = mixed_precision
+        _LAST_PRECISION["mode"] = mixed_precision
+        return state
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, mixed_precision={self.mixed_precision!r})"
+
+
+__all__ = ["AcceleratorState", "PartialState"]
