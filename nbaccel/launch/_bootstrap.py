@@ -150,8 +150,19 @@ def _setup(spec: WorkerSpec) -> None:
     os.environ.update(spec.env)
     _channel = Channel(spec.fds["ctrl"], spec.rank)
     events.install_sink(_send_event)  # Accelerator.log and progress bars publish through it
+    _route_progress_bars()
     os.register_at_fork(after_in_child=_forget_channel)
     _drop_inherited_state()
+
+
+def _route_progress_bars() -> None:
+    """A plain ``tqdm.auto`` bar in the user's function: rank 0 draws it as text (forwarded
+    to the cell live); as a widget, ipykernel would drop it ("send message from fork")."""
+    if "IPython" in sys.modules or "tqdm.auto" in sys.modules:
+        from ..tracking import progress
+
+        with contextlib.suppress(Exception):  # never fail a launch over a progress bar
+            progress.use_text_bars_in_worker()
 
 
 def _ship(value: Any) -> tuple[str, bytes]:

@@ -12,6 +12,26 @@ Example:
     ''
 """
 
-from .base import GeneralTracker
+import importlib
+from typing import Any
 
-__all__ = ["GeneralTracker"]
+from .base import GeneralTracker, on_main_process
+
+# the peer's ``accelerate.tracking`` names, loaded on first use (backends import lazily)
+_LAZY = {
+    "LoggerType": "trackers",
+    "JSONLTracker": "trackers",
+    "CSVTracker": "trackers",
+    "TensorBoardTracker": "backends",
+    "WandBTracker": "backends",
+    "MLflowTracker": "backends",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["GeneralTracker", "on_main_process", *_LAZY]

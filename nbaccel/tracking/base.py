@@ -10,9 +10,36 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def on_main_process(function: F) -> F:
+    """Decorator for tracker methods: run only on rank 0 when ``self.main_process_only``.
+
+    Example:
+        >>> class Quiet(GeneralTracker):
+        ...     name = "quiet"
+        ...     @on_main_process
+        ...     def log(self, values, step=None, **kwargs):
+        ...         return "logged"
+        >>> Quiet().log({})  # one process: rank 0
+        'logged'
+    """
+
+    @functools.wraps(function)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from .progress import _rank  # the one rank lookup of tracking (state or env)
+
+        if getattr(self, "main_process_only", True) and _rank() != 0:
+            return None
+        return function(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class GeneralTracker:
@@ -106,4 +133,4 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-__all__ = ["GeneralTracker", "flatten", "plain", "scalar", "warn_skipped"]
+__all__ = ["GeneralTracker", "flatten", "on_main_process", "plain", "scalar", "warn_skipped"]

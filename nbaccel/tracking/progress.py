@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -85,6 +86,52 @@ class _PublishingText(_text_tqdm):
             _publish(self, closed=True)
 
 
+class WorkerBar(_PublishingText):
+    """What ``tqdm.auto`` / ``tqdm.notebook`` bars become inside a launched worker.
+
+    A text bar drawn (and published to the launching kernel) by rank 0 only: a worker
+    forked from a kernel cannot draw widgets (ipykernel drops its messages), and one bar
+    per job is what a user of the plain ``tqdm`` import expects.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if _rank() != 0:
+            kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
+
+
+def _new_worker_bar(cls: type, *args: Any, **kwargs: Any) -> WorkerBar:
+    return WorkerBar(*args, **kwargs)  # not an instance of cls: its __init__ is skipped
+
+
+def use_text_bars_in_worker() -> None:
+    """Route ``tqdm.auto``, ``tqdm.autonotebook`` and ``tqdm.notebook`` to :class:`WorkerBar`.
+
+    Called by the launcher in each worker, never in the kernel. Both imports made later
+    (``from tqdm.auto import tqdm`` inside the function) and classes bound before the
+    fork (the same import in an earlier cell) create text bars.
+    """
+    widget_class: Any = None
+    notebook = sys.modules.get("tqdm.notebook")
+    if notebook is not None or "ipykernel" in sys.modules:
+        try:
+            notebook = importlib.import_module("tqdm.notebook")
+            widget_class = notebook.tqdm
+        except Exception:  # no usable notebook support: nothing of it to reroute
+            notebook = None
+    if isinstance(widget_class, type) and issubclass(widget_class, _text_tqdm):
+        # tqdm.auto's class derives from it, so bound classes of both get text bars
+        widget_class.__new__ = staticmethod(_new_worker_bar)  # type: ignore[assignment]
+    for name in ("tqdm.notebook", "tqdm.autonotebook", "tqdm.auto"):
+        module = sys.modules.get(name)
+        if module is None and name != "tqdm.notebook" and notebook is not None:
+            with contextlib.suppress(Exception):
+                module = importlib.import_module(name)
+        if module is not None:
+            module.tqdm = WorkerBar  # type: ignore[attr-defined]
+            module.trange = trange  # type: ignore[attr-defined]
+
+
 def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> _text_tqdm:
     """A ``tqdm`` progress bar drawn by the main process only.
 
@@ -125,4 +172,4 @@ def trange(*args: Any, main_process_only: bool = True, **kwargs: Any) -> _text_t
     return tqdm(range(*args), main_process_only=main_process_only, **kwargs)
 
 
-__all__ = ["tqdm", "trange"]
+__all__ = ["WorkerBar", "tqdm", "trange", "use_text_bars_in_worker"]

@@ -1,0 +1,47 @@
+"""A plain ``from tqdm.auto import tqdm`` bar in the launched function shows in the cell.
+
+In a kernel, ``tqdm.auto`` is the ipywidgets bar; in a worker forked from the kernel its
+widget messages are dropped by ipykernel ("attempted to send message from fork"), so the
+user saw no progress at all. The worker now draws rank 0's bar as text, which the
+launcher forwards to the cell live.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from kernel_harness import KernelSession, isolated_env
+
+pytestmark = [pytest.mark.kernel, pytest.mark.integration]
+
+CELL = textwrap.dedent(
+    """
+    import time
+    from tqdm.auto import tqdm as bound_before_fork   # an earlier cell's import
+    from nbaccel import Accelerator, notebook_launcher
+
+    def train():
+        from tqdm.auto import tqdm                      # the tutorials' import
+        accelerator = Accelerator()
+        for _ in tqdm(range(6), desc="plainbar", disable=not accelerator.is_local_main_process):
+            time.sleep(0.05)
+        for _ in bound_before_fork(range(4), desc="earlybar"):
+            pass
+        return accelerator.process_index
+
+    print("ranks", notebook_launcher(train, num_processes=2))
+    """
+)
+
+
+def test_tqdm_auto_bar_in_workers_shows_in_the_cell(tmp_path):
+    pytest.importorskip("ipywidgets")
+    with KernelSession(cwd=tmp_path, env=isolated_env(tmp_path)) as kernel:
+        cell = kernel.run(CELL, timeout=240)
+        text = cell.stdout + cell.stderr
+        assert "ranks 0" in cell.stdout, cell.describe()
+        for desc, total in (("plainbar", 6), ("earlybar", 4)):
+            assert f"{desc}: 100%" in text and f"{total}/{total}" in text, cell.describe()
+        assert "[rank1] plainbar" not in text and "[rank1] earlybar" not in text  # one bar
+        assert "[rank0] plainbar" in text
