@@ -29,6 +29,11 @@ cudatrace.install()
 # public name -> submodule that defines it (one source of truth for lazy loading)
 _EXPORTS: dict[str, str] = {
     "Accelerator": "runtime.accelerator",
+    "AcceleratorState": "runtime.partial_state",
+    "PartialState": "runtime.partial_state",
+    "GradientAccumulationPlugin": "runtime.options",
+    "find_executable_batch_size": "runtime.compat",
+    "prepare_data_loader": "runtime.compat",
     "notebook_launcher": "launch.launcher",
     "debug_launcher": "launch.launcher",
     "LaunchHandle": "launch.launcher",
@@ -70,14 +75,19 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .launch.pool import WorkerPool as WorkerPool
     from .launch.pool import start_workers as start_workers
     from .runtime.accelerator import Accelerator as Accelerator
+    from .runtime.compat import find_executable_batch_size as find_executable_batch_size
+    from .runtime.compat import prepare_data_loader as prepare_data_loader
     from .runtime.data import skip_first_batches as skip_first_batches
     from .runtime.model_io import load_checkpoint_in_model as load_checkpoint_in_model
     from .runtime.options import AutocastKwargs as AutocastKwargs
     from .runtime.options import DataLoaderConfiguration as DataLoaderConfiguration
     from .runtime.options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from .runtime.options import GradientAccumulationPlugin as GradientAccumulationPlugin
     from .runtime.options import GradScalerKwargs as GradScalerKwargs
     from .runtime.options import InitProcessGroupKwargs as InitProcessGroupKwargs
     from .runtime.options import ProjectConfiguration as ProjectConfiguration
+    from .runtime.partial_state import AcceleratorState as AcceleratorState
+    from .runtime.partial_state import PartialState as PartialState
     from .runtime.rng import set_seed as set_seed
     from .runtime.state import DistributedType as DistributedType
     from .runtime.state import ProcessState as ProcessState

@@ -1,6 +1,8 @@
 """Process state, at the path scripts know from ``accelerate.state``.
 
-The implementation is :mod:`nbaccel.runtime.state`; this module only re-exports it.
+The implementation is :mod:`nbaccel.runtime.state` (the frozen process state) and
+:mod:`nbaccel.runtime.partial_state` (``PartialState``, ``AcceleratorState``); this module
+only re-exports them.
 
 Example:
     >>> from nbaccel.state import DistributedType
@@ -8,6 +10,8 @@ Example:
     'MULTI_CPU'
 """
 
+from .runtime.accumulation import GradientState
+from .runtime.partial_state import AcceleratorState, PartialState
 from .runtime.state import (
     DistributedType,
     EnvironmentSnapshot,
@@ -19,8 +23,11 @@ from .runtime.state import (
 )
 
 __all__ = [
+    "AcceleratorState",
     "DistributedType",
     "EnvironmentSnapshot",
+    "GradientState",
+    "PartialState",
     "ProcessState",
     "current_state",
     "get_state",

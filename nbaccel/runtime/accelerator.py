@@ -38,7 +38,7 @@ import torch
 from ..config import normalize_precision, resolve_launch_config
 from ..errors import ConfigError
 from ..tracking import events
-from . import checkpointing, compile, join, model_io
+from . import checkpointing, dynamo, join, model_io
 from ._collective_api import CollectiveAPI
 from ._process_api import ProcessAPI
 from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
@@ -166,7 +166,7 @@ class Accelerator(ProcessAPI, CollectiveAPI):
             )
         mixed_precision, steps = _launch_defaults(mixed_precision, steps)
         self.rng_types = validate_rng_types(rng_types)
-        self.dynamo_backend = compile.normalize_backend(dynamo_backend)
+        self.dynamo_backend = dynamo.normalize_backend(dynamo_backend)
         init = handlers.get(InitProcessGroupKwargs)
         self._process: ProcessState = get_state(
             cpu=cpu, init_kwargs=init.to_kwargs() if init else None
@@ -300,7 +300,7 @@ class Accelerator(ProcessAPI, CollectiveAPI):
             ddp_kwargs=self.ddp_kwargs,
         )
         self._replaced_params.update(replaced)
-        prepared = compile.compile_model(prepared, self.dynamo_backend)
+        prepared = dynamo.compile_model(prepared, self.dynamo_backend)
         self._models.append(prepared)
         return prepared
 
@@ -457,7 +457,7 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         def inner(m: Any) -> Any:
             return self.strategy.unwrap_model(m, keep_fp32_wrapper=keep_fp32_wrapper)
 
-        return compile.unwrap(model, inner, keep_torch_compile)
+        return dynamo.unwrap(model, inner, keep_torch_compile)
 
     def set_seed(self, seed: int, device_specific: bool = False) -> None:
         """Seed python, numpy and torch (plus the process index if ``device_specific``)."""

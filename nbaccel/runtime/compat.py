@@ -1,0 +1,206 @@
+"""Helpers that ported scripts import from the best-known peer's ``utils`` and ``data_loader``.
+
+Each is small and built on nbaccel's own runtime: enums with the peer's member names,
+``release_memory`` / ``find_executable_batch_size`` for out-of-memory retries,
+``patch_environment``, and ``prepare_data_loader`` with the peer's positional signature.
+
+Example:
+    >>> @find_executable_batch_size(starting_batch_size=8)
+    ... def train(batch_size):
+    ...     if batch_size > 2:
+    ...         raise RuntimeError("CUDA out of memory.")
+    ...     return batch_size
+    >>> train()
+    2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import gc
+import inspect
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from . import dynamo
+from .data import PreparedDataLoader
+from .data import prepare_data_loader as _prepare
+from .rng import validate_rng_types
+from .state import current_state, get_state
+from .wrappers import unwrap_model
+
+
+class PrecisionType(str, enum.Enum):
+    """Mixed-precision modes, as an enum (``mixed_precision=PrecisionType.BF16``)."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class RNGType(str, enum.Enum):
+    """The RNGs ``rng_types=`` can keep in step across processes."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    XLA = "xla"
+    NUMPY = "numpy"
+    PYTHON = "python"
+    GENERATOR = "generator"
+
+
+def release_memory(*objects: Any) -> list[None]:
+    """Drop references the caller hands over, collect garbage, empty the CUDA cache.
+
+    Returns one ``None`` per object: ``model, optimizer = release_memory(model, optimizer)``.
+    """
+    objects = tuple(None for _ in objects)
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return list(objects)
+
+
+_OOM_MARKERS = (
+    "out of memory",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "DefaultCPUAllocator: can't allocate",
+)
+
+
+def _is_oom(error: BaseException) -> bool:
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MARKERS)
+
+
+def find_executable_batch_size(
+    function: Callable[..., Any] | None = None, starting_batch_size: int = 128
+) -> Any:
+    """Decorator: call ``function(batch_size, ...)``, halving ``batch_size`` after each OOM.
+
+    The decorated function takes ``batch_size`` as its first parameter; callers omit it.
+
+    Raises:
+        RuntimeError: the batch size reached zero.
+        TypeError: the caller passed the batch size itself.
+    """
+    if function is None:
+        return functools.partial(
+            find_executable_batch_size, starting_batch_size=starting_batch_size
+        )
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        batch_size = starting_batch_size
+        params = list(inspect.signature(function).parameters)
+        if len(params) < len(args) + 1:
+            raise TypeError(
+                f"{function.__name__}() receives batch_size from find_executable_batch_size: "
+                f"call it without that first argument (got {len(args)} positional arguments)."
+            )
+        while True:
+            if batch_size == 0:
+                raise RuntimeError("No executable batch size found, reached zero.")
+            try:
+                return function(batch_size, *args, **kwargs)
+            except Exception as err:
+                if not _is_oom(err):
+                    raise
+                release_memory()
+                batch_size //= 2
+
+    return run
+
+
+@contextlib.contextmanager
+def patch_environment(**values: Any) -> Iterator[None]:
+    """Set environment variables (upper-cased names, ``str`` values) inside the block."""
+    saved = {k.upper(): os.environ.get(k.upper()) for k in values}
+    os.environ.update({k.upper(): str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def extract_model_from_parallel(
+    model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+) -> Any:
+    """The user's module inside DDP/DataParallel (and ``torch.compile`` unless kept)."""
+
+    def inner(m: Any) -> Any:
+        return unwrap_model(m, keep_fp32_wrapper=keep_fp32_wrapper)
+
+    return dynamo.unwrap(model, inner, keep_torch_compile)
+
+
+def prepare_data_loader(
+    dataloader: torch.utils.data.DataLoader,
+    device: torch.device | None = None,
+    num_processes: int | None = None,
+    process_index: int | None = None,
+    split_batches: bool = False,
+    put_on_device: bool = False,
+    rng_types: Sequence[str] | None = None,
+    dispatch_batches: bool | None = None,
+    even_batches: bool = True,
+    slice_fn_for_dispatch: Callable[..., Any] | None = None,
+    use_seedable_sampler: bool = False,
+    data_seed: int | None = None,
+    non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+    torch_device_mesh: Any = None,
+) -> PreparedDataLoader:
+    """Shard ``dataloader`` for this process, with the peer's positional signature.
+
+    ``num_processes`` / ``process_index`` default to this process's state; batches move
+    to ``device`` (default: this process's) only with ``put_on_device=True``.
+    ``use_seedable_sampler`` and ``use_stateful_dataloader`` are accepted: nbaccel's
+    prepared loaders always shuffle reproducibly and resume mid-epoch.
+
+    Raises:
+        ConfigError: ``slice_fn_for_dispatch`` or ``torch_device_mesh``, which nbaccel lacks.
+    """
+    for name, value in (
+        ("slice_fn_for_dispatch", slice_fn_for_dispatch),
+        ("torch_device_mesh", torch_device_mesh),
+    ):
+        if value is not None:
+            raise ConfigError(f"prepare_data_loader({name}=...) is not supported; leave it None.")
+    state = current_state() or get_state()
+    target = (device or state.device) if put_on_device else None
+    return _prepare(
+        dataloader,
+        num_processes=state.world_size if num_processes is None else num_processes,
+        process_index=state.rank if process_index is None else process_index,
+        split_batches=split_batches,
+        even_batches=even_batches,
+        device=torch.device(target) if target is not None else None,
+        non_blocking=non_blocking,
+        rng_types=validate_rng_types(rng_types),
+        dispatch_batches=bool(dispatch_batches),
+        data_seed=data_seed,
+    )
+
+
+__all__ = [
+    "PrecisionType",
+    "RNGType",
+    "extract_model_from_parallel",
+    "find_executable_batch_size",
+    "patch_environment",
+    "prepare_data_loader",
+    "release_memory",
+]

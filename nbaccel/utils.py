@@ -1,0 +1,76 @@
+"""The names scripts import from the best-known peer's ``accelerate.utils``.
+
+Names only: every object is defined in :mod:`nbaccel.runtime`, :mod:`nbaccel.config` or
+:mod:`nbaccel.tracking`, and is loaded on first access (importing this module stays
+cheap and side-effect free).
+
+Example:
+    >>> from nbaccel.utils import ProjectConfiguration, set_seed
+    >>> ProjectConfiguration(project_dir="runs/a").logging_dir
+    'runs/a'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> module under nbaccel that defines it
+_EXPORTS: dict[str, str] = {
+    # option objects
+    "AutocastKwargs": "runtime.options",
+    "DataLoaderConfiguration": "runtime.options",
+    "DistributedDataParallelKwargs": "runtime.options",
+    "GradScalerKwargs": "runtime.options",
+    "GradientAccumulationPlugin": "runtime.options",
+    "InitProcessGroupKwargs": "runtime.options",
+    "KwargsHandler": "runtime.options",
+    "ProjectConfiguration": "runtime.options",
+    # enums
+    "DistributedType": "runtime.state",
+    "LoggerType": "tracking.trackers",
+    "PrecisionType": "runtime.compat",
+    "RNGType": "runtime.compat",
+    # collectives and tensor trees
+    "broadcast": "runtime.ops",
+    "broadcast_object_list": "runtime.ops",
+    "gather": "runtime.ops",
+    "gather_object": "runtime.ops",
+    "pad_across_processes": "runtime.ops",
+    "reduce": "runtime.ops",
+    "recursively_apply": "runtime.tree",
+    "send_to_device": "runtime.tree",
+    "concatenate": "runtime.dispatch",
+    "convert_to_fp32": "runtime.wrappers",
+    # randomness
+    "set_seed": "runtime.rng",
+    "synchronize_rng_states": "runtime.rng",
+    # models, memory, checkpoints
+    "extract_model_from_parallel": "runtime.compat",
+    "load_checkpoint_in_model": "runtime.model_io",
+    "release_memory": "runtime.compat",
+    "find_executable_batch_size": "runtime.compat",
+    "patch_environment": "runtime.compat",
+    "write_basic_config": "config",
+    # data
+    "prepare_data_loader": "runtime.compat",
+    "skip_first_batches": "runtime.data",
+    # progress
+    "tqdm": "tracking.progress",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'nbaccel.utils' has no attribute {name!r}")
+    module = importlib.import_module(f"nbaccel.{module_name}")
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
