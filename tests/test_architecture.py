@@ -33,6 +33,7 @@ ROOT_MODULES = {
     "__init__",
     "__main__",
     "accelerator",
+    "data_loader",
     "launcher",
     "monitor",
     "state",
