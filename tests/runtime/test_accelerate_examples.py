@@ -283,7 +283,9 @@ def training_loop(mixed_precision: str = "no", seed: int = 42, batch_size: int =
 
 def test_notebook_launcher_example_on_one_and_two_processes():
     from nbaccel import notebook_launcher
+    from nbaccel.runtime.state import reset_state
 
+    reset_state()  # an Accelerator made in this process by an earlier test is not launched
     args = ("no", 42, 8)
     single = notebook_launcher(training_loop, args, num_processes=1)
     double = notebook_launcher(training_loop, args, num_processes=2)
