@@ -330,3 +330,10 @@ def test_find_executable_batch_size_and_release_memory():
     assert train(10) == 40 and tried == [16, 8, 4]
     a, b = release_memory(torch.ones(1), torch.ones(1))
     assert a is None and b is None
+
+
+def test_distributed_type_names_of_the_peer():
+    from nbaccel import DistributedType
+
+    assert DistributedType.TPU is DistributedType.XLA  # the older name
+    assert DistributedType.DEEPSPEED != DistributedType.MULTI_GPU
