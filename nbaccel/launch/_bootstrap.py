@@ -158,11 +158,10 @@ def _setup(spec: WorkerSpec) -> None:
 def _route_progress_bars() -> None:
     """A plain ``tqdm.auto`` bar in the user's function: rank 0 draws it as text (forwarded
     to the cell live); as a widget, ipykernel would drop it ("send message from fork")."""
-    if "IPython" in sys.modules or "tqdm.auto" in sys.modules:
-        from ..tracking import progress
+    from ..tracking import progress
 
-        with contextlib.suppress(Exception):  # never fail a launch over a progress bar
-            progress.use_text_bars_in_worker()
+    with contextlib.suppress(Exception):  # never fail a launch over a progress bar
+        progress.use_text_bars_in_worker()
 
 
 def _ship(value: Any) -> tuple[str, bytes]:

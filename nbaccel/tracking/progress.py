@@ -19,8 +19,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import importlib.abc
 import importlib.util
 import sys
 from typing import Any
@@ -104,32 +104,66 @@ def _new_worker_bar(cls: type, *args: Any, **kwargs: Any) -> WorkerBar:
     return WorkerBar(*args, **kwargs)  # not an instance of cls: its __init__ is skipped
 
 
+_TQDM_MODULES = ("tqdm.notebook", "tqdm.autonotebook", "tqdm.auto")
+
+
+def _reroute(module: Any) -> None:
+    """Make one of the ``tqdm`` front-end modules hand out :class:`WorkerBar`."""
+    widget_class = getattr(module, "tqdm", None)
+    if (
+        module.__name__ == "tqdm.notebook"
+        and isinstance(widget_class, type)
+        and issubclass(widget_class, _text_tqdm)
+    ):
+        # classes bound before the fork (tqdm.auto's derives from this one) build text bars
+        widget_class.__new__ = staticmethod(_new_worker_bar)  # type: ignore[assignment]
+    module.tqdm = WorkerBar
+    module.trange = trange
+
+
+class _Rerouting(importlib.abc.Loader):
+    """Runs the real loader, then :func:`_reroute` on the fresh module."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        _reroute(module)
+
+
+class _RerouteOnImport(importlib.abc.MetaPathFinder):
+    """Import hook: ``tqdm.auto`` & co. imported later in the worker are rerouted too."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in _TQDM_MODULES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Rerouting(spec.loader)
+                return spec
+        return None
+
+
 def use_text_bars_in_worker() -> None:
     """Route ``tqdm.auto``, ``tqdm.autonotebook`` and ``tqdm.notebook`` to :class:`WorkerBar`.
 
-    Called by the launcher in each worker, never in the kernel. Both imports made later
-    (``from tqdm.auto import tqdm`` inside the function) and classes bound before the
-    fork (the same import in an earlier cell) create text bars.
+    Called by the launcher in each worker, never in the kernel. Costs nothing until the
+    user imports one of them: modules already loaded (an earlier cell's import, inherited
+    through fork) are rerouted now, later imports by an import hook.
     """
-    widget_class: Any = None
-    notebook = sys.modules.get("tqdm.notebook")
-    if notebook is not None or "ipykernel" in sys.modules:
-        try:
-            notebook = importlib.import_module("tqdm.notebook")
-            widget_class = notebook.tqdm
-        except Exception:  # no usable notebook support: nothing of it to reroute
-            notebook = None
-    if isinstance(widget_class, type) and issubclass(widget_class, _text_tqdm):
-        # tqdm.auto's class derives from it, so bound classes of both get text bars
-        widget_class.__new__ = staticmethod(_new_worker_bar)  # type: ignore[assignment]
-    for name in ("tqdm.notebook", "tqdm.autonotebook", "tqdm.auto"):
+    for name in _TQDM_MODULES:
         module = sys.modules.get(name)
-        if module is None and name != "tqdm.notebook" and notebook is not None:
-            with contextlib.suppress(Exception):
-                module = importlib.import_module(name)
         if module is not None:
-            module.tqdm = WorkerBar  # type: ignore[attr-defined]
-            module.trange = trange  # type: ignore[attr-defined]
+            _reroute(module)
+    if not any(isinstance(f, _RerouteOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RerouteOnImport())
 
 
 def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> _text_tqdm:
