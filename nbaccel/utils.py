@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "release_memory": "runtime.compat",
     "find_executable_batch_size": "runtime.compat",
     "patch_environment": "runtime.compat",
+    "wait_for_everyone": "runtime.compat",
     "write_basic_config": "config",
     # data
     "prepare_data_loader": "runtime.compat",

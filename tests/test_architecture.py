@@ -35,6 +35,7 @@ ROOT_MODULES = {
     "accelerator",
     "data_loader",
     "launcher",
+    "logging",
     "monitor",
     "state",
     "utils",

@@ -470,6 +470,9 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         self._schedulers.clear()
         self._dataloaders.clear()
         self.gradient_state = self._new_gradient_state()
+        forget = getattr(self.precision, "forget_optimizers", None)
+        if callable(forget):  # fp16 no longer waits for the released optimizers to step
+            forget()
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from . import dynamo
+from . import dynamo, ops
 from .data import PreparedDataLoader
 from .data import prepare_data_loader as _prepare
 from .rng import validate_rng_types
@@ -54,6 +54,11 @@ class RNGType(str, enum.Enum):
     NUMPY = "numpy"
     PYTHON = "python"
     GENERATOR = "generator"
+
+
+def wait_for_everyone() -> None:
+    """Barrier: every process waits here until all arrive (no-op for one process)."""
+    ops.barrier()
 
 
 def release_memory(*objects: Any) -> list[None]:
@@ -203,4 +208,5 @@ __all__ = [
     "patch_environment",
     "prepare_data_loader",
     "release_memory",
+    "wait_for_everyone",
 ]

@@ -179,6 +179,11 @@ class Fp16Precision(AutocastPrecision):
         """Count ``optimizer`` among those that step before each scale update."""
         self._optimizers.add(id(optimizer))
 
+    def forget_optimizers(self) -> None:
+        """Drop the registered optimizers (``Accelerator.free_memory`` released them)."""
+        self._update()
+        self._optimizers.clear()
+
     def _update(self) -> None:
         if self._stepped:
             self.scaler.update()

@@ -293,6 +293,7 @@ UTILS_NAMES = [
     "pad_across_processes", "reduce", "send_to_device", "release_memory",
     "find_executable_batch_size", "AutocastKwargs", "write_basic_config", "tqdm",
     "extract_model_from_parallel", "skip_first_batches", "patch_environment", "RNGType",
+    "wait_for_everyone",
 ]  # fmt: skip
 
 
@@ -337,3 +338,28 @@ def test_distributed_type_names_of_the_peer():
 
     assert DistributedType.TPU is DistributedType.XLA  # the older name
     assert DistributedType.DEEPSPEED != DistributedType.MULTI_GPU
+
+
+def _logging():
+    import logging
+
+    from nbaccel import PartialState
+    from nbaccel.logging import get_logger
+
+    state = PartialState()
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = get_logger("ported", log_level="INFO")
+    logger.logger.addHandler(handler)
+    logger.info("main only")
+    logger.info("everyone %d", state.process_index, main_process_only=False)
+    logger.warning("in order", in_order=True)
+    logger.debug("below the level", main_process_only=False)
+    return records
+
+
+def test_get_logger_logs_on_the_main_process_by_default():
+    rank0, rank1 = run_on_workers(_logging, 2)
+    assert rank0 == ["main only", "everyone 0", "in order"]
+    assert rank1 == ["everyone 1", "in order"]
