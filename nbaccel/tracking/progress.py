@@ -134,6 +134,9 @@ class _Rerouting(importlib.abc.Loader):
         self.loader.exec_module(module)
         _reroute(module)
 
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ...: the real loader's
+        return getattr(self.__dict__["loader"], name)
+
 
 class _RerouteOnImport(importlib.abc.MetaPathFinder):
     """Import hook: ``tqdm.auto`` & co. imported later in the worker are rerouted too."""
