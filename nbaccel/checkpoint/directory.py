@@ -240,10 +240,11 @@ def _manifest(acc: Any, tmp: Path, safe_serialization: bool) -> dict[str, Any]:
             "custom_objects": len(acc._custom_objects),
         },
         "scaler": (tmp / "scaler.pt").exists(),
+        # relative paths: sharded (DCP) state lives in sub-folders, one file per rank
         "files": {
-            p.name: p.stat().st_size
-            for p in sorted(tmp.iterdir())
-            if p.is_file() and p.name != VISIBILITY_MARKER
+            p.relative_to(tmp).as_posix(): p.stat().st_size
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file() and p.name not in (MANIFEST, VISIBILITY_MARKER)
         },
     }
 

@@ -15,15 +15,24 @@ from .choices import (
     COMPUTE_DEVICES,
     PRECISIONS,
     START_METHODS,
+    STRATEGIES,
     ComputeDeviceType,
     PrecisionType,
     StartMethodType,
     normalize_precision,
 )
 from .file import CONFIG_VERSION, RENAMED_KEYS, default_config_path
-from .launch_config import INT_MINIMUMS, MAX_PORT, LaunchConfig, field_help, field_kind, field_names
+from .launch_config import (
+    INT_MINIMUMS,
+    MAX_PORT,
+    LaunchConfig,
+    field_help,
+    field_kind,
+    field_names,
+)
 from .precedence import ENV_VARS, resolve_launch_config
 from .store import load_config, save_config, write_basic_config
+from .strategy import strategy_environment, strategy_fields
 
 __all__ = [
     "COMPUTE_DEVICES",
@@ -34,6 +43,7 @@ __all__ = [
     "PRECISIONS",
     "RENAMED_KEYS",
     "START_METHODS",
+    "STRATEGIES",
     "ComputeDeviceType",
     "LaunchConfig",
     "PrecisionType",
@@ -46,5 +56,7 @@ __all__ = [
     "normalize_precision",
     "resolve_launch_config",
     "save_config",
+    "strategy_environment",
+    "strategy_fields",
     "write_basic_config",
 ]

@@ -1,6 +1,6 @@
 """Every choice of the launch configuration, defined once.
 
-Precision modes, start methods and compute devices are ``Literal`` types here; the
+Precision modes, start methods, compute devices, strategies and FSDP options are ``Literal`` types here; the
 launcher, the runtime, the CLI and the widget panel derive their options from these
 tuples so they can never drift apart.
 
@@ -20,10 +20,16 @@ from ..errors import ConfigError
 PrecisionType = Literal["no", "fp16", "bf16", "fp8"]
 StartMethodType = Literal["auto", "fork", "spawn"]
 ComputeDeviceType = Literal["auto", "cpu", "gpu", "tpu"]
+StrategyType = Literal["ddp", "fsdp"]
+FsdpWrapPolicyType = Literal["transformer_based_wrap", "size_based_wrap", "no_wrap"]
+FsdpStateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionType)
 START_METHODS: tuple[str, ...] = get_args(StartMethodType)
 COMPUTE_DEVICES: tuple[str, ...] = get_args(ComputeDeviceType)
+STRATEGIES: tuple[str, ...] = get_args(StrategyType)
+FSDP_WRAP_POLICIES: tuple[str, ...] = get_args(FsdpWrapPolicyType)
+FSDP_STATE_DICT_TYPES: tuple[str, ...] = get_args(FsdpStateDictType)
 
 
 def normalize_precision(value: object, *, argument: str = "mixed_precision") -> str:
@@ -51,10 +57,16 @@ def normalize_precision(value: object, *, argument: str = "mixed_precision") -> 
 
 __all__ = [
     "COMPUTE_DEVICES",
+    "FSDP_STATE_DICT_TYPES",
+    "FSDP_WRAP_POLICIES",
     "PRECISIONS",
     "START_METHODS",
+    "STRATEGIES",
     "ComputeDeviceType",
+    "FsdpStateDictType",
+    "FsdpWrapPolicyType",
     "PrecisionType",
     "StartMethodType",
+    "StrategyType",
     "normalize_precision",
 ]

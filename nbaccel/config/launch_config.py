@@ -23,11 +23,17 @@ from typing import Any, Literal, Union, get_args
 from ..errors import ConfigError
 from .choices import (
     COMPUTE_DEVICES,
+    FSDP_STATE_DICT_TYPES,
+    FSDP_WRAP_POLICIES,
     PRECISIONS,
     START_METHODS,
+    STRATEGIES,
     ComputeDeviceType,
+    FsdpStateDictType,
+    FsdpWrapPolicyType,
     PrecisionType,
     StartMethodType,
+    StrategyType,
     normalize_precision,
 )
 
@@ -39,6 +45,7 @@ INT_MINIMUMS: dict[str, int] = {
     "node_rank": 0,
     "master_port": 1,
     "max_restarts": 0,
+    "fsdp_min_num_params": 0,
 }
 MAX_PORT = 65535
 
@@ -121,6 +128,56 @@ class LaunchConfig:
         default=False,
         metadata={"help": "record CUDA-initialisation stacks and worker stacks on hangs."},
     )
+    # -- strategy (the fsdp_* fields matter only with strategy="fsdp") --------------------
+    strategy: StrategyType = field(
+        default="ddp",
+        metadata={
+            "help": '"ddp" (every process holds the whole model) or "fsdp" (FSDP2: '
+            "parameters, gradients and optimizer state sharded across processes)."
+        },
+    )
+    fsdp_auto_wrap_policy: FsdpWrapPolicyType = field(
+        default="transformer_based_wrap",
+        metadata={
+            "help": "which submodules are sharded as units: transformer_based_wrap (the "
+            "classes in fsdp_transformer_cls_names_to_wrap, else the model's "
+            "_no_split_modules), size_based_wrap (>= fsdp_min_num_params) or no_wrap."
+        },
+    )
+    fsdp_transformer_cls_names_to_wrap: str | None = field(
+        default=None,
+        metadata={"help": 'comma-separated block class names, e.g. "GPT2Block".'},
+    )
+    fsdp_min_num_params: int = field(
+        default=100_000_000,
+        metadata={"help": "size_based_wrap: parameters a submodule needs to be its own unit."},
+    )
+    fsdp_reshard_after_forward: bool = field(
+        default=True,
+        metadata={"help": "free gathered parameters after forward (less memory, more traffic)."},
+    )
+    fsdp_cpu_offload: bool = field(
+        default=False,
+        metadata={"help": "keep parameter shards, gradients and optimizer state in CPU memory."},
+    )
+    fsdp_activation_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "recompute the wrapped blocks' activations in backward."},
+    )
+    fsdp_state_dict_type: FsdpStateDictType = field(
+        default="SHARDED_STATE_DICT",
+        metadata={
+            "help": "save_state writes one shard per rank (SHARDED_STATE_DICT, via "
+            "torch.distributed.checkpoint) or full files from rank 0 (FULL_STATE_DICT)."
+        },
+    )
+    fsdp_cpu_ram_efficient_loading: bool = field(
+        default=False,
+        metadata={
+            "help": "only rank 0 loads real weights (the others build the model on the meta "
+            "device); prepare() shards them out from rank 0."
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_choice("compute_device", self.compute_device, COMPUTE_DEVICES)
@@ -163,6 +220,25 @@ class LaunchConfig:
             raise ConfigError(f"timeout={self.timeout!r} must be a number of seconds > 0.")
         if not isinstance(self.debug, bool):
             raise ConfigError(f"debug={self.debug!r} must be True or False.")
+        self._check_strategy()
+
+    def _check_strategy(self) -> None:
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_choice("fsdp_auto_wrap_policy", self.fsdp_auto_wrap_policy, FSDP_WRAP_POLICIES)
+        kind = self.fsdp_state_dict_type
+        if isinstance(kind, str) and kind.upper() in FSDP_STATE_DICT_TYPES:
+            object.__setattr__(self, "fsdp_state_dict_type", kind.upper())
+        _check_choice("fsdp_state_dict_type", self.fsdp_state_dict_type, FSDP_STATE_DICT_TYPES)
+        _check_int("fsdp_min_num_params", self.fsdp_min_num_params, 0)
+        names = self.fsdp_transformer_cls_names_to_wrap
+        if names is not None and not isinstance(names, str):
+            raise ConfigError(
+                f"fsdp_transformer_cls_names_to_wrap={names!r} must be a string such as "
+                "'GPT2Block' or 'EncoderLayer,DecoderLayer'."
+            )
+        for name in FSDP_BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
 
     def replace(self, **changes: object) -> LaunchConfig:
         """Return a copy with ``changes`` applied (and validated).
@@ -178,6 +254,14 @@ class LaunchConfig:
                 f"unknown LaunchConfig field(s) {unknown}; valid fields: {sorted(fields)}."
             )
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+FSDP_BOOL_FIELDS = (
+    "fsdp_reshard_after_forward",
+    "fsdp_cpu_offload",
+    "fsdp_activation_checkpointing",
+    "fsdp_cpu_ram_efficient_loading",
+)
 
 
 # --------------------------------------------------------------------------- field types
@@ -235,8 +319,9 @@ def coerce(name: str, value: Any, source: str, *, from_text: bool = False) -> An
             # YAML 1.1 reads a bare `no` as False; that is what the user meant by "no".
             with contextlib.suppress(ConfigError):
                 return normalize_precision("no" if value is False else value)
-        elif isinstance(value, str) and value.strip().lower() in choices:
-            return value.strip().lower()
+        elif isinstance(value, str) and value.strip().lower() in (c.lower() for c in choices):
+            # the canonical spelling ("SHARDED_STATE_DICT" is upper case, the rest lower)
+            return next(c for c in choices if c.lower() == value.strip().lower())
         raise ConfigError(
             f"{name}={value!r} in {source} is unknown; use one of {', '.join(choices)}."
         )
@@ -274,6 +359,7 @@ def coerce(name: str, value: Any, source: str, *, from_text: bool = False) -> An
 __all__ = [
     "COMPUTE_DEVICES",
     "FALSE_WORDS",
+    "FSDP_BOOL_FIELDS",
     "INT_MINIMUMS",
     "MAX_PORT",
     "PRECISIONS",

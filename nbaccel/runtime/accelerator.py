@@ -44,6 +44,7 @@ from ._process_api import ProcessAPI
 from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
 from .data import PreparedDataLoader, prepare_data_loader, skip_first_batches
 from .hooks import HookRegistry
+from .fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
 from .options import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -119,6 +120,8 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         gradient_accumulation_plugin: a ``GradientAccumulationPlugin`` (instead of
             ``gradient_accumulation_steps``).
         dynamo_backend: ``torch.compile`` backend applied to prepared models ("no": none).
+        fsdp_plugin: a ``FullyShardedDataParallelPlugin``: shard models with FSDP2 (``None``
+            reads ``strategy="fsdp"`` from the launch configuration when several processes run).
 
     Raises:
         TypeError: an unknown keyword (the message lists the valid ones).
@@ -145,9 +148,11 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         dispatch_batches: bool | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         dynamo_backend: Any = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         **unexpected: Any,
     ) -> None:
         valid = [p for p in inspect.signature(Accelerator).parameters if p != "unexpected"]
+        fsdp_plugin = check_fsdp_arguments(fsdp_plugin, unexpected)  # before deepspeed's error
         check_unexpected_keywords("Accelerator", unexpected, valid)
         handlers = parse_kwargs_handlers(kwargs_handlers)
         self.dataloader_config = resolve_dataloader_config(
@@ -168,10 +173,9 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         self.rng_types = validate_rng_types(rng_types)
         self.dynamo_backend = dynamo.normalize_backend(dynamo_backend)
         init = handlers.get(InitProcessGroupKwargs)
-        self._process: ProcessState = get_state(
-            cpu=cpu, init_kwargs=init.to_kwargs() if init else None
-        )
-        self.strategy: Strategy = select_strategy(self._process)
+        process = get_state(cpu=cpu, init_kwargs=init.to_kwargs() if init else None)
+        self.strategy: Strategy = select_strategy(process, fsdp_plugin, mixed_precision=mixed_precision)
+        self._process: ProcessState = self.strategy.state  # DistributedType.FSDP under FSDP
         scaler, autocast = handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs)
         self.precision = make_precision(  # unsupported modes raise ConfigError here
             mixed_precision,
@@ -458,6 +462,10 @@ class Accelerator(ProcessAPI, CollectiveAPI):
             return self.strategy.unwrap_model(m, keep_fp32_wrapper=keep_fp32_wrapper)
 
         return dynamo.unwrap(model, inner, keep_torch_compile)
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Any:
+        """The model's full state dict (FSDP: gathered on the main process; call on every rank)."""
+        return self.strategy.model_state_dict(model)
 
     def set_seed(self, seed: int, device_specific: bool = False) -> None:
         """Seed python, numpy and torch (plus the process index if ``device_specific``)."""

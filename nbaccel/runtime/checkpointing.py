@@ -65,6 +65,7 @@ from ..checkpoint.weights import (
 from ..errors import ConfigError
 from ..platform.process_env import distributed_active
 from .hooks import models_to_load, weights_to_save
+from .sharded_state import holds_sharded, load_sharded, save_sharded
 
 # -- save_state ---------------------------------------------------------------------------
 
@@ -73,9 +74,21 @@ def _suffix(i: int) -> str:
     return "" if i == 0 else f"_{i}"
 
 
-def _write_shared(acc: Any, tmp: Path, safe_serialization: bool) -> None:
+def _gather_states(acc: Any, tmp: Path) -> tuple[list[Any], list[Any]]:
+    """Model and optimizer states, made on every rank (FSDP gathers them with collectives);
+    a strategy with sharded checkpoints has every rank write its shard instead."""
+    if acc.strategy.sharded_checkpoints:
+        save_sharded(acc, tmp)
+        return [], []
+    models = weights_to_save(acc, tmp)  # after the save pre-hooks (on every rank, as the peer)
+    return models, [acc.strategy.optimizer_state_dict(opt) for opt in acc._optimizers]
+
+
+def _write_shared(
+    acc: Any, tmp: Path, safe_serialization: bool, models: list[Any], optimizers: list[Any]
+) -> None:
     """Files that are identical on every rank: written once (per node with save_on_each_node)."""
-    for i, state in enumerate(weights_to_save(acc, tmp)):  # after the save pre-hooks
+    for i, state in enumerate(models):
         if safe_serialization:
             tensors, aliases = dedupe_tied(state)
             write_safetensors(tensors, tmp / f"model{_suffix(i)}.safetensors", aliases)
@@ -84,8 +97,8 @@ def _write_shared(acc: Any, tmp: Path, safe_serialization: bool) -> None:
                 {k: v.detach().cpu() for k, v in state.items()},
                 tmp / f"pytorch_model{_suffix(i)}.bin",
             )
-    for i, optimizer in enumerate(acc._optimizers):
-        torch_save(acc.strategy.optimizer_state_dict(optimizer), tmp / f"optimizer{_suffix(i)}.bin")
+    for i, optimizer_state in enumerate(optimizers):
+        torch_save(optimizer_state, tmp / f"optimizer{_suffix(i)}.bin")
     for i, scheduler in enumerate(acc._schedulers):
         torch_save(scheduler.state_dict(), tmp / f"scheduler{_suffix(i)}.bin")
     scaler_state = acc.precision.state_dict()
@@ -158,8 +171,9 @@ def save_state(
         if writes_shared and not state.is_main_process:
             _check_target(target)
         make_dirs(tmp)
+        models, optimizers = _gather_states(acc, tmp)
         if writes_shared:
-            _write_shared(acc, tmp, safe_serialization)
+            _write_shared(acc, tmp, safe_serialization, models, optimizers)
         _write_rank(acc, tmp)
     except Exception as err:
         error = _write_error(err, target)
@@ -314,7 +328,7 @@ def load_state(
     return str(source)
 
 
-def _load_into(
+def _load_full(
     acc: Any, source: Path, manifest: dict[str, Any], *, weights_only: bool, strict: bool
 ) -> None:
     for i, model in enumerate(models_to_load(acc, source)):  # after the load pre-hooks
@@ -330,6 +344,15 @@ def _load_into(
         acc.strategy.load_optimizer_state_dict(
             optimizer, torch_load(source / f"optimizer{_suffix(i)}.bin", weights_only=weights_only)
         )
+
+
+def _load_into(
+    acc: Any, source: Path, manifest: dict[str, Any], *, weights_only: bool, strict: bool
+) -> None:
+    if holds_sharded(source):  # one shard per rank (FSDP): DCP reshards to this run
+        load_sharded(acc, source, strict=strict)
+    else:
+        _load_full(acc, source, manifest, weights_only=weights_only, strict=strict)
     for i, scheduler in enumerate(acc._schedulers):
         scheduler.load_state_dict(
             torch_load(source / f"scheduler{_suffix(i)}.bin", weights_only=weights_only)

@@ -34,6 +34,7 @@ from ..checkpoint.weights import (
     write_safetensors,
 )
 from ..errors import ConfigError
+from .sharded_state import is_sharded_model, load_weights_into_sharded
 from .wrappers import unwrap_model
 
 
@@ -80,7 +81,8 @@ def load_checkpoint_in_model(
     """Load weights into ``model`` in place from a file, a sharded folder or an index JSON.
 
     Args:
-        model: the model (wrappers such as DDP are looked through).
+        model: the model (wrappers such as DDP are looked through). A sharded (FSDP)
+            model loads safetensors weights shard by shard: each rank reads its rows only.
         checkpoint: ``*.safetensors``, a torch ``*.bin``/``*.pt`` state dict, a folder
             written by ``save_model``, or a ``*.index.json``.
         device_map: ``None`` (leave parameters where they are), a device, or a dict
@@ -92,6 +94,10 @@ def load_checkpoint_in_model(
         >>> load_checkpoint_in_model(model, "out/model")  # doctest: +SKIP
     """
     target = unwrap_model(model)
+    if is_sharded_model(target):  # FSDP: each rank reads only its shard's rows
+        missing, unexpected = load_weights_into_sharded(target, checkpoint, strict=strict)
+        _place(target, device_map)
+        return LoadResult(missing, unexpected)
     state = read_weights(checkpoint, weights_only=weights_only)
     expected = set(target.state_dict())
     result = LoadResult(sorted(expected - set(state)), sorted(set(state) - expected))
@@ -115,13 +121,15 @@ def save_model(
 ) -> list[Path]:
     """Write ``model``'s unwrapped weights from the main process; shards + index when large.
 
+    Call on every rank (under FSDP the full weights are gathered to the main process).
     Returns the files written (empty on other ranks).
     """
     parse_size(max_shard_size)  # validate on every rank, not only where it writes
+    state = acc.strategy.model_state_dict(model)  # FSDP gathers it: every rank takes part
     if not acc.state.is_main_process:
         return []
     return save_model_files(
-        acc.strategy.model_state_dict(model),
+        state,
         save_directory,
         max_shard_size=max_shard_size,
         safe_serialization=safe_serialization,

@@ -44,6 +44,7 @@ class DistributedType(str, enum.Enum):
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
     XLA = "XLA"
+    FSDP = "FSDP"  # several processes (CPU or GPU) sharding the model with FSDP2
     TPU = "XLA"  # the peer's older name of XLA: an alias, ``DistributedType.TPU is XLA``
     # the peer's types nbaccel never runs as; scripts compare against them
     DEEPSPEED = "DEEPSPEED"

@@ -99,17 +99,18 @@ def prepare_model(
     pointed at the new ones)."""
     before = dict(model.named_parameters())
     if device_placement:
-        model = model.to(strategy.state.device)
+        model = strategy.place_model(model)
     hook = getattr(precision, "prepare_model", None)
     if callable(hook):
         model = hook(model)
-    after = dict(model.named_parameters())
+    model = strategy.wrap_model(model, ddp_kwargs=ddp_kwargs)
+    # fp8 swaps layers and FSDP shards parameters: both replace Parameter objects
+    after = dict(strategy.unwrap_model(model).named_parameters())
     replaced = {
         id(old): (old, after[name])
         for name, old in before.items()
         if name in after and after[name] is not old
     }
-    model = strategy.wrap_model(model, ddp_kwargs=ddp_kwargs)
     if getattr(precision, "mode", "no") != "no":
         # on the outermost module: DDP keeps its class name, the user's module stays clean
         model.forward = AutocastForward(model.forward, precision)

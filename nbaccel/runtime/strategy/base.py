@@ -31,9 +31,15 @@ class SingleProcess:
 
     #: short name shown in errors and reprs
     name = "single"
+    #: save_state writes one shard per rank (torch.distributed.checkpoint) instead of full files
+    sharded_checkpoints = False
 
     def __init__(self, state: ProcessState) -> None:
         self.state = state
+
+    def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move the model to this process's device (before :meth:`wrap_model`)."""
+        return model.to(self.state.device)
 
     def wrap_model(
         self, model: torch.nn.Module, *, ddp_kwargs: Mapping[str, Any] | None = None
