@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "GradScalerKwargs": "runtime.options",
     "InitProcessGroupKwargs": "runtime.options",
     "ProjectConfiguration": "runtime.options",
+    "FullyShardedDataParallelPlugin": "runtime.fsdp_plugin",
     "set_seed": "runtime.rng",
     "skip_first_batches": "runtime.data",
     "load_checkpoint_in_model": "runtime.model_io",
@@ -78,6 +79,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .runtime.compat import find_executable_batch_size as find_executable_batch_size
     from .runtime.compat import prepare_data_loader as prepare_data_loader
     from .runtime.data import skip_first_batches as skip_first_batches
+    from .runtime.fsdp_plugin import (
+        FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin,
+    )
     from .runtime.model_io import load_checkpoint_in_model as load_checkpoint_in_model
     from .runtime.options import AutocastKwargs as AutocastKwargs
     from .runtime.options import DataLoaderConfiguration as DataLoaderConfiguration

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import LaunchConfig, resolve_launch_config
+from ..config import LaunchConfig, resolve_launch_config, strategy_environment
 from ..errors import ConfigError
 from ._options import add_config_arguments, overrides_from_args
 
@@ -97,6 +97,7 @@ def worker_environment(
         env["NBACCEL_CONFIG_FILE"] = str(Path(config_file).resolve())
     if cfg.gpu_ids and cfg.gpu_ids.strip().lower() != "all":
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids.replace(" ", "")
+    env.update(strategy_environment(cfg))
     if cfg.compute_device == "tpu":
         env.setdefault("PJRT_DEVICE", "TPU")
     if "OMP_NUM_THREADS" not in base:

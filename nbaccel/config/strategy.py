@@ -21,7 +21,7 @@ def strategy_fields() -> tuple[str, ...]:
 
 
 def strategy_environment(cfg: LaunchConfig) -> dict[str, str]:
-    """``NBACCEL_STRATEGY`` and ``NBACCEL_FSDP_*`` for the workers (empty for "ddp").
+    """``NBACCEL_STRATEGY`` and (for "fsdp") ``NBACCEL_FSDP_*`` for the workers.
 
     The launcher passes the strategy the same way as ``mixed_precision``: as environment
     text that :func:`nbaccel.config.resolve_launch_config` parses back in every worker.
@@ -30,8 +30,8 @@ def strategy_environment(cfg: LaunchConfig) -> dict[str, str]:
         >>> strategy_environment(LaunchConfig(strategy="fsdp"))["NBACCEL_FSDP_CPU_OFFLOAD"]
         '0'
     """
-    if cfg.strategy == "ddp":
-        return {}
+    if cfg.strategy == "ddp":  # said explicitly: a kernel's NBACCEL_STRATEGY must not leak in
+        return {"NBACCEL_STRATEGY": "ddp"}
     env: dict[str, str] = {}
     for name in strategy_fields():
         value = getattr(cfg, name)

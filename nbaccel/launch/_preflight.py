@@ -28,6 +28,7 @@ from ..config import (
     LaunchConfig,
     normalize_precision,
     resolve_launch_config,
+    strategy_environment,
 )
 from ..errors import ConfigError, CUDAInitializedError, too_few_gpus_error
 from ..platform import cudatrace, environment
@@ -210,6 +211,7 @@ def worker_env(cfg: LaunchConfig, threads: int | None) -> dict[str, str]:
         env["NBACCEL_DEBUG_MODE"] = "1"
     if cfg.gpu_ids and cfg.gpu_ids.strip().lower() != "all":
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids.replace(" ", "")
+    env.update(strategy_environment(cfg))  # the Accelerator() inside picks FSDP from these
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
@@ -308,9 +310,16 @@ def _decide(
         if not common["block"]:
             raise ConfigError("block=False is not supported on TPU (torch_xla); use block=True.")
         nproc = cfg.num_processes or environment.tpu_core_count()
+        if cfg.strategy == "fsdp":
+            raise ConfigError("strategy='fsdp' is not available on TPU (torch_xla); use 'ddp'.")
         return LaunchPlan(function, args, cfg, nproc, "xla", worker_env(cfg, None), **common)
     nproc = _count_processes(cfg)
     _check_gpus_per_process(cfg, nproc)
+    if cfg.strategy == "fsdp" and nproc * cfg.num_nodes < 2:
+        raise ConfigError(
+            "strategy='fsdp' shards the model across processes, but this launch starts one: "
+            "pass num_processes >= 2 (CPU processes work too), or use strategy='ddp'."
+        )
     if nproc > 1 or cfg.num_nodes > 1:
         _check_no_state_in_kernel()
     user_threads = "OMP_NUM_THREADS" in os.environ

@@ -214,14 +214,16 @@ class LaunchPanel(widgets.VBox):
         if kind is float:  # timeout; 0 means "no timeout"
             common["description"] = f"{_label(name)} (s, 0 = none)"
             return widgets.BoundedFloatText(value=value or 0.0, min=0.0, max=1e7, **common)
-        return widgets.Text(value=value or "", placeholder="all", **common)
+        placeholder = "all" if name == "gpu_ids" else "none"
+        return widgets.Text(value=value or "", placeholder=placeholder, **common)
 
     # ------------------------------------------------------------------ state
     def _values(self) -> dict[str, Any]:
         values = {name: control.value for name, control in self.controls.items()}
         if values["num_nodes"] == 1:  # one machine: the launcher picks a free port
             values["node_rank"], values["master_port"] = 0, None
-        values["gpu_ids"] = (values["gpu_ids"] or "").strip() or None
+        for name in ("gpu_ids", "fsdp_transformer_cls_names_to_wrap"):
+            values[name] = (values[name] or "").strip() or None
         values["timeout"] = values["timeout"] or None
         return values
 
@@ -247,6 +249,8 @@ class LaunchPanel(widgets.VBox):
             found["num_processes"] = (
                 f"only {gpus} GPU(s) are visible: use at most {gpus} processes per node."
             )
+        if cfg.strategy == "fsdp" and (cfg.num_processes or 1) * cfg.num_nodes < 2:
+            found["strategy"] = "fsdp shards across processes: use 2 or more processes."
         return found
 
     def _refresh(self) -> None:
@@ -259,6 +263,10 @@ class LaunchPanel(widgets.VBox):
             self.controls["compute_device"].value == "auto" and self.hardware.kind == "gpu"
         )
         self.rows["gpu_ids"].layout.display = None if uses_gpu else "none"
+        fsdp = self.controls["strategy"].value == "fsdp"  # its options only when chosen
+        for name in self.rows:
+            if name.startswith("fsdp_"):
+                self.rows[name].layout.display = None if fsdp else "none"
         found = self.problems()
         for name, message in self.messages.items():
             text = found.get(name, "")
