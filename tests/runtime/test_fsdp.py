@@ -190,7 +190,7 @@ def test_fsdp_with_one_process_is_refused():
     from nbaccel.runtime.state import reset_state
 
     reset_state()
-    with pytest.raises(ConfigError, match="single process.*num_processes=2"):
+    with pytest.raises(ConfigError, match=r"single process.*num_processes=2"):
         Accelerator(cpu=True, fsdp_plugin=_plugin())
 
 
@@ -198,7 +198,7 @@ def test_fsdp_with_one_process_is_refused_by_the_launcher_before_starting():
     from nbaccel import LaunchConfig, notebook_launcher
 
     started = []
-    with pytest.raises(ConfigError, match="strategy='fsdp'.*num_processes >= 2"):
+    with pytest.raises(ConfigError, match=r"strategy=.fsdp.*num_processes >= 2"):
         notebook_launcher(
             started.append,
             (1,),
