@@ -45,7 +45,10 @@ from ..platform.hardware import Hardware, default_num_processes, detect_hardware
 from .monitor import RunMonitor
 
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
-_INT_MAXIMUMS = {"master_port": MAX_PORT}  # others: effectively unbounded, kept sane for typing
+_INT_MAXIMUMS = {
+    "master_port": MAX_PORT,
+    "fsdp_min_num_params": 10**15,
+}  # others: effectively unbounded, kept sane for typing
 _SANE_MAX = 4096
 _STYLE = {"description_width": "190px"}
 _ROW_WIDTH = "360px"  # a fresh Layout per control: no widget may be created at import time

@@ -141,6 +141,17 @@ def test_questionnaire_through_a_pseudo_terminal(cli_env):
         rejected()
         answer("timeout", "60")
         answer("debug", "yes")
+        answer("strategy", "fsdp")  # the FSDP options are asked only after choosing fsdp
+        answer("fsdp_auto_wrap_policy", "size_wrap")
+        rejected()
+        answer("fsdp_auto_wrap_policy", "size_based_wrap")
+        answer("fsdp_transformer_cls_names_to_wrap", "")
+        answer("fsdp_min_num_params", "1000000")
+        answer("fsdp_reshard_after_forward", "")
+        answer("fsdp_cpu_offload", "")
+        answer("fsdp_activation_checkpointing", "yes")
+        answer("fsdp_state_dict_type", "full_state_dict")
+        answer("fsdp_cpu_ram_efficient_loading", "")
         child.expect("Configuration saved to")
         child.expect(pexpect.EOF)
     finally:
@@ -157,6 +168,11 @@ def test_questionnaire_through_a_pseudo_terminal(cli_env):
         start_method="spawn",
         timeout=60.0,
         debug=True,
+        strategy="fsdp",
+        fsdp_auto_wrap_policy="size_based_wrap",
+        fsdp_min_num_params=1_000_000,
+        fsdp_activation_checkpointing=True,
+        fsdp_state_dict_type="FULL_STATE_DICT",
     )
 
 

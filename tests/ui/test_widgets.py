@@ -161,6 +161,15 @@ def test_config_property_round_trips_every_field():
         max_restarts=1,
         timeout=30.0,
         debug=True,
+        strategy="fsdp",
+        fsdp_auto_wrap_policy="size_based_wrap",
+        fsdp_transformer_cls_names_to_wrap="Block",
+        fsdp_min_num_params=250_000_000,
+        fsdp_reshard_after_forward=False,
+        fsdp_cpu_offload=True,
+        fsdp_activation_checkpointing=True,
+        fsdp_state_dict_type="FULL_STATE_DICT",
+        fsdp_cpu_ram_efficient_loading=True,
     )
     assert LaunchPanel(train, config=cfg, hardware=CPU).config == cfg
 
