@@ -24,16 +24,29 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..platform.process_env import distributed_active
 from .weights import _TIED_KEY, SAFE_WEIGHTS, CheckpointError, fsync_path
 
 DCP_METADATA = ".metadata"
+
+
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    # DCP warns whenever it runs without a process group; loading a sharded checkpoint
+    # into one plain process is a supported use here, not a mistake to warn about
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
 
 
 def save_dcp(state: dict[str, Any], directory: str | os.PathLike[str]) -> None:
@@ -42,7 +55,8 @@ def save_dcp(state: dict[str, Any], directory: str | os.PathLike[str]) -> None:
 
     path = Path(directory)
     writer = dcp.FileSystemWriter(str(path), sync_files=True, overwrite=True)
-    dcp.save(state, storage_writer=writer)
+    with _one_process_is_intended():
+        dcp.save(state, storage_writer=writer, no_dist=not distributed_active())
     fsync_path(path)  # the folder's entries (the rank files and .metadata) too
 
 
@@ -55,7 +69,9 @@ def load_dcp(state: dict[str, Any], directory: str | os.PathLike[str]) -> None:
         raise CheckpointError(
             f"{str(path)!r} is not a torch.distributed.checkpoint folder (no {DCP_METADATA})."
         )
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
+    reader = dcp.FileSystemReader(str(path))
+    with _one_process_is_intended():
+        dcp.load(state, storage_reader=reader, no_dist=not distributed_active())
 
 
 def is_dcp(directory: str | os.PathLike[str]) -> bool:
