@@ -215,6 +215,34 @@ def by_system(
     return rows
 
 
+def fsdp_table(res: dict) -> list[str]:
+    """FSDP2 vs DDP through nbaccel: medians (min–max) and FSDP/DDP ratios of one run."""
+    if not any(k.startswith("fsdp/") for k in res["samples"]):
+        return []
+    lines = [
+        "",
+        "## FSDP2 vs DDP (nbaccel, MLP 8×1024² + head = 8.4M params, AdamW, batch 32/process, "
+        f"2 CPU processes; {res.get('config', {}).get('fsdp')} interleaved runs each)",
+        "",
+        "+mmap: the worker fixes glibc's mmap threshold at 128 KiB first (bench/scenarios/fsdp.py).",
+        "",
+        "| | DDP | FSDP2 | FSDP2 / DDP | DDP +mmap | FSDP2 +mmap | FSDP2 / DDP +mmap |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, key, scale, fmt in (
+        ("median step, slower rank (ms)", "median_step_s", 1e3, "{:.1f}"),
+        ("peak RSS above entry, max over ranks (MB)", "peak_rss_mb", 1, "{:.0f}"),
+        ("parameters held per rank", "local_params", 1, "{:.0f}"),
+    ):
+        row = f"| {label} |"
+        for suffix in ("", "+mmap"):
+            ddp, fsdp = f"fsdp/ddp{suffix}", f"fsdp/fsdp{suffix}"
+            r = ratio(med(res, fsdp, key), med(res, ddp, key))
+            row += f" {cell(res, ddp, key, scale, fmt)} | {cell(res, fsdp, key, scale, fmt)} | {_r(r)} |"
+        lines.append(row)
+    return lines
+
+
 def render_markdown(res: dict) -> str:
     m, systems = res.get("machine", {}), res.get("systems", list(SYSTEMS))
     cfg = res.get("config", {})
@@ -350,6 +378,7 @@ def render_markdown(res: dict) -> str:
             ],
         )
     lines += pool_rows(res)
+    lines += fsdp_table(res)
     if res.get("errors"):
         lines += ["", "## Failed measurements", ""] + [f"- {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n"

@@ -36,8 +36,8 @@ sys.path.insert(0, str(BENCH))
 from kernel_harness import KernelSession, isolated_env  # noqa: E402
 from report import machine_info, render_markdown  # noqa: E402
 
-SCENARIOS = ("launch", "train", "gather", "spawn", "checkpoint", "pool", "memory")
-CELLS = ("common", "launch", "train", "gather", "spawn", "checkpoint", "pool", "memory")
+SCENARIOS = ("launch", "train", "gather", "spawn", "checkpoint", "pool", "memory", "fsdp")
+CELLS = ("common", "launch", "train", "gather", "spawn", "checkpoint", "pool", "memory", "fsdp")
 IMPORTS = {  # what a notebook using each system imports in its first cell
     "raw": "import torch.multiprocessing",
     "nbaccel": "from nbaccel import Accelerator, notebook_launcher",
@@ -171,6 +171,10 @@ def bench_main(
             rounds("poolmem", cfg["memory"], [("pool", "bench_pool_memory()")], 300)
         finally:
             bench.run("bench_pool_close()")
+    if "fsdp" in scenarios:  # nbaccel only: DDP vs FSDP2, interleaved, same model and data
+        kinds = ("ddp", "fsdp", "ddp+mmap", "fsdp+mmap")
+        variants = [(k, f"bench_fsdp_once({k!r})") for k in kinds]
+        rounds("fsdp", cfg["fsdp"], variants, 600)
     if "memory" in scenarios:  # last: the 1 GiB array stays out of the other scenarios
         bench.run("mem_alloc()")
         rounds("memory", cfg["memory"], [(s, f"bench_memory_once({s!r})") for s in systems], 300)
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"cold": 1 if q else 3, "warm": 3 if q else 15, "train": 1 if q else 4}
     cfg.update(gather=1 if q else 3, spawn=1 if q else 3, checkpoint=1 if q else 2)
     cfg["memory"] = 1 if q else 3
+    cfg["fsdp"] = 1 if q else 3
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = tempfile.mkdtemp(prefix="nbaccel-bench-cache-")
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             parser.error(f"system(s) {missing} not installed in {python}; run bench/setup_peers.sh")
         imports = "\n".join(IMPORTS[s] for s in systems)
-        if {"train", "gather", "checkpoint"} & set(scenarios):
+        if {"train", "gather", "checkpoint", "fsdp"} & set(scenarios):
             # DDP's constructor imports torch._dynamo (seconds); do it once here rather
             # than in every worker of every launch (same for every system, see README).
             imports += "\nimport torch._dynamo"
