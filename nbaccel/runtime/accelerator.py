@@ -174,7 +174,9 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         self.dynamo_backend = dynamo.normalize_backend(dynamo_backend)
         init = handlers.get(InitProcessGroupKwargs)
         process = get_state(cpu=cpu, init_kwargs=init.to_kwargs() if init else None)
-        self.strategy: Strategy = select_strategy(process, fsdp_plugin, mixed_precision=mixed_precision)
+        self.strategy: Strategy = select_strategy(
+            process, fsdp_plugin, mixed_precision=mixed_precision
+        )
         self._process: ProcessState = self.strategy.state  # DistributedType.FSDP under FSDP
         scaler, autocast = handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs)
         self.precision = make_precision(  # unsupported modes raise ConfigError here

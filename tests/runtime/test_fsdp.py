@@ -172,7 +172,7 @@ def _launch_config_picks_fsdp():
 
     reset_state()
     acc = Accelerator()  # no plugin: NBACCEL_STRATEGY=fsdp (as the launcher sets it) decides
-    return acc.distributed_type.value, acc.fsdp_plugin.auto_wrap_policy
+    return acc.distributed_type.value, acc.strategy.plugin.auto_wrap_policy
 
 
 def test_the_launch_configuration_switches_accelerator_to_fsdp():
