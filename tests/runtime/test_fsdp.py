@@ -190,8 +190,11 @@ def test_fsdp_with_one_process_is_refused():
     from nbaccel.runtime.state import reset_state
 
     reset_state()
-    with pytest.raises(ConfigError, match=r"single process.*num_processes=2"):
-        Accelerator(cpu=True, fsdp_plugin=_plugin())
+    try:
+        with pytest.raises(ConfigError, match=r"single process.*num_processes=2"):
+            Accelerator(cpu=True, fsdp_plugin=_plugin())
+    finally:
+        reset_state()  # no process state left behind: later launches in this process must work
 
 
 def test_fsdp_with_one_process_is_refused_by_the_launcher_before_starting():
