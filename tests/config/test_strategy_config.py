@@ -86,3 +86,10 @@ def test_yaml_round_trip_of_the_strategy(tmp_path):
     path = save_config(cfg, tmp_path / "c.yaml")
     assert "strategy: fsdp" in path.read_text()
     assert load_config(path) == cfg
+
+
+def test_nbaccel_launch_passes_the_strategy_to_the_script():
+    from nbaccel.cli.launch import worker_environment
+
+    env = worker_environment(LaunchConfig(strategy="fsdp", fsdp_min_num_params=7), 2, {})
+    assert env["NBACCEL_STRATEGY"] == "fsdp" and env["NBACCEL_FSDP_MIN_NUM_PARAMS"] == "7"
