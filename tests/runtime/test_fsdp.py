@@ -166,6 +166,29 @@ def test_gather_unwrap_and_free_memory_work_under_fsdp():
         assert result["repr"] == "FSDP" and result["freed"]
 
 
+def _fp16_overflow_on_one_rank():
+    from nbaccel import Accelerator
+    from nbaccel.runtime.state import reset_state
+
+    reset_state()
+    acc = Accelerator(mixed_precision="fp16", fsdp_plugin=_plugin())
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    acc.backward(model(torch.ones(4, 3)).square().mean())
+    if acc.process_index == 1:  # an overflow in rank 1's gradient shard only
+        next(iter(model.parameters())).grad.to_local()[0] = float("inf")
+    before = next(iter(model.parameters())).detach().full_tensor()
+    optimizer.step()
+    after = next(iter(model.parameters())).detach().full_tensor()
+    return acc.optimizer_step_was_skipped, torch.equal(before, after)
+
+
+def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank():
+    # the scaler's overflow check runs on DTensor gradients, so its verdict is global
+    assert run_on_workers(_fp16_overflow_on_one_rank, 2) == [(True, True)] * 2
+
+
 def _launch_config_picks_fsdp():
     from nbaccel import Accelerator
     from nbaccel.runtime.state import reset_state
