@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "InitProcessGroupKwargs": "runtime.options",
     "KwargsHandler": "runtime.options",
     "ProjectConfiguration": "runtime.options",
+    "FullyShardedDataParallelPlugin": "runtime.fsdp_plugin",
     # enums
     "DistributedType": "runtime.state",
     "LoggerType": "tracking.trackers",

@@ -43,8 +43,8 @@ from ._collective_api import CollectiveAPI
 from ._process_api import ProcessAPI
 from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
 from .data import PreparedDataLoader, prepare_data_loader, skip_first_batches
-from .hooks import HookRegistry
 from .fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
+from .hooks import HookRegistry
 from .options import (
     AutocastKwargs,
     DataLoaderConfiguration,
