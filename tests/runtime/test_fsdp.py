@@ -240,6 +240,13 @@ def test_deepspeed_plugin_together_with_fsdp_is_refused():
         Accelerator(cpu=True, fsdp_plugin=_plugin(), deepspeed_plugin=object())
 
 
+def test_plugin_is_importable_where_accelerate_scripts_look():
+    import nbaccel
+    import nbaccel.utils
+
+    assert nbaccel.utils.FullyShardedDataParallelPlugin is nbaccel.FullyShardedDataParallelPlugin
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -251,13 +258,6 @@ def test_deepspeed_plugin_together_with_fsdp_is_refused():
         ({"auto_wrap_policy": "size_based_wrap", "min_num_params": None}, "needs min_num_params"),
     ],
 )
-def test_plugin_is_importable_where_accelerate_scripts_look():
-    import nbaccel
-    import nbaccel.utils
-
-    assert nbaccel.utils.FullyShardedDataParallelPlugin is nbaccel.FullyShardedDataParallelPlugin
-
-
 def test_bad_plugin_fields_name_the_fsdp2_way(kwargs, message):
     from nbaccel import FullyShardedDataParallelPlugin
 
