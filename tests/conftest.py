@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import psutil
 import pytest
@@ -45,9 +46,13 @@ def _owned_pids() -> set[int]:
     import multiprocessing.process
 
     owned = {p.pid for p in getattr(multiprocessing.process, "_children", ()) if p.pid}
-    for obj in gc.get_objects():
-        if isinstance(obj, subprocess.Popen) and obj.returncode is None:
-            owned.add(obj.pid)
+    with warnings.catch_warnings():
+        # isinstance() on every live object touches deprecated aliases such as
+        # torch.distributed.reduce_op, which warn when looked at
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, subprocess.Popen) and obj.returncode is None:
+                owned.add(obj.pid)
     return owned
 
 
