@@ -34,6 +34,7 @@ from typing import Any
 
 from ..tracking import events
 from . import _agreement, _rendezvous
+from ._preload import IMPORTED_EVENT, worker_report_modules
 from ._wire import HEADER, Channel, dumps
 from ._worker_os import die_with_parent, flush_c_stdio, redirect_output, reset_signals
 
@@ -175,11 +176,20 @@ def _ship(value: Any) -> tuple[str, bytes]:
         ) from err
 
 
-def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
+def _report_imports(channel: Channel, rank: int, missing: list[str]) -> None:
+    """Tell the kernel which of the modules it did not pre-import this worker needed."""
+    imported = [name for name in missing if name in sys.modules]
+    if imported:
+        channel.send(("event", rank, IMPORTED_EVENT, {"modules": imported}, time.time()))
+
+
+def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...], *, forked: bool = False) -> int:
     """Run the function; report the outcome; return the exit code. Never raises."""
     channel = _channel
     assert channel is not None
     channel.send(("hello", spec.rank, os.getpid(), time.time()))
+    # forked: modules the kernel did not pre-import (see nbaccel.launch._preload)
+    missing = [m for m in worker_report_modules() if m not in sys.modules] if forked else []
     code = 0
     store = None
     world_size = int(spec.env.get("WORLD_SIZE", "1"))
@@ -202,6 +212,8 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
                 raise
             value = None
         codec, data = _ship(value) if spec.send_value else ("none", b"")
+        if missing:
+            _report_imports(channel, spec.rank, missing)
         channel.send(("result", spec.rank, codec, data, time.time()))
     except BaseException as exc:  # ship every failure, KeyboardInterrupt included
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
@@ -227,7 +239,7 @@ def fork_main(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> None:
 
         atexit._clear()  # the kernel's exit handlers are not ours to run
         _setup(spec)
-        code = _run(spec, function, args)
+        code = _run(spec, function, args, forked=True)
         atexit._run_exitfuncs()  # handlers the user's code registered in this worker
     except BaseException:
         with contextlib.suppress(BaseException):

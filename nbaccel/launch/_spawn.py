@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LaunchError
-from ..platform.forksafe import release_openmp_threads
 from ._bootstrap import WorkerSpec, fork_main
+from ._preload import preload
 from ._wire import HEADER
 
 STREAMS = ("stdout", "stderr", "ctrl", "stack")
@@ -117,7 +117,7 @@ def start_workers(
 ) -> list[WorkerProcess]:
     """Start one worker per spec (``spec.fds`` is filled in here). Cleans up on failure."""
     if method == "fork":
-        _preload_runtime()
+        preload(function, args)
     pipes = _pipes(len(specs))
     every_fd = [fd for p in pipes for pair in p.values() for fd in pair]
     procs: list[WorkerProcess] = []
@@ -153,28 +153,6 @@ def start_workers(
         for fd in proc.fds.values():
             os.set_blocking(fd, False)
     return procs
-
-
-def _preload_runtime() -> None:
-    """Prepare the kernel so that forked workers inherit a warm, fork-safe runtime.
-
-    A training function that imports ``Accelerator`` inside itself would otherwise
-    import ``nbaccel.accelerator`` and its modules again in every worker of every
-    launch (tens of ms; far more without bytecode caches). On a CPU-only torch build
-    ``torch._dynamo`` is imported too: ``DistributedDataParallel`` and the optimizers
-    import it lazily, which costs seconds in every worker of every launch. (On CUDA
-    builds it is left alone: we cannot prove here that the import never touches the
-    CUDA driver, which would make the fork unsafe.) Last, the OpenMP pool is released:
-    a child would otherwise hang in its first multi-threaded op. None of this starts
-    CUDA or threads; a failure is left for the worker to report.
-    """
-    with contextlib.suppress(Exception):
-        from ..runtime import accelerator  # noqa: F401
-    torch = sys.modules.get("torch")
-    if torch is not None and not torch.cuda._is_compiled():
-        with contextlib.suppress(Exception):
-            import torch._dynamo
-    release_openmp_threads()
 
 
 def _fork(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:

@@ -40,6 +40,7 @@ from ..errors import LaunchError
 from ._bootstrap import STACK_SIGNAL
 from ._failures import Failure, WorkerTimeoutError, add_note, pick_failure, remote_exception
 from ._output import LineForwarder
+from ._preload import IMPORTED_EVENT, remember_worker_imports
 from ._spawn import WorkerProcess
 from ._wire import FrameReader, loads
 
@@ -118,6 +119,8 @@ class Supervisor:
         kind, rank = message[0], message[1]
         if kind == "hello":
             self.on_event(rank, "state", {"state": "running", "pid": message[2]})
+        elif kind == "event" and message[2] == IMPORTED_EVENT:
+            remember_worker_imports(message[3].get("modules", []))  # pre-import next time
         elif kind == "event":
             self.on_event(rank, message[2], dict(message[3], time=message[4]))
         elif kind == "result":
