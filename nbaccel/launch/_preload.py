@@ -17,12 +17,10 @@
   never touches the CUDA driver, which would make the fork unsafe.)
 
 Example:
-    >>> import torch
-    >>> def train():
-    ...     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    >>> def ping():
-    ...     return 1
-    >>> needs_dynamo(train, ()), needs_dynamo(ping, ())
+    >>> cell = "import torch\\ndef train():\\n    return torch.optim.SGD\\ndef ping(): return 1"
+    >>> notebook = {"__name__": "__main__"}  # functions defined in a notebook cell
+    >>> exec(cell, notebook)
+    >>> needs_dynamo(notebook["train"], ()), needs_dynamo(notebook["ping"], ())
     (True, False)
 """
 
