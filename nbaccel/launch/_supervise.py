@@ -84,9 +84,10 @@ class Supervisor:
     # ------------------------------------------------------------------ reading
     def _pump(self, wait: float) -> None:
         if not self._open:
-            # Every pipe hit EOF, so the workers are exiting: poll for their exit
-            # often instead of sleeping a whole interval (~0.1 s added to every launch).
-            time.sleep(min(wait, 0.005))
+            # Every pipe hit EOF, so the workers are exiting (the kernel closes their fds
+            # after unmapping their memory, so reaping follows within a millisecond or two):
+            # poll for their exit often instead of sleeping a whole interval.
+            time.sleep(min(wait, 0.001))
             return
         for key, _ in self._selector.select(wait):
             proc, name = key.data

@@ -27,13 +27,18 @@ def _loaded_openmp_libraries() -> list[str]:
     paths: list[str] = []
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                path = line.rsplit(" ", 1)[-1].strip()
-                name = os.path.basename(path)
-                if path.startswith("/") and name.startswith(_OPENMP_NAMES) and path not in paths:
-                    paths.append(path)
+            text = maps.read()
     except OSError:  # not Linux: fork is not the default start method there anyway
         return []
+    for name in _OPENMP_NAMES:  # str.find over the text: ~2,000 lines, read every launch
+        at = text.find(name)
+        while at != -1:
+            start, end = text.rfind("\n", 0, at) + 1, text.find("\n", at)
+            path = text[start : end if end != -1 else len(text)].rsplit(" ", 1)[-1].strip()
+            base = os.path.basename(path)
+            if path.startswith("/") and base.startswith(name) and path not in paths:
+                paths.append(path)
+            at = text.find(name, end if end != -1 else len(text))
     return paths
 
 
