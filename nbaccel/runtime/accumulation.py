@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -82,7 +82,8 @@ class GradientState:
 
     def begin_micro_step(self) -> None:
         """Decide whether this micro-step synchronises (the last batch always does)."""
-        if self.sync_with_dataloader and self.end_of_dataloader:
+        loaders = self._loaders  # inlined end_of_dataloader: this runs on every step
+        if self.sync_with_dataloader and loaders and loaders[-1].end_of_dataloader:
             self._micro_step = 0
             self.sync_gradients = True
             return
@@ -94,22 +95,51 @@ class GradientState:
         self.sync_gradients = True
 
 
-@contextlib.contextmanager
+class _MicroStep:
+    """The context :func:`accumulate` returns.
+
+    A plain class rather than a ``@contextmanager`` generator with an ``ExitStack``:
+    it runs on every training step, and on synchronising steps (all of them without
+    accumulation) it does nothing but count.
+    """
+
+    __slots__ = ("models", "no_sync", "stack", "state")
+
+    def __init__(
+        self,
+        state: GradientState,
+        models: Sequence[Any],
+        no_sync: Callable[[Any], contextlib.AbstractContextManager[Any]] | None,
+    ) -> None:
+        self.state, self.models, self.no_sync = state, models, no_sync
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        state = self.state
+        state.begin_micro_step()
+        skip_sync = not state.sync_gradients and not state.sync_each_batch
+        if skip_sync and self.no_sync is not None and self.models:
+            stack = contextlib.ExitStack()
+            with stack:  # a failing no_sync leaves the ones already entered
+                for model in self.models:
+                    stack.enter_context(self.no_sync(model))
+                self.stack = stack.pop_all()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        stack, self.stack = self.stack, None
+        return None if stack is None else stack.__exit__(*exc)
+
+
 def accumulate(
     state: GradientState,
     models: Sequence[Any],
     no_sync: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None,
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """One micro-step: skip the gradient all-reduce unless this step synchronises.
 
     ``no_sync(model)`` is the strategy's context that suspends synchronisation.
     """
-    state.begin_micro_step()
-    with contextlib.ExitStack() as stack:
-        if not state.sync_gradients and no_sync is not None and not state.sync_each_batch:
-            for model in models:
-                stack.enter_context(no_sync(model))
-        yield
+    return _MicroStep(state, models, no_sync)
 
 
 def _grads(parameters: Any) -> list[torch.Tensor]:

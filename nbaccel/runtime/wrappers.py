@@ -29,9 +29,15 @@ from .tree import recursively_apply
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in _LOW_PRECISION else t
+
+
 def convert_to_fp32(data: Any) -> Any:
     """float16/bfloat16 tensors in ``data`` become float32 (other tensors are untouched)."""
-    return recursively_apply(lambda t: t.float() if t.dtype in _LOW_PRECISION else t, data)
+    if type(data) is torch.Tensor:  # the usual model output: no tree walk
+        return _to_fp32(data)
+    return recursively_apply(_to_fp32, data)
 
 
 class AutocastForward:
