@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -285,13 +286,16 @@ def field_help() -> dict[str, str]:
 
 def field_kind(name: str) -> tuple[Any, tuple[str, ...] | None]:
     """``(python type, choices or None)`` of a LaunchConfig field."""
-    hint, _ = _split_optional(typing.get_type_hints(LaunchConfig)[name])
+    hint, _ = _split_optional(_field_types()[name])
     if typing.get_origin(hint) is Literal:
         return str, tuple(get_args(hint))
     return hint, None
 
 
+@functools.cache
 def _field_types() -> dict[str, Any]:
+    # evaluated once: the string annotations cost ~0.5 ms per call, and every launch (and
+    # every Accelerator in a worker) coerces a few values
     return typing.get_type_hints(LaunchConfig)
 
 

@@ -94,10 +94,11 @@ def _specs(
     # PR_SET_PDEATHSIG follows the *thread* that forks: only tie workers to the main one.
     on_main = threading.current_thread() is threading.main_thread()
     specs = []
+    rendezvous_env = rdzv.worker_env()  # the same for every worker (resolves names, interfaces)
     for local_rank, rank in enumerate(ranks):
         env = {
             **plan.env,
-            **rdzv.worker_env(),
+            **rendezvous_env,
             **rank_environment(
                 rank,
                 local_rank,
