@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import faulthandler  # here, not in _setup: forked workers inherit it imported
 import linecache
 import os
 import pickle
@@ -142,8 +143,6 @@ def _setup(spec: WorkerSpec) -> None:
             os.close(fd)
     reset_signals()
     redirect_output(spec.fds["stdout"], spec.fds["stderr"])
-    import faulthandler
-
     stack_file = open(spec.fds["stack"], "w", closefd=False)  # noqa: SIM115
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)

@@ -151,9 +151,10 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         **unexpected: Any,
     ) -> None:
-        valid = [p for p in inspect.signature(Accelerator).parameters if p != "unexpected"]
         fsdp_plugin = check_fsdp_arguments(fsdp_plugin, unexpected)  # before deepspeed's error
-        check_unexpected_keywords("Accelerator", unexpected, valid)
+        if unexpected:  # inspect.signature costs ~1 ms: only when there is something to report
+            valid = [p for p in inspect.signature(Accelerator).parameters if p != "unexpected"]
+            check_unexpected_keywords("Accelerator", unexpected, valid)
         handlers = parse_kwargs_handlers(kwargs_handlers)
         self.dataloader_config = resolve_dataloader_config(
             dataloader_config, split_batches, even_batches, dispatch_batches
