@@ -86,9 +86,14 @@ def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = F
     kind = type(data)
     if kind is torch.Tensor:
         return data.to(device, non_blocking=non_blocking)
-    if (kind is tuple or kind is list) and all(type(t) is torch.Tensor for t in data):
-        # the usual batch, moved on every step: no tree walk
-        return kind(t.to(device, non_blocking=non_blocking) for t in data)
+    if kind is tuple or kind is list:  # the usual batch, moved on every step: no tree walk
+        moved = []
+        for t in data:
+            if type(t) is not torch.Tensor:
+                break
+            moved.append(t.to(device, non_blocking=non_blocking))
+        else:
+            return moved if kind is list else tuple(moved)
     movable = callable(getattr(data, "to", None))
     if movable and not isinstance(data, torch.Tensor | torch.nn.Module):
         try:  # e.g. a tokenizer's BatchEncoding
