@@ -185,6 +185,8 @@ def is_loopback(address: str) -> bool:
 
 def loopback_interface() -> str | None:
     """Name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+        return "lo"  # the kernel's own loopback device; psutil (tens of ms to import) not needed
     try:
         import psutil
 
