@@ -109,6 +109,7 @@ class LineForwarder:
         self._rank_info = rank_info or {}
         self._buffers: dict[tuple[int, str], str] = {}
         self._decoders: dict[tuple[int, str], Any] = {}
+        self._unflushed: set[str] = set()  # streams written to since their last flush
         self._lock = threading.Lock()
 
     def _prefix(self, rank: int) -> str:
@@ -133,8 +134,10 @@ class LineForwarder:
             return
         try:
             target.write(f"{self._prefix(rank)}{text}{end}")
+            self._unflushed.add(stream)
             if end == "\r":
                 target.flush()
+                self._unflushed.discard(stream)
         except Exception:
             pass
 
@@ -167,7 +170,11 @@ class LineForwarder:
             rest = self._buffers.pop(key, "") + (decoder.decode(b"", final=True) if decoder else "")
             if rest:
                 self._emit(rank, stream, _visible(rest), "\n")
-        if self._callback is None:
+            # only what this forwarder wrote: a notebook stream's flush is a round trip
+            # through the kernel's IO thread (~1 ms), once per rank and stream otherwise
+            dirty = stream in self._unflushed
+            self._unflushed.discard(stream)
+        if self._callback is None and dirty:
             target = self._streams.get(stream)
             if target is not None:
                 with contextlib.suppress(Exception):

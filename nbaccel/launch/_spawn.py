@@ -118,6 +118,9 @@ def start_workers(
     """Start one worker per spec (``spec.fds`` is filled in here). Cleans up on failure."""
     if method == "fork":
         preload(function, args)
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered may be written twice
+            with contextlib.suppress(Exception):
+                stream.flush()  # once for all workers: in a notebook, a round trip (~1 ms)
     pipes = _pipes(len(specs))
     every_fd = [fd for p in pipes for pair in p.values() for fd in pair]
     procs: list[WorkerProcess] = []
@@ -156,9 +159,6 @@ def start_workers(
 
 
 def _fork(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
-    for stream in (sys.stdout, sys.stderr):  # nothing buffered may be written twice
-        with contextlib.suppress(Exception):
-            stream.flush()
     with warnings.catch_warnings():
         # Python >= 3.12 warns about fork() in a multi-threaded process (every kernel is
         # one); the child only runs nbaccel's bootstrap and the user's function.

@@ -43,3 +43,25 @@ def test_a_line_without_end_is_forwarded_in_bounded_pieces():
     assert len(fwd._buffers[(0, "stdout")]) <= MAX_LINE  # not the whole stream
     fwd.close(0, "stdout")
     assert out.getvalue().replace("\n", "") == "y" * (10 * MAX_LINE // 4)
+
+
+class _CountingStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        super().flush()
+
+
+def test_close_flushes_only_a_stream_that_was_written_to():
+    # in a notebook every flush is a round trip through the kernel's IO thread
+    out, err = _CountingStream(), _CountingStream()
+    forwarder = LineForwarder(out, err, num_processes=2)
+    forwarder.feed(0, "stdout", b"hello\n")
+    for rank in (0, 1):
+        for stream in ("stdout", "stderr"):
+            forwarder.close(rank, stream)
+    assert (out.flushes, err.flushes) == (1, 0)
+    assert out.getvalue() == "[rank0] hello\n"
