@@ -15,7 +15,9 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+from typing import Any
 
 # omp_pause_resource_t values from the OpenMP 5.0 specification
 _OMP_PAUSE_SOFT = 1
@@ -51,14 +53,23 @@ def release_openmp_threads() -> bool:
     """
     paused = False
     for path in _loaded_openmp_libraries():
-        try:
-            pause = ctypes.CDLL(path).omp_pause_resource_all
-        except (OSError, AttributeError):
-            continue
-        pause.argtypes = [ctypes.c_int]
-        pause.restype = ctypes.c_int
-        paused = pause(_OMP_PAUSE_SOFT) == 0 or paused
+        pause = _pause_function(path)
+        if pause is not None:
+            paused = pause(_OMP_PAUSE_SOFT) == 0 or paused
     return paused
+
+
+@functools.lru_cache(maxsize=8)
+def _pause_function(path: str) -> Any:
+    """``omp_pause_resource_all`` of an already-mapped runtime (looked up once per
+    process, not per launch: a mapped library stays mapped), or None if it has none."""
+    try:
+        pause = ctypes.CDLL(path).omp_pause_resource_all
+    except (OSError, AttributeError):
+        return None
+    pause.argtypes = [ctypes.c_int]
+    pause.restype = ctypes.c_int
+    return pause
 
 
 __all__ = ["release_openmp_threads"]
