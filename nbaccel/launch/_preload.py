@@ -35,7 +35,6 @@ from typing import Any
 
 from ..config.launch_config import field_kind
 from ..platform.forksafe import release_openmp_threads
-from ._worker_os import libc
 
 #: Names that, anywhere in the launched code, mean torch will import torch._dynamo in
 #: the workers: optimizers, model wrappers (directly or through a facade's ``prepare``),
@@ -215,8 +214,7 @@ def preload(function: Any, args: tuple[Any, ...]) -> None:
     """
     with contextlib.suppress(Exception):
         from ..runtime import accelerator  # noqa: F401
-    with contextlib.suppress(Exception):  # caches the worker bootstrap and Accelerator() use
-        libc()
+    with contextlib.suppress(Exception):  # a cache every worker's Accelerator() reads
         field_kind("mixed_precision")  # LaunchConfig's type hints, read by coerce()
     torch = sys.modules.get("torch")
     if (

@@ -37,6 +37,7 @@ from ..errors import LaunchError
 from ._bootstrap import WorkerSpec, fork_main
 from ._preload import preload
 from ._wire import HEADER
+from ._worker_os import after_fork_in_kernel, before_fork
 
 STREAMS = ("stdout", "stderr", "ctrl", "stack")
 
@@ -124,6 +125,8 @@ def start_workers(
     pipes = _pipes(len(specs))
     every_fd = [fd for p in pipes for pair in p.values() for fd in pair]
     procs: list[WorkerProcess] = []
+    if method == "fork":
+        before_fork()
     try:
         for spec, pipe in zip(specs, pipes, strict=True):
             spec.fds = {name: w for name, (_, w) in pipe.items()}
@@ -152,6 +155,7 @@ def start_workers(
     finally:
         # the kernel keeps only the read ends
         _close_all([w for p in pipes for (_, w) in p.values()])
+        after_fork_in_kernel()
     for proc in procs:
         for fd in proc.fds.values():
             os.set_blocking(fd, False)

@@ -40,14 +40,48 @@ def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
     )
     sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]
     # logging handlers created in the kernel still point at the kernel's stream objects
+    new = {id(old_streams[0]): sys.stdout, id(old_streams[1]): sys.stderr}
+    handlers = _kernel_handlers if _kernel_handlers is not None else _stream_handlers()
+    for handler in handlers:
+        stream = getattr(handler, "stream", None)
+        if stream is not None and id(stream) in new:
+            handler.stream = new[id(stream)]
+
+
+_kernel_handlers: list[Any] | None = None
+
+
+def _stream_handlers() -> list[Any]:
+    """Logging handlers writing to ``sys.stdout``/``sys.stderr`` (the streams being replaced)."""
     import logging
 
-    new = {id(old_streams[0]): sys.stdout, id(old_streams[1]): sys.stderr}
+    targets = {id(sys.stdout), id(sys.stderr)}
+    found = []
     for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
         for handler in getattr(logger, "handlers", []):
-            stream = getattr(handler, "stream", None)
-            if stream is not None and id(stream) in new:
-                handler.stream = new[id(stream)]
+            if id(getattr(handler, "stream", None)) in targets:
+                found.append(handler)
+    return found
+
+
+def before_fork() -> None:
+    """Kernel side, right before forking: do here what every forked worker would repeat.
+
+    Walking every logger in a worker writes to (copies) the pages of every logger object
+    the kernel has; the kernel finds the few handlers to repoint once instead. The C
+    functions the workers call are looked up here too, so workers inherit them.
+    """
+    global _kernel_handlers
+    _kernel_handlers = _stream_handlers()
+    lib = libc()
+    for name in ("prctl", "fflush"):  # ctypes caches each function on first attribute access
+        getattr(lib, name, None)
+
+
+def after_fork_in_kernel() -> None:
+    """Kernel side, after the forks: hold no references to the handlers."""
+    global _kernel_handlers
+    _kernel_handlers = None
 
 
 def reset_signals() -> None:
@@ -97,4 +131,12 @@ def libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
-__all__ = ["die_with_parent", "flush_c_stdio", "libc", "redirect_output", "reset_signals"]
+__all__ = [
+    "after_fork_in_kernel",
+    "before_fork",
+    "die_with_parent",
+    "flush_c_stdio",
+    "libc",
+    "redirect_output",
+    "reset_signals",
+]

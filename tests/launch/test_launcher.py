@@ -480,6 +480,28 @@ def test_default_prefix_on_every_line_of_the_cell_streams(capsys):
     ]
 
 
+def log_a_line():
+    import logging
+
+    logging.getLogger("nbaccel_test_kernel_logger").warning("from rank %s", os.environ["RANK"])
+
+
+def test_kernel_logging_handlers_on_the_cell_stream_reach_the_output(capsys):
+    # the kernel finds such handlers once before forking; each worker repoints them
+    import logging
+
+    logger = logging.getLogger("nbaccel_test_kernel_logger")
+    handler = logging.StreamHandler(sys.stdout)
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        notebook_launcher(log_a_line, num_processes=2)
+    finally:
+        logger.removeHandler(handler)
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == ["[rank0] from rank 0", "[rank1] from rank 1"]
+
+
 def test_rendezvous_listens_on_loopback_only():
     handle = notebook_launcher(all_reduce_and_wait, args=(1.5,), num_processes=2, block=False)
     try:
