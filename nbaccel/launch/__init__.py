@@ -4,6 +4,8 @@
 * :mod:`~nbaccel.launch.handle` -- ``LaunchHandle`` (``block=False``), restarts;
 * ``_preflight`` checks everything before anything starts; ``_attempt``, ``_spawn``,
   ``_rendezvous`` start one group of workers (fork, or spawn shipping the function with dill);
+  ``_preload`` prepares the kernel before a fork (``torch._dynamo`` only when the launched
+  code needs it);
   ``_supervise``, ``_output``, ``_failures``, ``_wire`` bring output, results and the
   first real error back; ``_bootstrap`` and ``_worker_os`` run in the worker before the
   user's function; ``_xla`` starts TPU workers through ``xmp.spawn``;

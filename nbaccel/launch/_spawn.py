@@ -7,6 +7,8 @@ channel; the kernel keeps the non-blocking read ends.
 * fork: ``os.fork()`` directly, so the child closes every pipe end that is not
   its own (otherwise a sibling holding a write end would hide end-of-file) and
   never returns into the kernel's code (:func:`nbaccel.launch._bootstrap.fork_main`).
+  Before forking, the kernel does once what every worker would otherwise repeat
+  (:mod:`nbaccel.launch._preload`, :func:`nbaccel.launch._worker_os.before_fork`).
 * spawn: ``python -c "...spawn_main()"`` with the pipes as fds 1/2 plus
   ``pass_fds``; the job (spec, ``sys.path``, notebook cell sources for
   tracebacks) and the dill payload (function and args, pickled with
