@@ -61,6 +61,7 @@ SCAN_BUDGET = 400
 _DYNAMO = "torch._dynamo"
 #: The control-pipe event in which a forked worker reports what it had to import itself.
 IMPORTED_EVENT = "nbaccel.imported"
+_POOL_WORKER = "nbaccel.launch._pool_worker"  # the loop of nbaccel.start_workers' workers
 _learned: set[str] = set()  # modules a worker of an earlier launch had to import itself
 
 
@@ -191,6 +192,8 @@ def needs_dynamo(function: Any, args: tuple[Any, ...]) -> bool:
     """
     if _DYNAMO in _learned:
         return True
+    if getattr(function, "__module__", None) == _POOL_WORKER:
+        return True  # a warm pool's worker loop runs whatever later cells send it: training
     scan = _Scan()
     try:
         if scan.value(function) or any(scan.value(a) for a in args):

@@ -102,6 +102,12 @@ def test_an_optimizer_class_passed_as_argument_counts():
     assert not needs_dynamo(lambda n: n, (3,))
 
 
+def test_a_warm_pool_worker_loop_needs_it():
+    from nbaccel.launch._pool_worker import serve
+
+    assert needs_dynamo(serve, ("address", b"token"))
+
+
 def test_a_walk_over_budget_assumes_it_is_needed(monkeypatch):
     monkeypatch.setattr(_preload, "SCAN_BUDGET", 0)
     assert needs_dynamo(collectives_only, ())
