@@ -5,7 +5,7 @@
 # Cheap on purpose. PyPI's Linux x86_64 torch wheel is the CUDA build and pulls ~2.8 GB of
 # nvidia-* wheels (about 7 GB installed); the XLA tests run on the CPU and never call CUDA.
 # So: torch and torch_xla are installed with --no-deps plus only their pure-Python deps, and
-# scripts/xla_cuda_stubs.py builds tiny stand-ins for the NVIDIA libraries torch links
+# scripts/cuda_stubs.py builds tiny stand-ins for the NVIDIA libraries torch links
 # against (torch.cuda.is_available() is then False). When that is not possible (no C
 # compiler) or torch still does not import, the real NVIDIA wheels are installed instead.
 # NBACCEL_XLA_FULL_TORCH=1 forces that path.
@@ -82,11 +82,11 @@ WHEELS=${NBACCEL_XLA_WHEELS:-$HOME/.cache/pip/nbaccel-xla-wheels}/$TAG
   -e .
 
 TORCH_LIB=$("$VPY" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("torch").submodule_search_locations[0], "lib"))')
-if [ "${NBACCEL_XLA_FULL_TORCH:-0}" != "1" ] && "$VPY" scripts/xla_cuda_stubs.py "$TORCH_LIB" && check; then
+if [ "${NBACCEL_XLA_FULL_TORCH:-0}" != "1" ] && "$VPY" scripts/cuda_stubs.py "$TORCH_LIB" && check; then
   exit 0
 fi
 
 echo "setup_xla.sh: installing torch's NVIDIA dependencies (about 2.8 GB) instead of stubs" >&2
-"$VPY" scripts/xla_cuda_stubs.py "$TORCH_LIB" --remove
+"$VPY" scripts/cuda_stubs.py "$TORCH_LIB" --remove
 "${PIP[@]}" "torch==$TORCH_VERSION" "torch_xla==$TORCH_VERSION"
 check

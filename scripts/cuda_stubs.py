@@ -2,9 +2,10 @@
 
 PyPI only offers the CUDA build of torch for Linux x86_64. Its shared libraries
 list the NVIDIA libraries (libcudart.so.12, libcublas.so.12, ...) as DT_NEEDED,
-and those come from about 2.8 GB of ``nvidia-*`` wheels. The torch_xla test
-environment (``scripts/setup_xla.sh``) runs on the CPU and never calls them, so
-instead of installing them this script builds one tiny stub library per missing
+and those come from about 2.8 GB of ``nvidia-*`` wheels. The test environments
+that run such a torch on the CPU (``scripts/setup_xla.sh``: torch_xla;
+``scripts/setup_torch_matrix.sh``: the oldest and newest torch nbaccel claims)
+never call them, so instead of installing them this script builds one tiny stub library per missing
 NVIDIA library: same soname, same symbol versions, every referenced function
 defined and returning an error code (100, ``cudaErrorNoDevice`` for the CUDA
 runtime), so ``torch.cuda.is_available()`` is simply False.
@@ -18,7 +19,7 @@ Needs ``cc`` (gcc or clang) and binutils (``nm``, ``readelf``). Exit status 0 on
 success, 2 when a tool is missing or the build fails (the caller then installs
 the real NVIDIA wheels instead).
 
-Usage: python scripts/xla_cuda_stubs.py TORCH_LIB_DIR [--remove]
+Usage: python scripts/cuda_stubs.py TORCH_LIB_DIR [--remove]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ MANIFEST = "NBACCEL_CUDA_STUBS.txt"
 NEVER_STUB = {"libcuda.so.1"}  # the driver: a real one must always be used when present
 # Loaded only on demand (NVRTC / jiterator on a GPU); its needs are never loaded on CPU.
 SKIP_LIBS = {"libcaffe2_nvrtc.so"}
-ERROR_STRING = "CUDA is unavailable: nbaccel's torch_xla test environment has CUDA stub libraries"
+ERROR_STRING = "CUDA is unavailable: this nbaccel test environment has CUDA stub libraries"
 
 
 def _run(*cmd: str) -> str:
@@ -202,9 +203,9 @@ def main(argv: list[str]) -> int:
         made = build(lib_dir)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         remove(lib_dir)
-        print(f"xla_cuda_stubs: cannot build CUDA stubs: {exc}", file=sys.stderr)
+        print(f"cuda_stubs: cannot build CUDA stubs: {exc}", file=sys.stderr)
         return 2
-    print(f"xla_cuda_stubs: {len(made)} stub libraries in {lib_dir}: {' '.join(made)}")
+    print(f"cuda_stubs: {len(made)} stub libraries in {lib_dir}: {' '.join(made)}")
     return 0
 
 
