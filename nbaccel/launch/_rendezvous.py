@@ -138,24 +138,30 @@ def host_store(fd: int, host: str, port: int, timeout: float | None) -> Any:
 
     Returns the store, which must stay referenced while the function runs (the
     ``env://`` rendezvous finds the running server through torch's multi-tenant
-    cache). Returns None when this torch cannot adopt a socket; rank 0's
-    ``env://`` store then binds the port itself, as plain torch does.
+    cache, keyed by port only, whichever backend serves it). Returns None when this
+    torch cannot adopt a socket; rank 0's ``env://`` store then binds the port
+    itself, as plain torch does.
+
+    torch 2.4-2.7 default to the libuv backend, which refuses a listening socket
+    (``NotImplementedError``, fixed in torch 2.8); the legacy backend, which every
+    torch since 1.x has, adopts it, so that one serves the store there.
     """
+    import torch
     import torch.distributed as dist
 
     delta = datetime.timedelta(seconds=timeout or DEFAULT_TIMEOUT)
+    kwargs: dict[str, Any] = {"wait_for_workers": False, "multi_tenant": True}
+    # Chosen up front rather than by trying: the refusal is also logged from C++ on
+    # stderr, where it would reach the notebook as a confusing "[E ...]" line.
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 8):
+        kwargs["use_libuv"] = False
     try:
-        return dist.TCPStore(
-            host,
-            port,
-            None,
-            True,
-            delta,
-            wait_for_workers=False,
-            multi_tenant=True,
-            master_listen_fd=fd,
-        )
-    except TypeError:
+        try:
+            return dist.TCPStore(host, port, None, True, delta, master_listen_fd=fd, **kwargs)
+        except NotImplementedError:  # a libuv backend without the fix: see above
+            kwargs["use_libuv"] = False
+            return dist.TCPStore(host, port, None, True, delta, master_listen_fd=fd, **kwargs)
+    except TypeError:  # a torch without master_listen_fd / use_libuv
         os.close(fd)
         return None
 
