@@ -21,12 +21,7 @@ import runpy
 import sys
 import traceback
 
-
-def _destroy_process_group() -> None:
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+from ..platform import torchcompat
 
 
 def _exit_code(exit_: SystemExit) -> int:
@@ -64,7 +59,7 @@ def run(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> None:
     code = run(argv)
-    _destroy_process_group()
+    torchcompat.destroy_process_group()
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()  # the script's own exit handlers (trackers, files) still run
     for stream in (sys.stdout, sys.stderr):

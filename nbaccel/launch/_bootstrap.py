@@ -33,6 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..platform import torchcompat
 from ..tracking import events
 from . import _agreement, _rendezvous
 from ._preload import IMPORTED_EVENT, worker_report_modules
@@ -118,18 +119,6 @@ def _drop_inherited_state() -> None:
     state = sys.modules.get("nbaccel.runtime.state")
     if state is not None:
         state.reset_state()
-
-
-def _destroy_process_group() -> None:
-    if "torch.distributed" not in sys.modules:
-        return
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 def _setup(spec: WorkerSpec) -> None:
@@ -222,7 +211,7 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...], *, forked: bool
             traceback.print_exc()
     finally:
         _rendezvous.leave(store, is_host=spec.store_fd is not None, world_size=world_size)
-        _destroy_process_group()
+        torchcompat.destroy_process_group()
         del store  # stops rank 0's store server
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

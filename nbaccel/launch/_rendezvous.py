@@ -37,7 +37,7 @@ import time
 from typing import Any, NoReturn
 
 from ..errors import ConfigError, LaunchError
-from ..platform import environment
+from ..platform import environment, torchcompat
 
 DEFAULT_TIMEOUT = 300.0  # torch's own default store timeout
 
@@ -146,14 +146,13 @@ def host_store(fd: int, host: str, port: int, timeout: float | None) -> Any:
     (``NotImplementedError``, fixed in torch 2.8); the legacy backend, which every
     torch since 1.x has, adopts it, so that one serves the store there.
     """
-    import torch
     import torch.distributed as dist
 
     delta = datetime.timedelta(seconds=timeout or DEFAULT_TIMEOUT)
     kwargs: dict[str, Any] = {"wait_for_workers": False, "multi_tenant": True}
     # Chosen up front rather than by trying: the refusal is also logged from C++ on
     # stderr, where it would reach the notebook as a confusing "[E ...]" line.
-    if torch.torch_version.TorchVersion(torch.__version__) < (2, 8):
+    if not torchcompat.libuv_store_adopts_socket():
         kwargs["use_libuv"] = False
     try:
         try:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LaunchError, WorkerError
+from ..platform import torchcompat
 from ..platform.forksafe import release_openmp_threads
 
 
@@ -64,13 +65,7 @@ def _worker(
             (rank, False, (type(exc).__qualname__, str(exc), traceback.format_exc()))
         )
     finally:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+        torchcompat.destroy_process_group()
     # plain pickle bytes: avoids torch's shared-memory reducers outliving the worker
     results.put(payload)
 

@@ -8,4 +8,5 @@ Nothing here initialises CUDA or XLA or imports anything of nbaccel above ``erro
 * :mod:`~nbaccel.platform.xla` -- whether torch_xla is installed and wanted (TPU markers);
 * :mod:`~nbaccel.platform.cudatrace` -- where CUDA was first initialised in this process;
 * :mod:`~nbaccel.platform.forksafe` -- releasing the OpenMP pool before a fork.
+* :mod:`~nbaccel.platform.torchcompat` -- what the installed torch can do (2.4 .. newest).
 """

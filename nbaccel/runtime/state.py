@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, LaunchError, too_few_gpus_error
+from ..platform import torchcompat
 from ..platform.process_env import EnvironmentSnapshot, read_environment
 from ..platform.xla import xla_requested
 from . import xla
@@ -247,11 +248,7 @@ def _init_process_group(
 
 
 def _destroy_group_at_exit() -> None:
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # at exit there is nobody left to tell
-        pass
+    torchcompat.destroy_process_group()  # never raises: at exit there is nobody to tell
 
 
 def _adopted_environment(env: EnvironmentSnapshot) -> EnvironmentSnapshot:

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from nbaccel._rendezvous import Rendezvous, host_store
+from nbaccel.launch._rendezvous import Rendezvous, host_store
 
 pytestmark = pytest.mark.integration
 TIMEOUT = datetime.timedelta(seconds=10)

@@ -1,0 +1,72 @@
+"""What the installed torch can and cannot do, for the torch versions nbaccel supports.
+
+nbaccel claims torch>=2.4 and CI runs the launcher, runtime and kernel tests on the
+oldest and the newest release (``scripts/setup_torch_matrix.sh``). Differences
+those runs found live here, each keyed to the torch version that fixed it:
+
+* torch < 2.8: the libuv ``TCPStore`` backend (the default since 2.4) refuses a
+  handed-over listening socket (``master_listen_fd``), see :func:`libuv_store_adopts_socket`;
+* torch < 2.8: destroying a gloo process group holds the GIL while joining gloo's
+  worker threads, and a worker thread that is just freeing a finished collective's
+  tensors needs the GIL: a deadlock, one run in a few, right after the last
+  collective. :func:`destroy_process_group` avoids it.
+
+torch is imported only inside the functions.
+
+Example:
+    >>> from nbaccel.platform.torchcompat import torch_at_least
+    >>> torch_at_least(2, 4)
+    True
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+# Process groups that torch < 2.8 must not destroy while gloo may still need the GIL:
+# kept alive until the process exits (workers end right after tearing down).
+_KEPT_ALIVE: list[Any] = []
+
+
+def torch_at_least(major: int, minor: int) -> bool:
+    """True when the installed torch is ``major.minor`` or newer (pre-releases count)."""
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    parts = [int("".join(c for c in p if c.isdigit()) or 0) for p in version.split(".")[:2]]
+    return (parts[0], parts[1]) >= (major, minor)
+
+
+def libuv_store_adopts_socket() -> bool:
+    """Whether the libuv TCPStore backend can serve on a handed-over socket (torch >= 2.8).
+
+    Older versions raise ``NotImplementedError`` (and log it on stderr from C++);
+    their legacy backend (``use_libuv=False``) adopts the socket.
+    """
+    return torch_at_least(2, 8)
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group (if any) without risking torch < 2.8's deadlock.
+
+    On torch >= 2.8 this is ``torch.distributed.destroy_process_group()``. On older
+    torch the groups are unregistered the same way, but their C++ objects are kept
+    alive until the process exits, so that their destructor (which would hold the GIL
+    while waiting for gloo's threads) does not run while a gloo thread still frees the
+    last collective's tensors. Never raises: it runs on the way out of a worker.
+    """
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+        if not torch_at_least(2, 8):
+            world = getattr(dist.distributed_c10d, "_world", None)
+            groups = list(getattr(world, "pg_map", {}) or {}) if world is not None else []
+            _KEPT_ALIVE.extend(groups or [dist.group.WORLD])
+        dist.destroy_process_group()
+    except Exception:  # on the way out there is nobody left to tell
+        pass
+
+
+__all__ = ["destroy_process_group", "libuv_store_adopts_socket", "torch_at_least"]
