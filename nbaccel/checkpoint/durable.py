@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
             directory for another reason than "this filesystem cannot fsync directories".
     """
     is_dir = os.path.isdir(path)
+    if is_dir and sys.platform == "win32":
+        # Windows cannot open a directory as a file (os.open raises PermissionError) and
+        # has no directory fsync; NTFS journals the renames that made the entries.
+        return
     flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if is_dir else 0)
     fd = os.open(path, flags)
     try:

@@ -40,7 +40,9 @@ from ._preload import IMPORTED_EVENT, worker_report_modules
 from ._wire import HEADER, Channel, dumps
 from ._worker_os import die_with_parent, flush_c_stdio, redirect_output, reset_signals
 
-STACK_SIGNAL = signal.SIGUSR1
+# Asks a worker for its Python stacks (faulthandler). POSIX only: Windows has no SIGUSR1,
+# and nbaccel's launcher refuses Windows before starting anything (see _preflight).
+STACK_SIGNAL: signal.Signals | None = getattr(signal, "SIGUSR1", None)
 
 
 @dataclass
@@ -134,7 +136,8 @@ def _setup(spec: WorkerSpec) -> None:
     redirect_output(spec.fds["stdout"], spec.fds["stderr"])
     stack_file = open(spec.fds["stack"], "w", closefd=False)  # noqa: SIM115
     faulthandler.enable(file=stack_file, all_threads=True)
-    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
+    if STACK_SIGNAL is not None:
+        faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
     sys.modules[__name__].__dict__["_stack_file"] = stack_file  # keep it alive
     os.environ.update(spec.env)
     _channel = Channel(spec.fds["ctrl"], spec.rank)

@@ -30,7 +30,7 @@ from ..config import (
     resolve_launch_config,
     strategy_environment,
 )
-from ..errors import ConfigError, CUDAInitializedError, too_few_gpus_error
+from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
 from ..platform import cudatrace, environment
 from ..platform.hardware import default_num_processes
 
@@ -157,6 +157,26 @@ def cuda_fork_error() -> CUDAInitializedError:
         "  2. pass start_method='spawn' (or 'auto'), which starts fresh worker processes and "
         "ships your function with dill, no restart needed."
     )
+
+
+def _check_platform(requested: str) -> None:
+    """Refuse, before anything starts, what this operating system cannot do."""
+    if sys.platform == "win32":
+        raise LaunchError(
+            "notebook_launcher cannot start worker processes on Windows "
+            f"(sys.platform={sys.platform!r}): its workers are started with POSIX facilities "
+            "(inherited pipes and sockets, process sessions, signals). Alternatives: run the "
+            "notebook in WSL2 (Linux), where every launch works; or use num_processes=1 "
+            "(block=True), which runs the function in this kernel; Accelerator() itself works "
+            "on Windows in one process."
+        )
+    if requested == "fork" and sys.platform == "darwin":
+        raise ConfigError(
+            f"start_method='fork' is not safe on macOS (sys.platform={sys.platform!r}): Apple's "
+            "system libraries (and torch's OpenMP pool, which cannot be released there without "
+            "/proc) break in forked children. Use start_method='spawn' or 'auto' (which spawns "
+            "on macOS)."
+        )
 
 
 def _start_method(requested: str) -> str:
@@ -314,6 +334,9 @@ def _decide(
             raise ConfigError("strategy='fsdp' is not available on TPU (torch_xla); use 'ddp'.")
         return LaunchPlan(function, args, cfg, nproc, "xla", worker_env(cfg, None), **common)
     nproc = _count_processes(cfg)
+    in_kernel = nproc == 1 and cfg.num_nodes == 1 and common["block"]
+    if not in_kernel:
+        _check_platform(cfg.start_method)  # the OS first: nothing else would help there
     _check_gpus_per_process(cfg, nproc)
     if cfg.strategy == "fsdp" and nproc * cfg.num_nodes < 2:
         raise ConfigError(
@@ -324,7 +347,7 @@ def _decide(
         _check_no_state_in_kernel()
     user_threads = "OMP_NUM_THREADS" in os.environ
     threads = None if user_threads else max(1, environment.cpu_count() // nproc)
-    if nproc == 1 and cfg.num_nodes == 1 and common["block"]:
+    if in_kernel:
         method, threads = "kernel", None
     else:
         method = _start_method(cfg.start_method)

@@ -226,6 +226,8 @@ class Supervisor:
 
     def dump_stacks(self, procs: list[WorkerProcess], wait: float = 1.0) -> dict[int, str]:
         """Ask ``procs`` for their Python stacks (faulthandler) and collect the dumps."""
+        if STACK_SIGNAL is None:
+            return {}
         for proc in procs:
             self._stacks[proc.rank].clear()
             proc.send_signal(STACK_SIGNAL)
