@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .torch-venvs/<version>/ for every torch in the test matrix (default: $TORCH_MATRIX,
-# below), each with that torch, nbaccel's requirements, the notebook extras and the test
+# Create .torch-venvs/<version>/ for every torch in the test matrix (scripts/torch_matrix.env),
+# each with that torch, nbaccel's requirements, the notebook extras and the test
 # tools; nbaccel itself is this checkout (installed editable, no dependencies resolved).
 # scripts/test_torch_matrix.sh runs the launcher, runtime and kernel tests in each of them.
 #
@@ -21,8 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# Keep in step with setup.cfg: its floor must equal the first version here (tests/test_matrix.py).
-TORCH_MATRIX=${TORCH_MATRIX:-"2.4.1 2.15.0"}
+source scripts/torch_matrix.env  # TORCH_MATRIX: the versions, oldest first
 if [ "$#" -gt 0 ]; then VERSIONS=("$@"); else read -r -a VERSIONS <<<"$TORCH_MATRIX"; fi
 
 # What the launcher/runtime/kernel tests need besides torch: nbaccel's own requirements and

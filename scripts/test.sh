@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Set everything up, then lint, type-check and run the whole test suite.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh -k launcher`).
+# Set everything up, then lint, type-check and run the whole test suite on the pinned dev torch,
+# then the launcher/runtime/platform/checkpoint/kernel tests on every other torch of the matrix
+# (scripts/torch_matrix.env: the oldest torch setup.cfg claims and the newest release), and
+# print one summary line per torch version at the end.
+# Extra arguments go to the main pytest run (e.g. `bash scripts/test.sh -k launcher`);
+# NBACCEL_TORCH_MATRIX=0 skips the matrix runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh          # .venv: torch==2.13.0 (CPU), nbaccel -e [notebook,test]
@@ -9,5 +13,26 @@ bash scripts/setup_xla.sh      # .xla-venv: torch 2.9.0 + torch_xla 2.9.0, for t
 .venv/bin/ruff check nbaccel tests bench scripts
 .venv/bin/ruff format --check nbaccel tests bench scripts
 .venv/bin/mypy nbaccel
+
+SUMMARY=$(mktemp)
+LOG=$(mktemp)
+trap 'rm -f "$SUMMARY" "$LOG"' EXIT
+status=0
 # NBACCEL_REQUIRE_ALL=1: a skipped browser/xla/kernel/integration test fails the run (see conftest.py)
-NBACCEL_REQUIRE_ALL=${NBACCEL_REQUIRE_ALL:-1} .venv/bin/python -m pytest "$@"
+NBACCEL_REQUIRE_ALL=${NBACCEL_REQUIRE_ALL:-1} .venv/bin/python -m pytest "$@" 2>&1 | tee "$LOG" \
+  || status=1
+DEV_TORCH=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
+main_summary=$(grep -E '^=*\s*[0-9]+ (passed|failed|error)' "$LOG" | tail -n1 | sed -E 's/^=+ //; s/ =+$//')
+echo "torch $DEV_TORCH (dev pin, whole suite): ${main_summary:-no summary}" >"$SUMMARY"
+
+if [ "${NBACCEL_TORCH_MATRIX:-1}" != "0" ]; then
+  NBACCEL_SUMMARY_FILE=$SUMMARY bash scripts/test_torch_matrix.sh || status=1
+fi
+
+echo
+echo "==================== test summary: passed tests per torch version ===================="
+cat "$SUMMARY"
+passed=$(grep -oE '[0-9]+ passed' "$SUMMARY" | awk '{s += $1} END {print s + 0}')
+failed=$(grep -oE '[0-9]+ (failed|errors?)' "$SUMMARY" | awk '{s += $1} END {print s + 0}')
+echo "all: $passed passed, $failed failed"
+exit "$status"
