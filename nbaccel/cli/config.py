@@ -99,13 +99,15 @@ def _starting_point(path: Path) -> LaunchConfig:
             return load_config(path)
         except ConfigError as err:
             print(f"(ignoring the existing file: {err})")
-    from ..platform.hardware import detect_hardware
+    from ..config.store import with_host_defaults
+    from ..platform.hardware import detect_hardware, notebook_host
 
     hw = detect_hardware()
-    return LaunchConfig(
-        compute_device=hw.kind,  # type: ignore[arg-type]
-        num_processes=hw.device_count if hw.kind != "cpu" else 1,
-    )
+    cfg = LaunchConfig(compute_device=hw.kind)  # type: ignore[arg-type]
+    cfg = with_host_defaults(cfg, notebook_host(), hw.kind)  # Colab/Kaggle: devices, precision
+    if cfg.num_processes is None:
+        cfg = cfg.replace(num_processes=hw.device_count if hw.kind != "cpu" else 1)
+    return cfg
 
 
 def _text(value: Any) -> str:

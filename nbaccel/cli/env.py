@@ -44,7 +44,7 @@ def _version(name: str) -> str:
 def report() -> list[tuple[str, str]]:
     """``[(label, value), ...]`` describing this environment."""
     from .._version import __version__
-    from ..platform.hardware import detect_hardware
+    from ..platform.hardware import detect_hardware, notebook_host
 
     rows = [
         ("nbaccel", __version__),
@@ -60,6 +60,10 @@ def report() -> list[tuple[str, str]]:
         pass
     hw = detect_hardware()
     rows.append(("Devices", hw.summary()))
+    host = notebook_host()
+    suggested = ", ".join(f"{k}={v!r}" for k, v in host.defaults().items())
+    rows.append(("Notebook host", host.label))
+    rows.append(("Suggested defaults", suggested or "from the devices above"))
     try:
         import psutil
 

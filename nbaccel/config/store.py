@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..platform.hardware import detect_hardware
+from ..platform.hosts import NotebookHost
 from .choices import normalize_precision
 from .file import default_config_path, read_config_values, write_config_values
 from .launch_config import LaunchConfig, coerce, field_names
@@ -92,4 +93,37 @@ def write_basic_config(
     return save_config(cfg, path)
 
 
-__all__ = ["load_config", "save_config", "values_from_file", "write_basic_config"]
+def with_host_defaults(cfg: LaunchConfig, host: NotebookHost, device_kind: str) -> LaunchConfig:
+    """``cfg`` with the notebook host's suggestions where ``cfg`` still has the defaults.
+
+    Only ``num_processes`` and ``mixed_precision`` ("auto" already finds the device),
+    and only when the detected devices (``device_kind``: "gpu", "tpu", "cpu") are the
+    host's and ``cfg`` targets them: TPU markers without torch_xla suggest nothing.
+    A value the user chose (file, environment, argument) is never replaced.
+
+    Example:
+        >>> from nbaccel.platform.hosts import detect_host
+        >>> kaggle = detect_host({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, ["Tesla T4"] * 2)
+        >>> cfg = with_host_defaults(LaunchConfig(), kaggle, "gpu")
+        >>> cfg.num_processes, cfg.mixed_precision
+        (2, 'fp16')
+    """
+    if device_kind != host.accelerator or cfg.compute_device not in ("auto", device_kind):
+        return cfg
+    base = LaunchConfig()
+    changes = {
+        name: value
+        for name, value in host.defaults().items()
+        if name in ("num_processes", "mixed_precision")
+        and getattr(cfg, name) == getattr(base, name)
+    }
+    return cfg.replace(**changes) if changes else cfg
+
+
+__all__ = [
+    "load_config",
+    "save_config",
+    "values_from_file",
+    "with_host_defaults",
+    "write_basic_config",
+]

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from typing import Any
 
+from .hosts import tpu_devices
 from .xla import tpu_present, xla_requested
 
 # Environment variables that indicate a TPU host (Colab, Kaggle, Cloud TPU VMs).
@@ -166,8 +167,12 @@ def tpu_core_count() -> int | None:
     value = os.environ.get("TPU_NUM_DEVICES")
     if value and value.isdigit():
         return int(value)
+    # TPU VMs: "v5litepod-1" (Colab's TPU runtime today), "v5litepod-8" (Kaggle's), ...
+    tpu = tpu_devices(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
+    if tpu is not None:
+        return tpu[1]
     if "COLAB_TPU_ADDR" in os.environ:
-        return 8  # Colab's v2-8 / v3-8
+        return 8  # the retired Colab TPU node (v2-8)
     return None
 
 

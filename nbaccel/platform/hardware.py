@@ -21,6 +21,7 @@ import subprocess
 from dataclasses import dataclass
 
 from . import environment
+from .hosts import NotebookHost, detect_host
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ def tpu_device_count() -> int:
     return environment.tpu_core_count() or len(glob.glob("/dev/accel*")) or 1
 
 
+def notebook_host() -> NotebookHost:
+    """The hosted notebook service (Colab, Kaggle) or this machine, with its defaults."""
+    return detect_host(gpu_names=_gpu_names(cuda_device_count()))
+
+
 def detect_hardware() -> Hardware:
     """Return the :class:`Hardware` of this machine (GPUs first, then TPU, then CPU)."""
     cores = cpu_count()
@@ -119,5 +125,6 @@ __all__ = [
     "cuda_device_count",
     "default_num_processes",
     "detect_hardware",
+    "notebook_host",
     "tpu_device_count",
 ]

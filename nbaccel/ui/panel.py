@@ -40,8 +40,14 @@ from ..config import (
     resolve_launch_config,
     save_config,
 )
+from ..config.store import with_host_defaults
 from ..errors import ConfigError
-from ..platform.hardware import Hardware, default_num_processes, detect_hardware
+from ..platform.hardware import (
+    Hardware,
+    default_num_processes,
+    detect_hardware,
+    notebook_host,
+)
 from .monitor import RunMonitor
 
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
@@ -148,6 +154,9 @@ class LaunchPanel(widgets.VBox):
                 config = resolve_launch_config()
             except ConfigError as err:  # a broken file must not hide the panel
                 config, note = LaunchConfig(), f"Ignoring the saved config: {err}"
+        # Colab's TPU v5e-1: 1 process; Kaggle's v5e-8: 8; Kaggle's 2 x T4: 2 and fp16.
+        self.host = notebook_host()
+        config = with_host_defaults(config, self.host, self.hardware.kind)
         if config.num_processes is None:
             config = config.replace(
                 num_processes=default_num_processes(config.compute_device, config.gpu_ids)
@@ -185,6 +194,7 @@ class LaunchPanel(widgets.VBox):
                 widgets.HTML(
                     f"<b>nbaccel launch</b> &middot; <code>{html.escape(_function_name(training_function))}"
                     f"</code><br><b>Hardware:</b> {html.escape(self.hardware.summary())}"
+                    f" &middot; {html.escape(self.host.label)}"
                 ),
                 *self.rows.values(),
                 widgets.HBox([self.launch_button, self.save_button, self.status]),
