@@ -179,6 +179,9 @@ def _exit_handlers_destroy_the_group() -> tuple[int, bool, bool]:
     get_state()
     registered = atexit._ncallbacks() - handlers
     before = dist.is_initialized()
+    # both ranks have joined before either tears down: a rank that destroys its group
+    # while its peer is still connecting the gloo mesh fails that peer ("closed by peer")
+    dist.barrier()
     # what the interpreter runs at a script's normal exit (running every exit function
     # here would also run multiprocessing's, which joins this very worker)
     state._destroy_group_at_exit()
