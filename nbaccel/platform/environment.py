@@ -148,7 +148,26 @@ def gpu_count() -> int:
             count = -1
         if count >= 0:
             return count
+    if not _gpu_driver_may_exist(torch):
+        return 0
     return _gpu_count_in_subprocess()
+
+
+# Linux device files of an NVIDIA driver: native (/dev/nvidiactl, /proc/driver/nvidia) and
+# WSL2 (/dev/dxg). Without any of them no CUDA device can exist.
+_NVIDIA_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg")
+
+
+def _gpu_driver_may_exist(torch: Any) -> bool:
+    """False when this is Linux, torch is a CUDA build and no NVIDIA driver is installed.
+
+    The CUDA wheel of torch (PyPI's default on Linux) on a machine without a GPU has no
+    NVML either; without this check every launch would pay seconds for the subprocess
+    count (seen in CI's torch matrix), only to learn that there is no GPU.
+    """
+    if not sys.platform.startswith("linux") or getattr(torch.version, "hip", None):
+        return True
+    return any(os.path.exists(path) for path in _NVIDIA_DRIVER_FILES)
 
 
 def _gpu_count_in_subprocess() -> int:

@@ -87,3 +87,40 @@ def test_tpu_core_count(monkeypatch, env, expected):
 def test_summary_keys():
     info = environment.summary()
     assert {"cpu_count", "gpu_count", "cuda_initialized", "fork_preferred"} <= set(info)
+
+
+def _cuda_build_without_nvml(monkeypatch, driver_files: set[str]):
+    import torch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)  # no libnvidia-ml
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(environment.sys, "platform", "linux")
+    real_exists = environment.os.path.exists
+    monkeypatch.setattr(
+        environment.os.path,
+        "exists",
+        lambda p: (
+            p in driver_files or (p not in environment._NVIDIA_DRIVER_FILES and real_exists(p))
+        ),
+    )
+    calls = []
+    monkeypatch.setattr(environment, "_gpu_count_in_subprocess", lambda: calls.append(1) or 3)
+    return calls
+
+
+def test_cuda_torch_without_a_driver_counts_no_gpu_without_a_subprocess(monkeypatch):
+    # PyPI's CUDA torch on a machine without GPUs: no NVML, no driver files. Counting in
+    # a subprocess cost every launch seconds there (found by the torch-matrix CI runs).
+    calls = _cuda_build_without_nvml(monkeypatch, set())
+    assert environment.gpu_count() == 0
+    assert calls == []
+
+
+@pytest.mark.parametrize("driver_file", ["/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg"])
+def test_a_driver_without_nvml_is_still_counted_in_a_subprocess(monkeypatch, driver_file):
+    calls = _cuda_build_without_nvml(monkeypatch, {driver_file})
+    assert environment.gpu_count() == 3
+    assert calls == [1]
