@@ -31,10 +31,12 @@ import sysconfig, torch._dynamo  # torch's own lazy imports read Linux build fac
 sysconfig.get_config_vars()
 
 MODE = sys.argv[1]
-STARTED = []  # every process the launcher starts, recorded
+STARTED = []  # every Python process started (workers), recorded; helpers such as ldconfig are not
 _popen_init = subprocess.Popen.__init__
 def _recording_popen(self, *args, **kwargs):
-    STARTED.append("popen")
+    command = args[0] if args else kwargs.get("args")
+    if isinstance(command, (list, tuple)) and command and command[0] == sys.executable:
+        STARTED.append("popen")
     _popen_init(self, *args, **kwargs)
 subprocess.Popen.__init__ = _recording_popen
 
