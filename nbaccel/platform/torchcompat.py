@@ -47,6 +47,20 @@ def libuv_store_adopts_socket() -> bool:
     return torch_at_least(2, 8)
 
 
+def dtensor_module() -> Any:
+    """``torch.distributed.tensor`` (public since torch 2.5; ``_tensor`` on torch 2.4).
+
+    Plain (unsharded) ``save_model``/``load_model`` ask whether a model holds DTensors,
+    so this must work on every claimed torch.
+    """
+    import importlib
+
+    dtensor = importlib.import_module("torch.distributed.tensor")
+    if not hasattr(dtensor, "DTensor"):  # torch 2.4 has the package without the public names
+        dtensor = importlib.import_module("torch.distributed._tensor")
+    return dtensor
+
+
 def destroy_process_group() -> None:
     """Tear down the default process group (if any) without risking torch < 2.8's deadlock.
 
@@ -69,4 +83,9 @@ def destroy_process_group() -> None:
         pass
 
 
-__all__ = ["destroy_process_group", "libuv_store_adopts_socket", "torch_at_least"]
+__all__ = [
+    "destroy_process_group",
+    "dtensor_module",
+    "libuv_store_adopts_socket",
+    "torch_at_least",
+]

@@ -25,6 +25,7 @@ import torch
 
 from ..checkpoint.sharded import is_dcp, load_dcp, read_rows, save_dcp, weight_locations
 from ..checkpoint.weights import CheckpointError
+from ..platform import torchcompat
 from .strategy.fsdp import owner_model
 
 
@@ -82,7 +83,8 @@ def load_sharded(acc: Any, source: Path, *, strict: bool = True) -> None:
 
 def _local_part(tensor: Any, location: tuple[Path, str]) -> torch.Tensor:
     """This rank's part of a stored tensor, for a DTensor sharded on one mesh dimension."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    dtensor = torchcompat.dtensor_module()
+    Shard, distribute_tensor = dtensor.Shard, dtensor.distribute_tensor
 
     local = tensor.to_local()
     placement = tensor.placements[0] if len(tensor.placements) == 1 else None
@@ -107,7 +109,7 @@ def load_weights_into_sharded(
     Each rank reads only the slice of each tensor that its shard holds, so no rank ever
     holds the whole model.
     """
-    from torch.distributed.tensor import DTensor
+    DTensor = torchcompat.dtensor_module().DTensor
 
     where = weight_locations(checkpoint)
     own = module.state_dict()
@@ -131,7 +133,7 @@ def load_weights_into_sharded(
 
 def is_sharded_model(module: torch.nn.Module) -> bool:
     """True if ``module`` holds DTensor parameters (``fully_shard`` was applied)."""
-    from torch.distributed.tensor import DTensor
+    DTensor = torchcompat.dtensor_module().DTensor
 
     return any(isinstance(p, DTensor) for p in module.parameters())
 
