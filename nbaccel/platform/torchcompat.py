@@ -47,6 +47,17 @@ def libuv_store_adopts_socket() -> bool:
     return torch_at_least(2, 8)
 
 
+# The oldest torch whose FSDP2 (``fully_shard``) passes nbaccel's FSDP tests on the CPU
+# (tried: 2.6 has no CPU stream events there; 2.7 and 2.8 give results that differ from
+# one unsharded process; 2.9 passes). Older torch gets a clear error naming this version.
+FSDP_MIN_TORCH = (2, 9)
+
+
+def fsdp_supported() -> bool:
+    """Whether ``strategy='fsdp'`` can run on the installed torch (see FSDP_MIN_TORCH)."""
+    return torch_at_least(*FSDP_MIN_TORCH)
+
+
 def dtensor_module() -> Any:
     """``torch.distributed.tensor`` (public since torch 2.5; ``_tensor`` on torch 2.4).
 
@@ -84,8 +95,10 @@ def destroy_process_group() -> None:
 
 
 __all__ = [
+    "FSDP_MIN_TORCH",
     "destroy_process_group",
     "dtensor_module",
+    "fsdp_supported",
     "libuv_store_adopts_socket",
     "torch_at_least",
 ]

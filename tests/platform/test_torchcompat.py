@@ -59,3 +59,17 @@ def test_destroy_without_a_group_is_a_no_op():
     assert not dist.is_initialized()
     torchcompat.destroy_process_group()
     assert not dist.is_initialized()
+
+
+def test_fsdp_on_a_torch_below_its_floor_is_a_clear_error(monkeypatch):
+    from nbaccel.errors import ConfigError
+    from nbaccel.runtime.state import get_state, reset_state
+    from nbaccel.runtime.strategy.fsdp import FSDP
+
+    reset_state()
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cu128")
+    assert not torchcompat.fsdp_supported()
+    major, minor = torchcompat.FSDP_MIN_TORCH
+    with pytest.raises(ConfigError, match=rf"torch>={major}\.{minor}.*strategy='ddp'"):
+        FSDP(get_state(cpu=True))
+    reset_state()

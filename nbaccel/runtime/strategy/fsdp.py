@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ...errors import ConfigError
+from ...platform import torchcompat
 from ..fsdp_plugin import FullyShardedDataParallelPlugin
 from ..state import DistributedType, ProcessState
 from ._fsdp_wrap import checkpoint_activations, materialize, wrap_targets
@@ -65,6 +66,14 @@ class FSDP(SingleProcess):
         *,
         mixed_precision: str = "no",
     ) -> None:
+        if not torchcompat.fsdp_supported():
+            major, minor = torchcompat.FSDP_MIN_TORCH
+            raise ConfigError(
+                f"strategy='fsdp' needs torch>={major}.{minor}; this is torch {torch.__version__}, "
+                "where FSDP2 (fully_shard) on these devices is missing or gives different "
+                f"results. Upgrade torch (pip install 'torch>={major}.{minor}') or use "
+                "strategy='ddp'."
+            )
         if state.world_size < 2:
             raise ConfigError(
                 "FSDP shards the model across processes, but this is a single process: "
