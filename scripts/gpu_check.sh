@@ -62,11 +62,11 @@ if [ "$INSTALL" = 1 ]; then
   "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
     || echo "(editable install of nbaccel skipped; PYTHONPATH=$ROOT is used)"
 fi
-if "$PY" -c "import nbaccel, ipykernel, jupyter_client, multiprocess, pytest, pytest_timeout, sys;
+if "$PY" -c "import nbaccel, ipykernel, jupyter_client, dill, pytest, pytest_timeout, sys;
 assert nbaccel.__file__.startswith(sys.argv[1]), nbaccel.__file__" "$ROOT"; then
   step "imports: ok (nbaccel from $ROOT)"
 else
-  step "imports: FAILED (nbaccel, ipykernel, jupyter_client, multiprocess, pytest-timeout)"
+  step "imports: FAILED (nbaccel, ipykernel, jupyter_client, dill, pytest-timeout)"
   FAILED=1
 fi
 "$PY" bench/gpu_report.py --env >"$DIR/env.json" || step "env: FAILED to collect"

@@ -19,7 +19,7 @@ LIMIT_MB=${GPU_WHEELS_LIMIT_MB:-40}
 PIP=(${PIP:-python3 -m pip})
 REQUIREMENTS=(
   # nbaccel's own dependencies (setup.cfg), torch excepted
-  safetensors pyyaml numpy psutil "multiprocess>=0.70.15" tqdm
+  safetensors pyyaml numpy psutil "dill>=0.3.8" tqdm
   # a real kernel for tests/gpu and bench/gpu.py (tests/kernel_harness.py)
   "ipykernel>=6" "jupyter_client>=8"
   # the test runner

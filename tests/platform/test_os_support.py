@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 EMULATE = r"""
 import importlib, json, os, pkgutil, signal, subprocess, sys, tempfile
-import torch, numpy, psutil, safetensors, yaml, tqdm, dill, multiprocess  # real Linux builds
+import torch, numpy, psutil, safetensors, yaml, tqdm, dill  # real Linux builds
 import sysconfig, torch._dynamo  # torch's own lazy imports read Linux build facts
 sysconfig.get_config_vars()
 
