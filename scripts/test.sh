@@ -32,7 +32,7 @@ fi
 echo
 echo "==================== test summary: passed tests per torch version ===================="
 cat "$SUMMARY"
-passed=$(grep -oE '[0-9]+ passed' "$SUMMARY" | awk '{s += $1} END {print s + 0}')
-failed=$(grep -oE '[0-9]+ (failed|errors?)' "$SUMMARY" | awk '{s += $1} END {print s + 0}')
+passed=$({ grep -oE '[0-9]+ passed' "$SUMMARY" || true; } | awk '{s += $1} END {print s + 0}')
+failed=$({ grep -oE '[0-9]+ (failed|errors?)' "$SUMMARY" || true; } | awk '{s += $1} END {print s + 0}')
 echo "all: $passed passed, $failed failed"
 exit "$status"
