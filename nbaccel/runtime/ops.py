@@ -1,8 +1,8 @@
 """Collective operations on (nested) tensors and Python objects; no-ops at world size 1.
 
 Every function accepts a tensor or a nested structure of tensors (dicts, lists,
-tuples, namedtuples, dataclasses) and returns the same structure. Shapes are
-exchanged before any tensor collective, so mismatched shapes raise a clear
+tuples, namedtuples, dataclasses) and returns the same structure. Shapes travel
+with (or ahead of) the data, so mismatched shapes raise a clear
 ``ValueError`` on every rank instead of hanging.
 
 Example:
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..platform.process_env import distributed_active
+from . import _packed_gather as packing
 from .splitting import split_between_processes
 from .state import barrier_kwargs
 from .tree import _leaves, _rebuild, is_tensor_tree, recursively_apply, send_to_device
@@ -60,63 +61,27 @@ def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
     return wire.contiguous()
 
 
-# Signatures travel as one fixed-size int64 tensor: a single small all_gather is far
-# cheaper than all_gather_object (pickling plus two collectives), and a gather is then
-# two collectives in all (header + packed data) however many tensors it carries.
-_HEADER_SLOTS = 64
-_ALIGN = 16  # bytes: the largest element size gathered (complex128)
-_OVERFLOW = -2
-_DTYPE_CODES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-)  # fmt: skip
-
-
-def _encode_signature(leaves: list[torch.Tensor]) -> list[int]:
-    values = [len(leaves)]
-    for t in leaves:
-        if t.dtype not in _DTYPE_CODES:
-            return [_OVERFLOW]
-        values += [_DTYPE_CODES.index(t.dtype), t.dim(), *t.shape]
-    return values if len(values) <= _HEADER_SLOTS else [_OVERFLOW]
-
-
-def _decode_signature(values: list[int]) -> list[tuple[tuple[int, ...], str]]:
-    sig, pos = [], 1
-    for _ in range(values[0]):
-        dtype, ndim = _DTYPE_CODES[values[pos]], values[pos + 1]
-        sig.append((tuple(values[pos + 2 : pos + 2 + ndim]), str(dtype)))
-        pos += 2 + ndim
-    return sig
-
-
-def _header_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _exchange_metadata(data: Any) -> list[Any]:
-    """all_gather every rank's tree signature (tensor shapes and dtypes)."""
+    """all_gather every rank's tree signature (tensor shapes and dtypes), nothing else."""
     leaves = _leaves(data)
-    encoded = _encode_signature(leaves)
-    header = torch.full((_HEADER_SLOTS,), -1, dtype=torch.int64)
+    encoded = packing.encode_signature(leaves)
+    header = torch.full((packing.HEADER_SLOTS,), -1, dtype=torch.int64)
     header[: len(encoded)] = torch.tensor(encoded, dtype=torch.int64)
-    header = header.to(_header_device())
+    header = header.to(packing.comm_device())
     headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
     dist.all_gather(headers, header)
     rows = [h.tolist() for h in headers]
-    if any(row[0] == _OVERFLOW for row in rows):
+    if any(row[0] == packing.OVERFLOW for row in rows):
         # a deep structure or an exotic dtype: every rank takes the general path together
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, [(tuple(t.shape), str(t.dtype)) for t in leaves])
+        dist.all_gather_object(everyone, [(tuple(t.shape), t.dtype) for t in leaves])
         return everyone
-    return [_decode_signature(row) for row in rows]
+    return [packing.decode_signature(row) for row in rows]
 
 
 def _mismatch_error(what: str, everyone: list[Any], detail: str, fix: str) -> ValueError:
     per_rank = "; ".join(
-        f"rank {r}: {[(list(s), d.replace('torch.', '')) for s, d in sig]}"
+        f"rank {r}: {[(list(s), str(d).replace('torch.', '')) for s, d in sig]}"
         for r, sig in enumerate(everyone)
     )
     return ValueError(f"{what}: {detail} across processes ({per_rank}). {fix}")
@@ -143,7 +108,8 @@ def gather(data: Any, *, allow_uneven: bool = False) -> Any:
     data = recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
     if not distributed_active():
         return data
-    everyone = _exchange_metadata(data)
+    leaves = _leaves(data)
+    everyone, handle = packing.exchange(leaves)
     fix = (
         "Every rank must pass tensors of the same shape: pad them first with "
         "accelerator.pad_across_processes(tensor, dim=0), or use gather_for_metrics / "
@@ -159,40 +125,7 @@ def gather(data: Any, *, allow_uneven: bool = False) -> Any:
             rest_differs = len(shape) != len(shape0) or shape[1:] != shape0[1:]
             if rest_differs or (not allow_uneven and shape != shape0):
                 raise _mismatch_error("gather", everyone, "tensor shapes differ", fix)
-    return _rebuild(data, _gather_packed(_leaves(data), everyone))
-
-
-def _gather_packed(leaves: list[torch.Tensor], everyone: list[Any]) -> list[torch.Tensor]:
-    """One all_gather of every leaf (padded to the longest rank) packed into a byte buffer."""
-    wires, plan = [], []
-    for i, tensor in enumerate(leaves):
-        sizes = [sig[i][0][0] for sig in everyone]
-        wire = _to_wire(tensor)
-        longest = max(sizes)
-        if wire.shape[0] < longest:
-            pad = wire.new_zeros((longest - wire.shape[0], *wire.shape[1:]))
-            wire = torch.cat([wire, pad])
-        raw = wire.reshape(-1).view(torch.uint8)
-        # Every leaf starts at a multiple of _ALIGN bytes in the packed buffer: viewing a
-        # slice as int64/float64 needs an offset divisible by the element size.
-        tail = -raw.numel() % _ALIGN
-        if tail and len(leaves) > 1:
-            raw = torch.cat([raw, raw.new_zeros(tail)])
-        wires.append(raw)
-        plan.append((sizes, wire.shape, wire.dtype, wire.numel() * wire.element_size()))
-    packed = torch.cat(wires) if len(wires) > 1 else wires[0]
-    parts = [torch.empty_like(packed) for _ in everyone]
-    dist.all_gather(parts, packed)
-    gathered, offset = [], 0
-    for tensor, wire_bytes, (sizes, shape, dtype, nbytes) in zip(leaves, wires, plan, strict=True):
-        end = offset + nbytes
-        pieces = [
-            part[offset:end].view(dtype).reshape(shape)[:n]
-            for part, n in zip(parts, sizes, strict=True)
-        ]
-        gathered.append(torch.cat(pieces).to(device=tensor.device, dtype=tensor.dtype))
-        offset += wire_bytes.numel()
-    return gathered
+    return _rebuild(data, packing.collect(leaves, everyone, handle))
 
 
 def gather_object(obj: Any) -> list[Any]:
