@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..platform import torchcompat
-from ..tracking import events
+from ..tracking import events, progress  # progress (tqdm) here: workers inherit it imported
 from . import _agreement, _rendezvous
 from ._preload import IMPORTED_EVENT, worker_report_modules
 from ._wire import HEADER, Channel, dumps
@@ -150,8 +150,6 @@ def _setup(spec: WorkerSpec) -> None:
 def _route_progress_bars() -> None:
     """A plain ``tqdm.auto`` bar in the user's function: rank 0 draws it as text (forwarded
     to the cell live); as a widget, ipykernel would drop it ("send message from fork")."""
-    from ..tracking import progress
-
     with contextlib.suppress(Exception):  # never fail a launch over a progress bar
         progress.use_text_bars_in_worker()
 
@@ -213,9 +211,18 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...], *, forked: bool
         except Exception:
             traceback.print_exc()
     finally:
-        _rendezvous.leave(store, is_host=spec.store_fd is not None, world_size=world_size)
-        torchcompat.destroy_process_group()
-        del store  # stops rank 0's store server
+        everyone_left = _rendezvous.leave(
+            store, is_host=spec.store_fd is not None, world_size=world_size
+        )
+        # Tearing a gloo group down costs ~20 ms per launch (its threads wind down in
+        # step with the peers'). A forked worker ends in os._exit right after this, and
+        # once every rank has passed the exit barrier no peer needs the group any more:
+        # exiting closes its sockets just the same. Anything less sure tears down.
+        if forked and everyone_left:
+            torchcompat.skip_teardown_at_exit()  # nor when the exit handlers run
+        else:
+            torchcompat.destroy_process_group()
+            del store  # stops rank 0's store server
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

@@ -31,7 +31,7 @@ from ..config import (
     strategy_environment,
 )
 from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
-from ..platform import cudatrace, environment
+from ..platform import cudatrace, environment, forksafe
 from ..platform.hardware import default_num_processes
 
 RDZV_BACKENDS = ("static", "c10d")
@@ -203,6 +203,27 @@ def _start_method(requested: str) -> str:
     return "fork"
 
 
+def _fork_safe_threads(threads: int | None) -> int | None:
+    """1 compute thread per forked worker where the kernel's OpenMP pool cannot be released."""
+    inherited = os.environ.get("OMP_NUM_THREADS", "").strip()  # threads=None: the user's
+    if (threads if threads is not None else inherited) in (1, "1"):
+        return threads  # single-threaded workers never touch the pool
+    stuck = forksafe.unreleasable_openmp_runtimes()
+    if not stuck:
+        return threads
+    warnings.warn(
+        f"this torch's OpenMP runtime ({os.path.basename(stuck[0])}, older than OpenMP 5.0; "
+        "torch 2.4's wheels ship it) cannot release the kernel's thread pool before fork, so "
+        "a forked worker's first multi-threaded op would wait for ever on pool threads that "
+        "do not exist in it. The workers run with 1 compute thread each; do not raise "
+        "torch.set_num_threads in the function. For multi-threaded workers pass "
+        "start_method='spawn', or use torch >= 2.5.",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+    return 1
+
+
 def _spawn_payload(function: Any, args: tuple[Any, ...]) -> bytes:
     import dill
 
@@ -351,6 +372,8 @@ def _decide(
         method, threads = "kernel", None
     else:
         method = _start_method(cfg.start_method)
+    if method == "fork":
+        threads = _fork_safe_threads(threads)
     payload = _spawn_payload(function, args) if method == "spawn" else None
     env = worker_env(cfg, threads)
     return LaunchPlan(function, args, cfg, nproc, method, env, threads, payload, **common)

@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
 import os
@@ -193,7 +192,7 @@ def _count(store: Any, key: str, done_key: str, total: int) -> None:
         store.set(done_key, "1")
 
 
-def leave(store: Any, *, is_host: bool, world_size: int) -> None:
+def leave(store: Any, *, is_host: bool, world_size: int) -> bool:
     """Exit barrier on the launcher's store, run before a worker tears its group down.
 
     A rank that destroyed its process group (and rank 0, its store) while a slower
@@ -201,17 +200,27 @@ def leave(store: Any, *, is_host: bool, world_size: int) -> None:
     bytes". So every rank first waits until all have finished (phase 1); then rank 0,
     which hosts the store, waits until all others have stopped using it (phase 2).
     Each wait is bounded by :data:`EXIT_GRACE`.
+
+    Returns:
+        True when this rank saw every rank arrive (and, on rank 0, leave): no peer will
+        use this process's group or store again, so the process may exit without
+        tearing them down. True for a single process, False without a store.
     """
-    if store is None or world_size < 2:
-        return
+    if world_size < 2:
+        return True
+    if store is None:
+        return False
     grace = datetime.timedelta(seconds=EXIT_GRACE)
-    with contextlib.suppress(Exception):
+    try:
         _count(store, _EXITED, _ALL_EXITED, world_size)
         store.wait([_ALL_EXITED], grace)
         if is_host:
             store.wait([_ALL_LEFT], grace)
         else:
             _count(store, _LEFT, _ALL_LEFT, world_size - 1)
+    except Exception:  # a peer died or timed out: tear down the careful way
+        return False
+    return True
 
 
 def _bind(addr: str, port: int, *, allow_wildcard: bool) -> socket.socket:

@@ -176,7 +176,10 @@ def _fork(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
 
 
 def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The folder that holds the ``nbaccel`` package (not the package itself: on the path,
+    that one would shadow the standard library with ``nbaccel/logging.py``)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(package)
 
 
 def _spawn(spec: WorkerSpec) -> subprocess.Popen[bytes]:

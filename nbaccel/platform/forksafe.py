@@ -59,6 +59,20 @@ def release_openmp_threads() -> bool:
     return paused
 
 
+def unreleasable_openmp_runtimes() -> list[str]:
+    """Loaded OpenMP runtimes that cannot release their pool (older than OpenMP 5.0).
+
+    torch 2.4's wheels ship such a libgomp. Once the kernel has run a multi-threaded op,
+    a forked child's first multi-threaded op there waits for ever; single-threaded
+    children are safe.
+
+    Example:
+        >>> isinstance(unreleasable_openmp_runtimes(), list)
+        True
+    """
+    return [path for path in _loaded_openmp_libraries() if _pause_function(path) is None]
+
+
 @functools.lru_cache(maxsize=8)
 def _pause_function(path: str) -> Any:
     """``omp_pause_resource_all`` of an already-mapped runtime (looked up once per
@@ -72,4 +86,4 @@ def _pause_function(path: str) -> Any:
     return pause
 
 
-__all__ = ["release_openmp_threads"]
+__all__ = ["release_openmp_threads", "unreleasable_openmp_runtimes"]

@@ -248,7 +248,7 @@ def _init_process_group(
 
 
 def _destroy_group_at_exit() -> None:
-    torchcompat.destroy_process_group()  # never raises: at exit there is nobody to tell
+    torchcompat.destroy_process_group_at_exit()  # never raises: at exit nobody is told
 
 
 def _adopted_environment(env: EnvironmentSnapshot) -> EnvironmentSnapshot:
