@@ -163,13 +163,18 @@ def _print_profile(name: str, prof: Any, steps: int, top: int) -> None:
         print(prof.profiler.output_text(unicode=False, color=False, show_all=False))
 
 
-def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
+def join_gloo_group(rank: int, world: int, port: int) -> None:
+    """A forked bench worker: rank environment, one compute thread, the gloo group."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
+    join_gloo_group(rank, world, port)
     try:
         steps = EPOCHS * (SAMPLES // (BATCH * world))
         for variant in opts.variants:
