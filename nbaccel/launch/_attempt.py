@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -79,8 +78,7 @@ def start_attempt(
         return _supervisor(plan, ranks, want, streams, on_event, procs)
     except BaseException:  # e.g. an interrupt right now: no unsupervised worker may remain
         for proc in procs:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(5)
+            proc.kill()
             for fd in proc.fds.values():
                 with contextlib.suppress(OSError):
                     os.close(fd)

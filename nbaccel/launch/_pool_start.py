@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import time
@@ -141,8 +140,7 @@ def _start(
         )
     except BaseException:
         for proc in procs:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(5)
+            proc.kill()
         raise
 
 

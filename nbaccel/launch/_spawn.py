@@ -30,8 +30,10 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,21 +59,30 @@ class WorkerProcess:
     exit_time: float | None = None
     killed_by_us: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # poll() may run in the kernel's thread and in a background reaper at once: one waitpid
+    # at a time, so the exit status is read once and a reused pid is never waited for
+    _reap_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    #: seconds to wait for a worker to vanish after SIGKILL before a thread takes over
+    KILL_WAIT = 5.0
 
     def poll(self) -> int | None:
         """Reap without blocking; negative return codes are signals (as in subprocess)."""
         if self.returncode is not None:
             return self.returncode
-        if self.popen is not None:
-            code = self.popen.poll()
-        else:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # someone else reaped it (SIGCHLD=SIG_IGN, os.wait())
-                pid, status = self.pid, 255 << 8
-            code = None if pid == 0 else os.waitstatus_to_exitcode(status)
-        if code is not None:
-            self.returncode, self.exit_time = code, time.time()
+        with self._reap_lock:
+            if self.returncode is not None:
+                return self.returncode
+            if self.popen is not None:
+                code = self.popen.poll()
+            else:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # someone else reaped it (SIGCHLD=SIG_IGN, os.wait())
+                    pid, status = self.pid, 255 << 8
+                code = None if pid == 0 else os.waitstatus_to_exitcode(status)
+            if code is not None:
+                self.returncode, self.exit_time = code, time.time()
         return code
 
     def wait(self, timeout: float) -> int | None:
@@ -80,6 +91,34 @@ class WorkerProcess:
         while self.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         return self.returncode
+
+    def reap(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` seconds for the exit; if it has not come, a daemon thread
+        waits for it, so the kernel never keeps a zombie of a worker it let go."""
+        code = self.wait(timeout)
+        if code is None:
+            threading.Thread(
+                target=self._reap_when_exited, name=f"nbaccel-reap-{self.pid}", daemon=True
+            ).start()
+        return code
+
+    def kill(self, timeout: float | None = None) -> int | None:
+        """SIGKILL, then :meth:`reap` (``timeout`` defaults to :attr:`KILL_WAIT`)."""
+        self.send_signal(signal.SIGKILL)
+        return self.reap(self.KILL_WAIT if timeout is None else timeout)
+
+    def _reap_when_exited(self) -> None:
+        # A SIGKILLed process can take long to vanish (uninterruptible I/O, an overloaded
+        # machine); it still exits, and then it must be reaped by us, its parent.
+        if self.popen is not None:
+            with contextlib.suppress(Exception):
+                self.popen.wait()
+        elif hasattr(os, "waitid"):
+            # WNOWAIT: block until the exit without reaping, then reap under the lock
+            with contextlib.suppress(ChildProcessError, InterruptedError):
+                os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        while self.poll() is None:  # no waitid (macOS), or interrupted
+            time.sleep(0.1)
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
@@ -137,19 +176,20 @@ def start_workers(
                 own = set(spec.fds.values())
                 spec.close_fds = [fd for fd in every_fd if fd not in own]
                 spec.close_fds += [fd for fd in close_in_children if fd != spec.store_fd]
-                pid = _fork(spec, function, args)
-                procs.append(WorkerProcess(spec.rank, spec.local_rank, pid, reads))
+                with _interrupts_deferred():  # an interrupt now must not lose the pid
+                    pid = _fork(spec, function, args)
+                    procs.append(WorkerProcess(spec.rank, spec.local_rank, pid, reads))
             else:
-                popen = _spawn(spec)
-                procs.append(WorkerProcess(spec.rank, spec.local_rank, popen.pid, reads, popen))
+                with _interrupts_deferred():
+                    popen = _spawn(spec)
+                    procs.append(WorkerProcess(spec.rank, spec.local_rank, popen.pid, reads, popen))
         if method != "fork":
             assert payload is not None
             for spec, proc in zip(specs, procs, strict=True):
                 _send_job(proc, spec, payload)
     except BaseException as err:
         for proc in procs:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(5)
+            proc.kill()
         _close_all(every_fd)
         if isinstance(err, OSError):
             raise LaunchError(f"could not start the worker processes: {err}") from err
@@ -162,6 +202,33 @@ def start_workers(
         for fd in proc.fds.values():
             os.set_blocking(fd, False)
     return procs
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold a notebook interrupt (SIGINT) back until the block ends.
+
+    An interrupt that lands while ``os.fork()`` runs raises KeyboardInterrupt as soon as
+    the call returns, before its pid is stored anywhere: that worker would live on,
+    unsupervised. Inside the block SIGINT is only recorded; after it, the kernel's own
+    handler gets the signal, where the cleanup in :func:`start_workers` knows every worker.
+    (Blocking the signal with ``pthread_sigmask`` would not do: the OS then hands it to
+    another of the kernel's threads, and Python still raises in this one.)
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()  # handlers run there only
+        or signal.getsignal(signal.SIGINT) is None  # not Python's: cannot be put back
+    ):
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _fork(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:

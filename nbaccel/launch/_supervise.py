@@ -273,7 +273,7 @@ class Supervisor:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
         for proc in alive:
-            proc.wait(5.0)
+            proc.reap(proc.KILL_WAIT)
         for child in descendants:
             with contextlib.suppress(Exception):
                 child.kill()

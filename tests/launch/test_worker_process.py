@@ -1,0 +1,105 @@
+"""The kernel's side of a worker process: it is always reaped, and never lost to an interrupt.
+
+Real child processes; the conftest fixture fails a test that leaves a child (or a zombie:
+an exited child nobody waited for) behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from nbaccel import notebook_launcher
+from nbaccel.launch import _spawn
+from nbaccel.launch._spawn import WorkerProcess
+
+pytestmark = pytest.mark.integration
+
+
+def _child_ignoring_sigterm() -> int:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.close(read)
+            os.write(write, b"ready")
+            while True:
+                time.sleep(1)
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 5) == b"ready"
+    os.close(read)
+    return pid
+
+
+def _is_our_zombie_or_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).ppid() == os.getpid()
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_worker_that_outlives_the_wait_is_reaped_when_it_exits():
+    # e.g. SIGKILLed while stuck in uninterruptible I/O on an overloaded machine: the
+    # launcher stops waiting after KILL_WAIT seconds, but the kernel must not keep a zombie
+    pid = _child_ignoring_sigterm()
+    proc = WorkerProcess(rank=0, local_rank=0, pid=pid, fds={})
+    proc.send_signal(signal.SIGTERM)
+    assert proc.reap(0.2) is None  # still running: SIGTERM is ignored
+    os.kill(pid, signal.SIGKILL)  # it exits later, with nobody in the launcher waiting
+    deadline = time.monotonic() + 5
+    while _is_our_zombie_or_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _is_our_zombie_or_alive(pid), psutil.Process(pid).status()
+    assert proc.returncode == -signal.SIGKILL
+    assert proc.poll() == -signal.SIGKILL  # the status is read once and kept
+
+
+def test_kill_reaps_even_with_no_time_to_wait():
+    pid = _child_ignoring_sigterm()
+    proc = WorkerProcess(rank=0, local_rank=0, pid=pid, fds={})
+    proc.kill(timeout=0.0)
+    deadline = time.monotonic() + 5
+    while proc.returncode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.returncode == -signal.SIGKILL
+    assert not _is_our_zombie_or_alive(pid)
+
+
+def _never_runs() -> None:  # pragma: no cover - the launch is interrupted first
+    time.sleep(60)
+
+
+def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
+    # A notebook interrupt that arrives while os.fork() runs is raised the moment the call
+    # returns. Here the interrupt arrives just after the first fork: the launch must end
+    # with KeyboardInterrupt and with that worker killed and reaped, not running on alone.
+    real_fork = _spawn._fork
+    forked: list[int] = []
+
+    def fork_then_interrupt(spec, function, args):
+        pid = real_fork(spec, function, args)
+        forked.append(pid)
+        os.kill(os.getpid(), signal.SIGINT)
+        return pid
+
+    monkeypatch.setattr(_spawn, "_fork", fork_then_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            notebook_launcher(_never_runs, num_processes=2, start_method="fork")
+        assert len(forked) == 1, "the interrupt was not raised right after the first fork"
+        deadline = time.monotonic() + 5
+        while _is_our_zombie_or_alive(forked[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _is_our_zombie_or_alive(forked[0]), "the forked worker was left behind"
+    finally:
+        for pid in forked:  # before the fix: do not leak it into the next tests
+            if _is_our_zombie_or_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
