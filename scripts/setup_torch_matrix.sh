@@ -21,6 +21,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Some machines cap pip at the torch they keep on disk (a global `constraint = ...` in
+# /etc/pip.conf, e.g. torch<=2.14.1), which makes the NEWEST release of the matrix
+# uninstallable ("ResolutionImpossible"). The matrix venvs install an exact torch wheel on
+# purpose, without its CUDA wheels, so this script alone asks pip for no constraints.
+export PIP_CONSTRAINT=/dev/null
 source scripts/torch_matrix.env  # TORCH_MATRIX: the versions, oldest first
 if [ "$#" -gt 0 ]; then VERSIONS=("$@"); else read -r -a VERSIONS <<<"$TORCH_MATRIX"; fi
 

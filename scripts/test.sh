@@ -34,5 +34,5 @@ echo "==================== test summary: passed tests per torch version ========
 cat "$SUMMARY"
 passed=$({ grep -oE '[0-9]+ passed' "$SUMMARY" || true; } | awk '{s += $1} END {print s + 0}')
 failed=$({ grep -oE '[0-9]+ (failed|errors?)' "$SUMMARY" || true; } | awk '{s += $1} END {print s + 0}')
-echo "all: $passed passed, $failed failed"
+echo "all: $passed passed, $failed failed$([ "$status" -eq 0 ] || echo " (exit 1: see the lines above)")"
 exit "$status"

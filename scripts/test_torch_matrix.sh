@@ -14,7 +14,12 @@ if [ "$#" -gt 0 ]; then VERSIONS=("$@"); else read -r -a VERSIONS <<<"$TORCH_MAT
 read -r -a TESTS <<<"$TORCH_MATRIX_TESTS"
 IGNORE=()
 for path in $TORCH_MATRIX_IGNORE; do IGNORE+=("--ignore=$path"); done
-bash scripts/setup_torch_matrix.sh "${VERSIONS[@]}" || exit 1
+if ! bash scripts/setup_torch_matrix.sh "${VERSIONS[@]}"; then
+  line="torch ${VERSIONS[*]}: NOT RUN, scripts/setup_torch_matrix.sh failed (its error is above)"
+  echo "$line"
+  if [ -n "${NBACCEL_SUMMARY_FILE:-}" ]; then echo "$line" >>"$NBACCEL_SUMMARY_FILE"; fi
+  exit 1
+fi
 
 status=0
 lines=()
