@@ -61,7 +61,22 @@ def _only_the_pool_is_left(kernel: KernelSession) -> Iterator[None]:
         time.sleep(0.1)
     assert not extra, f"processes besides the pool's workers:\n{describe_processes(extra)}"
     zombies = [p for p in psutil.Process(kernel.pid).children() if p.status() == "zombie"]
-    assert not zombies, describe_processes(zombies)
+    assert not zombies, f"{describe_processes(zombies)}\n{_zombie_owners(kernel, zombies)}"
+
+
+def _zombie_owners(kernel: KernelSession, zombies: list[psutil.Process]) -> str:
+    """Which of nbaccel's worker records in the kernel knew each zombie, for the message."""
+    pids = sorted(p.pid for p in zombies)
+    started = {p.pid: time.strftime("%H:%M:%S", time.localtime(p.create_time())) for p in zombies}
+    try:
+        owners = kernel.evaluate_json(
+            "[{k: getattr(o, k) for k in ('pid', 'rank', 'returncode', 'killed_by_us')} "
+            "for o in __import__('gc').get_objects() "
+            f"if type(o).__name__ == 'WorkerProcess' and o.pid in {pids}]"
+        )
+    except Exception as err:  # the message must not hide the assertion
+        owners = f"<could not ask the kernel: {err}>"
+    return f"started at {started}; nbaccel's records of them in the kernel: {owners}"
 
 
 # ---------------------------------------------------------------------------- run, push, pull
