@@ -33,7 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..platform import torchcompat
+from ..platform import forksafe, torchcompat
 from ..tracking import events, progress  # progress (tqdm) here: workers inherit it imported
 from . import _agreement, _rendezvous
 from ._preload import IMPORTED_EVENT, worker_report_modules
@@ -193,6 +193,8 @@ def _run(spec: WorkerSpec, function: Any, args: tuple[Any, ...], *, forked: bool
             )
         # multi-node: the nodes agree on world size, versions and start method first
         _agreement.agree(store, spec.env, spec.timeout)
+        if forked:  # torch 2.4: a multi-threaded op would hang (see the function)
+            forksafe.keep_forked_worker_single_threaded()
         _set_threads(spec.threads)
         try:
             value = function(*args)

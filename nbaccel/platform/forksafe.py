@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
+import warnings
 from typing import Any
 
 # omp_pause_resource_t values from the OpenMP 5.0 specification
@@ -44,6 +46,12 @@ def _loaded_openmp_libraries() -> list[str]:
     return paths
 
 
+# Set by release_openmp_threads() in the kernel right before it forks, so that forked
+# workers inherit it: a loaded runtime could not release its pool (see
+# keep_forked_worker_single_threaded).
+_UNRELEASED = [False]
+
+
 def release_openmp_threads() -> bool:
     """Release every loaded OpenMP runtime's thread pool before a fork.
 
@@ -51,12 +59,58 @@ def release_openmp_threads() -> bool:
         True if at least one runtime was paused; False if none is loaded or the
         runtime predates OpenMP 5.0 (then workers fall back to what the runtime does).
     """
-    paused = False
+    paused = unreleased = False
     for path in _loaded_openmp_libraries():
         pause = _pause_function(path)
-        if pause is not None:
+        if pause is None:
+            unreleased = True
+        else:
             paused = pause(_OMP_PAUSE_SOFT) == 0 or paused
+    _UNRELEASED[0] = unreleased
     return paused
+
+
+def keep_forked_worker_single_threaded() -> bool:
+    """In a worker forked after :func:`release_openmp_threads` met a runtime it could not
+    release: ``torch.set_num_threads(n)`` with ``n > 1`` warns and keeps 1 thread.
+
+    The worker's first multi-threaded op would otherwise wait for ever on the kernel's pool
+    threads, which do not exist in it, and on every rank at once, so no peer finishes and
+    no timeout fires. The launcher already starts such workers with 1 thread; this keeps a
+    training function that raises the count itself from hanging.
+
+    Returns:
+        True if ``torch.set_num_threads`` is guarded in this process.
+
+    Example:
+        >>> keep_forked_worker_single_threaded() in (True, False)
+        True
+    """
+    torch = sys.modules.get("torch")
+    if not _UNRELEASED[0] or torch is None:
+        return False
+    original = torch.set_num_threads
+    if getattr(original, "_nbaccel_single_threaded", False):
+        return True
+
+    @functools.wraps(original)
+    def set_num_threads(num: int) -> None:
+        if int(num) > 1:
+            warnings.warn(
+                f"torch.set_num_threads({num}) in a forked worker: this torch's OpenMP "
+                "runtime (older than OpenMP 5.0, as torch 2.4's wheels ship) could not "
+                "release the kernel's thread pool, so a multi-threaded op here would wait "
+                "for ever. The worker keeps 1 compute thread. For more, launch with "
+                "start_method='spawn', or use torch >= 2.5.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            num = 1
+        original(num)
+
+    set_num_threads._nbaccel_single_threaded = True  # type: ignore[attr-defined]
+    setattr(torch, "set_num_threads", set_num_threads)  # noqa: B010 - a module attribute
+    return True
 
 
 def unreleasable_openmp_runtimes() -> list[str]:
@@ -86,4 +140,8 @@ def _pause_function(path: str) -> Any:
     return pause
 
 
-__all__ = ["release_openmp_threads", "unreleasable_openmp_runtimes"]
+__all__ = [
+    "keep_forked_worker_single_threaded",
+    "release_openmp_threads",
+    "unreleasable_openmp_runtimes",
+]

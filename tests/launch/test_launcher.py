@@ -483,7 +483,7 @@ def test_fork_after_the_kernel_used_openmp_does_not_hang():
 
 UNRELEASABLE_POOL = textwrap.dedent(
     """
-    import json, os, warnings, torch
+    import io, json, os, warnings, torch
     from nbaccel import notebook_launcher
     from nbaccel.platform import environment, forksafe
 
@@ -493,6 +493,10 @@ UNRELEASABLE_POOL = textwrap.dedent(
         a = torch.randn(512, 512)  # big enough for a parallel region
         return int((a @ a).shape[0]), torch.get_num_threads()
 
+    def own_threads_matmul():
+        torch.set_num_threads(2)  # as many training scripts do first
+        return default_threads_matmul()
+
     if __name__ == "__main__":
         torch.set_num_threads(2)
         a = torch.randn(512, 512)
@@ -500,10 +504,15 @@ UNRELEASABLE_POOL = textwrap.dedent(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             size, threads = notebook_launcher(default_threads_matmul, num_processes=2, timeout=60)
+        out = io.StringIO()  # the workers' stderr, as the cell would show it
+        own_size, own_threads = notebook_launcher(
+            own_threads_matmul, num_processes=2, timeout=60, output=out
+        )
         print(json.dumps({
             "size": size, "threads": threads,
             "warned": any("OpenMP" in str(w.message) for w in caught),
             "stuck": bool(forksafe.unreleasable_openmp_runtimes()),
+            "own": [own_size, own_threads], "worker_output": out.getvalue(),
         }))
     """
 )
@@ -512,7 +521,8 @@ UNRELEASABLE_POOL = textwrap.dedent(
 def test_forked_workers_never_wait_on_an_unreleasable_openmp_pool(tmp_path):
     # torch 2.4's libgomp cannot release the kernel's pool before fork, and a worker's first
     # multi-threaded op then waited for ever (on both ranks: no finished rank, so no hang
-    # report either). In a fresh interpreter: such a pool, once started, stays in the process.
+    # report either), also when the function raised the thread count itself. In a fresh
+    # interpreter: such a pool, once started, stays in the process.
     script = tmp_path / "kernel.py"
     script.write_text(UNRELEASABLE_POOL)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -524,6 +534,11 @@ def test_forked_workers_never_wait_on_an_unreleasable_openmp_pool(tmp_path):
     assert out["size"] == 512
     assert out["threads"] == (1 if out["stuck"] else 2)
     assert out["warned"] == out["stuck"]
+    # the function's own torch.set_num_threads(2): kept at 1, with the reason, where it
+    # would hang; honoured elsewhere
+    assert out["own"] == [512, 1 if out["stuck"] else 2], out
+    kept = "torch.set_num_threads(2) in a forked worker" in out["worker_output"]
+    assert kept == out["stuck"], out["worker_output"]
 
 
 def test_output_is_forwarded_whole_lines_with_prefix():
