@@ -7,7 +7,8 @@
   ``_preload`` prepares the kernel before a fork (``torch._dynamo`` only when the launched
   code needs it);
   ``_supervise``, ``_output``, ``_failures``, ``_wire`` bring output, results and the
-  first real error back; ``_bootstrap`` and ``_worker_os`` run in the worker before the
+  first real error back; ``_status`` keeps each rank's live state for ``status()`` and
+  the listeners (a launch's and a pool's); ``_bootstrap`` and ``_worker_os`` run in the worker before the
   user's function; ``_xla`` starts TPU workers through ``xmp.spawn``;
 * :mod:`~nbaccel.launch.pool` -- ``start_workers``/``WorkerPool``: warm workers kept
   across cells (``_pool_start`` starts them, ``_pool_worker`` is their job loop,

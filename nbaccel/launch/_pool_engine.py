@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 import linecache
@@ -26,7 +25,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import LaunchError
@@ -35,10 +34,11 @@ from ._failures import add_note, pick_failure, remote_exception
 from ._pool_call import PoolBroken
 from ._pool_start import Workers, boot, forwarder
 from ._preflight import LaunchPlan
+from ._status import Listener, RankStatus
 from ._supervise import Stopped
 from ._wire import HEADER, loads
 
-Listener = Callable[[int, str, dict], Any]
+_SETTLED = {"finished": "idle", "failed": "idle"}
 
 
 class PoolEngine:
@@ -54,12 +54,8 @@ class PoolEngine:
         self._cells = itertools.count(1)
         self._handle: Any = None  # the LaunchHandle following the call in progress
         self._sent_sources: set[str] = set()
-        self._lock = threading.RLock()
-        self._listeners: list[Listener] = []
-        self._status: dict[int, dict[str, Any]] = {
-            r: {"state": "starting", "step": None, "scalars": {}, "pid": None, "last_event": None}
-            for r in self.ranks
-        }
+        # a finished or failed call leaves the workers waiting for the next one
+        self._board = RankStatus(self.ranks, "starting", renamed=_SETTLED)
 
     # ------------------------------------------------------------------ workers
     def start(self) -> None:
@@ -248,41 +244,20 @@ class PoolEngine:
             self._event(rank, "state", {"state": "finished" if ok else "failed"})
 
     def _event(self, rank: int, kind: str, data: dict) -> None:
-        with self._lock:
-            entry = self._status.setdefault(rank, {"state": "idle", "step": None, "scalars": {}})
-            if kind == "state":
-                state = data.get("state", entry["state"])
-                entry["state"] = "idle" if state in ("finished", "failed") else state
-                if data.get("pid"):
-                    entry["pid"] = data["pid"]
-            else:
-                entry["last_event"] = kind
-                if isinstance(data.get("step"), int):
-                    entry["step"] = data["step"]
-                if isinstance(data.get("values"), dict):
-                    entry["scalars"].update(
-                        {k: v for k, v in data["values"].items() if isinstance(v, int | float)}
-                    )
-            listeners = list(self._listeners)
+        listeners = self._board.record(rank, kind, data)
         handle = self._handle
-        if handle is not None:
+        if handle is not None:  # the call in progress shows its own states
             handle._on_event(rank, kind, data)
-        for callback in listeners:
-            with contextlib.suppress(Exception):
-                callback(rank, kind, data)
+        self._board.notify(listeners, rank, kind, data)
 
     def status(self) -> dict[int, dict[str, Any]]:
-        with self._lock:
-            return copy.deepcopy(self._status)
+        return self._board.snapshot()
 
     def add_listener(self, callback: Listener) -> Listener:
-        with self._lock:
-            self._listeners.append(callback)
-        return callback
+        return self._board.add_listener(callback)
 
     def remove_listener(self, callback: Listener) -> None:
-        with self._lock, contextlib.suppress(ValueError):
-            self._listeners.remove(callback)
+        self._board.remove_listener(callback)
 
 
 class CallDriver:

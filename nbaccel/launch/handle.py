@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import sys
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from ._attempt import start_attempt
 from ._preflight import LaunchPlan
+from ._status import Listener, RankStatus
 from ._supervise import Stopped, Supervisor
 
-Listener = Callable[[int, str, dict], Any]
 _LIVE: weakref.WeakSet[LaunchHandle] = weakref.WeakSet()
 _TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
 _atexit_registered = False
@@ -55,12 +53,7 @@ class LaunchHandle:
         nproc = plan.num_processes or 1
         self.ranks: list[int] = [plan.global_rank(i) for i in range(nproc)]
         self._want = set(self.ranks) if plan.return_all_ranks else {self.ranks[0]}
-        self._lock = threading.RLock()
-        self._status: dict[int, dict[str, Any]] = {
-            r: {"state": "starting", "step": None, "scalars": {}, "pid": None, "last_event": None}
-            for r in self.ranks
-        }
-        self._listeners: list[Listener] = []
+        self._board = RankStatus(self.ranks, "starting")
         self._done = threading.Event()
         self._stopping = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
@@ -119,25 +112,20 @@ class LaunchHandle:
 
     def status(self) -> dict[int, dict[str, Any]]:
         """A snapshot of every rank's state, step and latest scalars."""
-        with self._lock:
-            return copy.deepcopy(self._status)
+        return self._board.snapshot()
 
     def add_listener(self, callback: Listener) -> Listener:
         """Call ``callback(rank, kind, data)`` for every event; returns ``callback``."""
-        with self._lock:
-            self._listeners.append(callback)
-        return callback
+        return self._board.add_listener(callback)
 
     def remove_listener(self, callback: Listener) -> None:
         """Undo :meth:`add_listener`."""
-        with self._lock, contextlib.suppress(ValueError):
-            self._listeners.remove(callback)
+        self._board.remove_listener(callback)
 
     @property
     def pids(self) -> dict[int, int | None]:
         """Worker pids by rank (None before a worker has started)."""
-        with self._lock:
-            return {r: s["pid"] for r, s in self._status.items()}
+        return self._board.pids()
 
     def __repr__(self) -> str:
         states = sorted({s["state"] for s in self.status().values()})
@@ -145,28 +133,7 @@ class LaunchHandle:
 
     # ------------------------------------------------------------------ events
     def _on_event(self, rank: int, kind: str, data: dict) -> None:
-        with self._lock:
-            entry = self._status.setdefault(
-                rank, {"state": "starting", "step": None, "scalars": {}, "pid": None}
-            )
-            if kind == "state":
-                entry["state"] = data.get("state", entry["state"])
-                if data.get("pid"):
-                    entry["pid"] = data["pid"]
-            else:
-                entry["last_event"] = kind
-                step = data.get("step")
-                if isinstance(step, int) and not isinstance(step, bool):
-                    entry["step"] = step
-                values = data.get("values")
-                if isinstance(values, dict):
-                    entry["scalars"].update(
-                        {k: v for k, v in values.items() if isinstance(v, int | float)}
-                    )
-            listeners = list(self._listeners)
-        for callback in listeners:
-            with contextlib.suppress(Exception):  # a broken live view must not stop training
-                callback(rank, kind, data)
+        self._board.publish(rank, kind, data)
 
     # ------------------------------------------------------------------ running
     def _start_attempt(self) -> None:

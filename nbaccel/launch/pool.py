@@ -264,7 +264,7 @@ class WorkerPool:
             handle = LaunchHandle(plan)
             handle.ranks = list(targets)
             handle._want = set(targets if return_all_ranks else (want or targets[:1]))
-            handle._status = {r: s for r, s in handle._status.items() if r in targets}
+            handle._board.keep_only(targets)
             driver = CallDriver(engine, job, targets)
             driver.handle = handle
             handle._supervisor = driver  # type: ignore[assignment]

@@ -1,0 +1,108 @@
+"""Per-rank live status and event listeners, shared by a launch and a warm pool.
+
+Workers publish events (``state`` changes with a pid, logged ``step``/``values``, progress);
+a :class:`RankStatus` keeps the latest per rank for ``status()`` and ``pids``, and hands
+each event to the listeners (``nbaccel.monitor.watch``, the panel). A
+:class:`~nbaccel.launch.handle.LaunchHandle` and a
+:class:`~nbaccel.launch._pool_engine.PoolEngine` each own one.
+
+Example:
+    >>> board = RankStatus([0, 1], "starting")
+    >>> board.publish(1, "log", {"step": 3, "values": {"loss": 0.5}})
+    >>> board.snapshot()[1]["step"], board.snapshot()[1]["scalars"]
+    (3, {'loss': 0.5})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+Listener = Callable[[int, str, dict], Any]
+
+
+def _entry(state: str) -> dict[str, Any]:
+    return {"state": state, "step": None, "scalars": {}, "pid": None, "last_event": None}
+
+
+class RankStatus:
+    """Thread-safe ``rank -> {state, step, scalars, pid, last_event}`` plus listeners.
+
+    Args:
+        ranks: the ranks shown from the start.
+        state: every rank's state until its first ``state`` event.
+        renamed: states shown under another name (a pool shows a finished call as
+            ``"idle"``: its workers wait for the next one).
+    """
+
+    def __init__(
+        self, ranks: Iterable[int], state: str, *, renamed: Mapping[str, str] | None = None
+    ) -> None:
+        self._lock = threading.Lock()
+        self._initial = state
+        self._renamed = dict(renamed or {})
+        self._table: dict[int, dict[str, Any]] = {r: _entry(state) for r in ranks}
+        self._listeners: list[Listener] = []
+
+    def record(self, rank: int, kind: str, data: dict) -> list[Listener]:
+        """Apply one event; return the listeners to call with it (outside any lock)."""
+        with self._lock:
+            entry = self._table.setdefault(rank, _entry(self._initial))
+            if kind == "state":
+                state = data.get("state", entry["state"])
+                entry["state"] = self._renamed.get(state, state)
+                if data.get("pid"):
+                    entry["pid"] = data["pid"]
+            else:
+                entry["last_event"] = kind
+                step = data.get("step")
+                if isinstance(step, int) and not isinstance(step, bool):
+                    entry["step"] = step
+                values = data.get("values")
+                if isinstance(values, dict):
+                    entry["scalars"].update(
+                        {k: v for k, v in values.items() if isinstance(v, int | float)}
+                    )
+            return list(self._listeners)
+
+    @staticmethod
+    def notify(listeners: list[Listener], rank: int, kind: str, data: dict) -> None:
+        """Call each listener; a broken live view must not stop training."""
+        for callback in listeners:
+            with contextlib.suppress(Exception):
+                callback(rank, kind, data)
+
+    def publish(self, rank: int, kind: str, data: dict) -> None:
+        """:meth:`record`, then :meth:`notify`."""
+        self.notify(self.record(rank, kind, data), rank, kind, data)
+
+    def snapshot(self) -> dict[int, dict[str, Any]]:
+        """A deep copy of the table."""
+        with self._lock:
+            return copy.deepcopy(self._table)
+
+    def pids(self) -> dict[int, int | None]:
+        """Worker pids by rank (None before a worker has started)."""
+        with self._lock:
+            return {r: s["pid"] for r, s in self._table.items()}
+
+    def keep_only(self, ranks: Iterable[int]) -> None:
+        """Forget every rank not in ``ranks`` (a pool call on a subset of the workers)."""
+        wanted = set(ranks)
+        with self._lock:
+            self._table = {r: s for r, s in self._table.items() if r in wanted}
+
+    def add_listener(self, callback: Listener) -> Listener:
+        with self._lock:
+            self._listeners.append(callback)
+        return callback
+
+    def remove_listener(self, callback: Listener) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
+
+
+__all__ = ["Listener", "RankStatus"]
