@@ -8,8 +8,8 @@
   code needs it);
   ``_supervise``, ``_output``, ``_failures``, ``_wire`` bring output, results and the
   first real error back; ``_status`` keeps each rank's live state for ``status()`` and
-  the listeners (a launch's and a pool's); ``_bootstrap`` and ``_worker_os`` run in the worker before the
-  user's function; ``_xla`` starts TPU workers through ``xmp.spawn``;
+  the listeners (a launch's and a pool's); ``_bootstrap`` and ``_worker_os`` run in the
+  worker before the user's function; ``_xla`` starts TPU workers through ``xmp.spawn``;
 * :mod:`~nbaccel.launch.pool` -- ``start_workers``/``WorkerPool``: warm workers kept
   across cells (``_pool_start`` starts them, ``_pool_worker`` is their job loop,
   ``_pool_engine``/``_pool_call`` run and supervise one call); :mod:`~nbaccel.launch.magic`
