@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import linecache
 import pickle
 import sys
 import threading
@@ -226,11 +225,8 @@ class PoolEngine:
 
     def _new_sources(self) -> dict[str, Any]:
         """Notebook cells not yet sent to these workers (for their tracebacks)."""
-        out = {}
-        for name, entry in list(linecache.cache.items()):
-            if len(entry) == 4 and entry[1] is None and name not in self._sent_sources:
-                out[name] = entry
-                self._sent_sources.add(name)
+        out = environment.notebook_cell_sources(skip=self._sent_sources)  # IPython 7 and 8
+        self._sent_sources.update(out)
         return out
 
     # ------------------------------------------------------------------ status

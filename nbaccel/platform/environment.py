@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import linecache
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Container
 from typing import Any
 
 from .hosts import tpu_devices
@@ -66,6 +68,28 @@ def in_kernel_process() -> bool:
     if owner is None:
         owner = getattr(sys.stdout, "_master_pid", os.getpid())
     return bool(owner == os.getpid())
+
+
+def notebook_cell_sources(skip: Container[str] = ()) -> dict[str, tuple[Any, ...]]:
+    """The notebook cells in ``linecache`` (no file on disk), for remote tracebacks.
+
+    IPython 8 caches a cell with no modification time; IPython 7 (Colab ships 7.34) with
+    the time of the cell and in ``linecache._ipython_cache`` too. Both are returned as
+    entries without a time, which ``linecache.checkcache`` leaves alone in the worker.
+
+    Args:
+        skip: cell names to leave out (already sent).
+
+    Example:
+        >>> isinstance(notebook_cell_sources(), dict)
+        True
+    """
+    ipython7 = getattr(linecache, "_ipython_cache", {})
+    return {
+        name: (entry[0], None, entry[2], entry[3])
+        for name, entry in list(linecache.cache.items())
+        if name not in skip and len(entry) == 4 and (entry[1] is None or name in ipython7)
+    }
 
 
 def cpu_count() -> int:
@@ -251,6 +275,7 @@ __all__ = [
     "in_notebook",
     "is_loopback",
     "loopback_interface",
+    "notebook_cell_sources",
     "summary",
     "tpu_core_count",
     "tpu_present",

@@ -26,6 +26,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol, TextIO
 
+from ._widgets_compat import widget_mimebundle
+
 _TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
 _COLORS = {
     "running": "#1565c0",
@@ -275,7 +277,7 @@ class RunMonitor:
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle: dict[str, Any] = {}
         if self.widget is not None:
-            bundle.update(self.widget._repr_mimebundle_(**kwargs) or {})
+            bundle.update(widget_mimebundle(self.widget, **kwargs))
         bundle["text/plain"] = self.text()  # the table, not the widget's repr
         return bundle
 

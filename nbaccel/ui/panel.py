@@ -48,6 +48,7 @@ from ..platform.hardware import (
     detect_hardware,
     notebook_host,
 )
+from ._widgets_compat import tooltip_kwargs
 from .monitor import RunMonitor
 
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
@@ -210,7 +211,7 @@ class LaunchPanel(widgets.VBox):
         kind, choices = field_kind(name)
         common: dict[str, Any] = {
             "description": _label(name),
-            "tooltip": field_help().get(name, ""),
+            **tooltip_kwargs(field_help().get(name, "")),
             "style": _STYLE,
             "layout": widgets.Layout(width=_ROW_WIDTH),
         }
