@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import linecache
 import os
 import pickle
 import signal
@@ -32,12 +31,12 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LaunchError
+from ..platform import environment, forksafe
 from ._bootstrap import WorkerSpec, fork_main
 from ._preload import preload
 from ._wire import HEADER
@@ -167,6 +166,7 @@ def start_workers(
     every_fd = [fd for p in pipes for pair in p.values() for fd in pair]
     procs: list[WorkerProcess] = []
     if method == "fork":
+        forksafe.warn_if_fork_unsafe()  # a warning in the cell unless the fork is checked safe
         before_fork()
     try:
         for spec, pipe in zip(specs, pipes, strict=True):
@@ -232,10 +232,7 @@ def _interrupts_deferred() -> Iterator[None]:
 
 
 def _fork(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
-    with warnings.catch_warnings():
-        # Python >= 3.12 warns about fork() in a multi-threaded process (every kernel is
-        # one); the child only runs nbaccel's bootstrap and the user's function.
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with forksafe.forking():  # Python >= 3.12's generic warning; check_fork decided instead
         pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child, which always os._exit()s
         fork_main(spec, function, args)
@@ -273,11 +270,7 @@ def _spawn(spec: WorkerSpec) -> subprocess.Popen[bytes]:
 
 def _notebook_sources() -> dict[str, Any]:
     """linecache entries without a file on disk (notebook cells), for remote tracebacks."""
-    return {
-        name: entry
-        for name, entry in list(linecache.cache.items())
-        if len(entry) == 4 and entry[1] is None
-    }
+    return environment.notebook_cell_sources()  # IPython 7's cells (Colab) and 8's
 
 
 def _send_job(proc: WorkerProcess, spec: WorkerSpec, payload: bytes) -> None:

@@ -1,10 +1,18 @@
-"""Make the OpenMP runtime safe to fork from a process that already used it.
+"""Fork safety: the OpenMP pool released before a fork, and what a fork is told about.
 
 GNU libgomp is not fork-safe: once the parent (a notebook kernel that ran any
 multi-threaded torch op) has started its thread pool, a forked child that runs a
 multi-threaded op waits for ever on pool threads that do not exist in the child.
 OpenMP 5.0's ``omp_pause_resource_all`` releases the pool in the parent; the
 next parallel region (in the parent or a child) simply starts a fresh one.
+
+Python >= 3.12 warns on every ``os.fork()`` in a multi-threaded process ("This process
+is multi-threaded, use of fork() may lead to deadlocks in the child"), and a kernel
+always is. :func:`check_fork` decides instead, from what nbaccel can see: the kernel's
+own threads (ipykernel, IPython, tqdm, nbaccel) hold nothing a worker needs; any other
+Python thread might. :func:`forking` wraps the fork: Python's generic warning is
+replaced by nbaccel's verdict, a warning that names the threads and the fix only where
+the fork was not checked to be safe.
 
 Example:
     >>> from nbaccel.platform.forksafe import release_openmp_threads
@@ -14,11 +22,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 # omp_pause_resource_t values from the OpenMP 5.0 specification
@@ -140,8 +152,111 @@ def _pause_function(path: str) -> Any:
     return pause
 
 
+# Top-level packages whose threads a forked worker never needs: Jupyter's kernel machinery
+# (shell/IOPub/heartbeat/control threads, output pipes, history, parent poller), Colab's and
+# the debugger's, progress bars' monitors, and nbaccel's own supervisors. Their locks stay
+# with the kernel; the worker runs only nbaccel's bootstrap and the user's function.
+KNOWN_THREAD_PACKAGES = frozenset(
+    {"ipykernel", "IPython", "jupyter_client", "zmq", "tornado", "comm", "debugpy", "tqdm",
+     "google", "nbaccel"}
+)  # fmt: skip
+# Python's own warning (3.12+), replaced by check_fork's verdict.
+_PYTHON_FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead"
+
+
+def unknown_threads() -> list[str]:
+    """Names of the live Python threads (besides the calling one and the main thread) that
+    were started by code other than :data:`KNOWN_THREAD_PACKAGES`.
+
+    Example:
+        >>> unknown_threads()
+        []
+    """
+    found = []
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or thread is threading.main_thread():
+            continue
+        target = getattr(thread, "_target", None)  # Thread(target=...): whose code runs
+        origins = {type(thread).__module__, getattr(target, "__module__", None) or ""}
+        origins -= {"threading", ""}  # a plain Thread: its target tells
+        if not origins or not all(o.split(".")[0] in KNOWN_THREAD_PACKAGES for o in origins):
+            found.append(thread.name)
+    return found
+
+
+@dataclass(frozen=True)
+class ForkCheck:
+    """nbaccel's verdict on forking workers from this process now.
+
+    Attributes:
+        threads: threads nbaccel does not know (a worker may deadlock on a lock one of
+            them held at the fork); empty when the fork is checked to be safe.
+    """
+
+    threads: tuple[str, ...] = ()
+
+    @property
+    def safe(self) -> bool:
+        """True when nothing but the kernel's own and nbaccel's threads runs here."""
+        return not self.threads
+
+    def message(self) -> str:
+        """What the cell shows when the fork is not known to be safe."""
+        names = ", ".join(repr(name) for name in self.threads)
+        return (
+            f"nbaccel forks its workers from this kernel while {len(self.threads)} thread(s) "
+            f"that nbaccel does not know are running here ({names}). If one of them holds a "
+            "lock at the fork (logging, a file, a queue), a worker that needs it waits for "
+            "ever. If the launch hangs or its workers misbehave, stop those threads first or "
+            "launch with start_method='spawn'."
+        )
+
+
+def check_fork() -> ForkCheck:
+    """Whether forking from this process is safe as far as nbaccel can tell.
+
+    Example:
+        >>> check_fork().safe
+        True
+    """
+    return ForkCheck(tuple(unknown_threads()))
+
+
+def warn_if_fork_unsafe() -> ForkCheck:
+    """Kernel side, once per launch before forking: check, and warn when not known safe.
+
+    Returns:
+        The :class:`ForkCheck` (its warning, if any, already issued as a ``RuntimeWarning``).
+    """
+    check = check_fork()
+    if not check.safe:
+        warnings.warn(check.message(), RuntimeWarning, stacklevel=3)
+    return check
+
+
+@contextlib.contextmanager
+def forking() -> Iterator[None]:
+    """Around ``os.fork()``: Python's generic multi-threaded-fork ``DeprecationWarning``
+    is not shown (nbaccel's own verdict, :func:`warn_if_fork_unsafe`, replaces it). Under
+    ``-W error`` it would otherwise raise in the parent after the child was created.
+
+    Example:
+        >>> with forking():
+        ...     pass
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _PYTHON_FORK_WARNING, DeprecationWarning)
+        yield
+
+
 __all__ = [
+    "KNOWN_THREAD_PACKAGES",
+    "ForkCheck",
+    "check_fork",
+    "forking",
     "keep_forked_worker_single_threaded",
     "release_openmp_threads",
+    "unknown_threads",
     "unreleasable_openmp_runtimes",
+    "warn_if_fork_unsafe",
 ]

@@ -36,3 +36,31 @@ def test_release_reports_whether_a_runtime_was_paused():
     )
     assert forksafe._loaded_openmp_libraries(), "torch's OpenMP runtime should be mapped"
     assert release_openmp_threads() is pausable
+
+
+def test_threads_are_known_by_the_package_whose_code_runs_them():
+    import threading
+    import warnings
+
+    stop = threading.Event()
+    mine = threading.Thread(target=stop.wait, name="user-thread", daemon=True)
+    # a thread of a class nbaccel defines is one nbaccel knows
+    supervisor = type("Supervisor", (threading.Thread,), {"__module__": "nbaccel.launch._x"})
+    ours = supervisor(target=stop.wait, name="nbaccel-code", daemon=True)
+    mine.start()
+    ours.start()
+    try:
+        assert "user-thread" in forksafe.unknown_threads()
+        assert "nbaccel-code" not in forksafe.unknown_threads()
+        check = forksafe.check_fork()
+        assert not check.safe and "'user-thread'" in check.message()
+        assert "start_method='spawn'" in check.message()
+        with pytest.warns(RuntimeWarning, match="user-thread"):
+            forksafe.warn_if_fork_unsafe()
+    finally:
+        stop.set()
+        mine.join()
+        ours.join()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert forksafe.warn_if_fork_unsafe().safe  # nothing unknown left: no warning

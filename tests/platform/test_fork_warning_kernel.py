@@ -1,0 +1,87 @@
+"""What a notebook user sees in the cell when nbaccel forks its workers, in a REAL kernel.
+
+Python >= 3.12 warns on every ``os.fork()`` in a multi-threaded process ("This process
+is multi-threaded, use of fork() may lead to deadlocks in the child"), and a kernel
+always is. nbaccel decides instead (``nbaccel.platform.forksafe.check_fork``): a fork
+with only the kernel's own and nbaccel's threads running shows nothing; one with a
+thread nbaccel does not know shows nbaccel's warning naming it and the fix. The cells
+turn every warning on (``simplefilter("always")``), so a suppressed warning would show.
+
+Runs on the dev venv's Python 3.11 and, in the Colab-like stack, on Python 3.13
+(scripts/stacks.env), where the control cell proves that Python's own warning reaches
+the cell's stderr when nbaccel is not the one forking.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+from kernel_harness import KernelSession, isolated_env
+
+pytestmark = [pytest.mark.kernel, pytest.mark.integration]
+
+SETUP = """
+import os, threading, warnings
+warnings.simplefilter("always")          # every warning shows, DeprecationWarning included
+import torch
+torch.ones(64, 64) @ torch.ones(64, 64)   # the kernel's OpenMP pool is running, as usual
+from tqdm.auto import tqdm
+for _ in tqdm(range(2)):                  # and tqdm's monitor thread
+    pass
+from nbaccel import notebook_launcher, start_workers
+
+def rank():
+    import os
+    return int(os.environ["RANK"])
+"""
+PYTHON_WARNING = "is multi-threaded, use of fork() may lead to deadlocks"
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
+    workdir = tmp_path_factory.mktemp("fork-warning")
+    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
+    session.start()
+    session.run(SETUP, timeout=120)
+    yield session
+    session.stop()
+
+
+def test_a_fork_checked_safe_shows_nothing_in_the_cell(kernel: KernelSession) -> None:
+    cell = kernel.run("print(notebook_launcher(rank, num_processes=2, return_all_ranks=True))")
+    assert cell.stdout.strip() == "[0, 1]"
+    assert PYTHON_WARNING not in cell.stderr and "nbaccel forks" not in cell.stderr, cell.stderr
+    cell = kernel.run(
+        "pool = start_workers(num_processes=2)\nprint(pool.run(rank, return_all_ranks=True))\n"
+        "pool.close()"
+    )
+    assert cell.stdout.strip() == "[0, 1]"
+    assert PYTHON_WARNING not in cell.stderr and "nbaccel forks" not in cell.stderr, cell.stderr
+    kernel.assert_no_descendants(timeout=10)
+
+
+def test_a_thread_nbaccel_does_not_know_is_named_with_the_fix(kernel: KernelSession) -> None:
+    kernel.run(
+        "stop = threading.Event()\n"
+        "poller = threading.Thread(target=stop.wait, name='my-poller', daemon=True)\n"
+        "poller.start()"
+    )
+    try:
+        cell = kernel.run("print(notebook_launcher(rank, num_processes=2, return_all_ranks=True))")
+    finally:
+        kernel.run("stop.set(); poller.join()")
+    assert cell.stdout.strip() == "[0, 1]"  # a warning, not a refusal: the launch ran
+    assert "RuntimeWarning" in cell.stderr and "'my-poller'" in cell.stderr, cell.stderr
+    assert "start_method='spawn'" in cell.stderr
+    assert PYTHON_WARNING not in cell.stderr  # once, in nbaccel's words
+    kernel.assert_no_descendants(timeout=10)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="Python < 3.12 never warns on fork")
+def test_control_python_itself_warns_in_this_kernel(kernel: KernelSession) -> None:
+    # A raw fork from the cell: Python's warning reaches the cell's stderr, so the tests
+    # above would see it if nbaccel let it through.
+    cell = kernel.run("pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)")
+    assert PYTHON_WARNING in cell.stderr, cell.stderr
