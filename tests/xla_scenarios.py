@@ -107,11 +107,28 @@ def expect_error(function: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return {"types": [], "rank": None, "message": "no error"}
 
 
+def colab_refuses_8() -> dict[str, Any]:
+    """Colab's TPU runtime (v5e-1) asked for 8 processes: an error before anything starts."""
+    markers = {"COLAB_RELEASE_TAG": "release-colab_20251101", "TPU_ACCELERATOR_TYPE": "v5litepod-1"}
+    os.environ.update(markers)
+    try:
+        return expect_error(train, args=(1,), num_processes=8)
+    finally:
+        for name in markers:
+            del os.environ[name]
+
+
 def main(path: str) -> None:
+    import torch_xla
+
     from nbaccel.platform import xla
 
-    out: dict[str, Any] = {"imported_torch_xla_at_import": IMPORTED_TORCH_XLA}
+    out: dict[str, Any] = {
+        "imported_torch_xla_at_import": IMPORTED_TORCH_XLA,
+        "torch_xla_version": torch_xla.__version__,
+    }
     steps = [
+        ("colab_8", colab_refuses_8),  # refused before the runtime or a worker starts
         ("spawned", lambda: launched(None)),  # xmp.spawn: a forked worker process
         ("runtime_after_spawn", xla.runtime_initialized),
         ("failure", lambda: expect_error(fail, args=(7,), num_processes=None)),

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, NbaccelError
+from ..platform.tpu import backend_for
 from .durable import fsync_path, make_dirs, temp_name
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -115,10 +116,8 @@ def dedupe_tied(
         if tensor.device.type == "meta":
             raise ConfigError(f"parameter {name!r} is on the meta device and has no data to save")
         if tensor.numel():
-            if tensor.device.type == "xla":  # no storage pointer on XLA
-                ptr = _xla_storage_id(tensor)
-            else:
-                ptr = tensor.untyped_storage().data_ptr()
+            tpu = backend_for(tensor.device.type)  # TPU tensors have no storage pointer
+            ptr = tpu.tensor_id(tensor) if tpu else tensor.untyped_storage().data_ptr()
             view = (
                 tensor.device,
                 ptr,
@@ -346,13 +345,6 @@ def read_weights(
             f"{path} holds a {type(loaded).__name__}, not a state dict of tensors."
         )
     return dict(loaded)
-
-
-def _xla_storage_id(tensor: torch.Tensor) -> int:
-    """What identifies an XLA tensor's data (XLA tensors have no storage pointer)."""
-    import torch_xla
-
-    return int(torch_xla._XLAC._xla_get_tensor_id(tensor))
 
 
 __all__ = [

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LaunchError
-from ..platform.xla import runtime_initialized, xla_available
+from ..platform import tpu
 from ..runtime.xla import xla_world
 from ._environ import patched_environ
 
@@ -155,42 +155,36 @@ def launch_xla(
             when it can be re-created); the message names the rank and carries the
             remote traceback. With ``num_processes=1`` the exception propagates as is.
     """
-    if not xla_available():
-        raise LaunchError(
-            "TPU/XLA launch requested (PJRT_DEVICE or a TPU host) but torch_xla is not "
-            "installed: pip install torch_xla matching your torch version, or unset "
-            "PJRT_DEVICE / pass compute_device='cpu'."
-        )
+    backend = tpu.require_backend()  # the TPU backend (torch_xla): nbaccel.platform.tpu
     if start_method not in ("fork", "spawn"):
         raise ValueError(f"start_method={start_method!r}: use 'fork' or 'spawn' on XLA.")
+    num_processes = tpu.check_process_count(num_processes)  # e.g. 8 on a v5e-1: an error
     nprocs = 1 if num_processes == 1 else None
-    if nprocs is None and runtime_initialized():
+    if nprocs is None and backend.runtime_initialized():
         raise LaunchError(
             "the XLA runtime is already initialised in this process (an XLA device or "
             "tensor was used before launching), so torch_xla cannot start workers. "
             "Restart the kernel and launch before touching the XLA device, or pass "
             "num_processes=1 to train in this process."
         )
-    import torch_xla.distributed.xla_multiprocessing as xmp
-
     token = next(_TOKENS)
     _REGISTRY[token] = (function, tuple(args))
     try:
         if nprocs == 1:
-            return [_run_here(xmp, token, env or {})]
-        return _run_workers(xmp, token, env or {}, start_method, num_processes)
+            return [_run_here(backend, token, env or {})]
+        return _run_workers(backend, token, env or {}, start_method, num_processes)
     finally:
         _REGISTRY.pop(token, None)
         _INPROCESS_RESULT.pop(token, None)
 
 
-def _run_here(xmp: Any, token: int, env: Mapping[str, str]) -> Any:
+def _run_here(backend: tpu.TpuBackend, token: int, env: Mapping[str, str]) -> Any:
     from ..runtime import state
 
     had_state = state.current_state() is not None
     try:
         with patched_environ(env):
-            xmp.spawn(_Worker(token, None), args=(), nprocs=1)
+            backend.start(_Worker(token, None), 1, start_method="fork")  # runs right here
     finally:
         if not had_state:
             state.reset_state()  # leave the kernel as found: no Accelerator state behind
@@ -198,15 +192,17 @@ def _run_here(xmp: Any, token: int, env: Mapping[str, str]) -> Any:
 
 
 def _run_workers(
-    xmp: Any, token: int, env: Mapping[str, str], start_method: str, requested: int | None
+    backend: tpu.TpuBackend,
+    token: int,
+    env: Mapping[str, str],
+    start_method: str,
+    requested: int | None,
 ) -> list[Any]:
     payload = _REGISTRY[token] if start_method == "spawn" else None
     with tempfile.TemporaryDirectory(prefix="nbaccel-xla-") as tmp:
         try:
             with patched_environ(env):
-                xmp.spawn(
-                    _Worker(token, tmp, payload), args=(), nprocs=None, start_method=start_method
-                )
+                backend.start(_Worker(token, tmp, payload), requested, start_method=start_method)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise

@@ -15,13 +15,13 @@ Example:
 from __future__ import annotations
 
 import glob
-import importlib.util
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 
-from . import environment
-from .hosts import NotebookHost, detect_host
+from . import environment, tpu
+from .hosts import NotebookHost, detect_host, tpu_devices
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,20 @@ def _gpu_names(count: int) -> tuple[str, ...]:
 
 
 def tpu_device_count() -> int:
-    """TPU chips when torch_xla is installed and a TPU is attached (0 otherwise)."""
-    if importlib.util.find_spec("torch_xla") is None or not environment.tpu_present():
+    """TPU chips when a TPU backend (torch_xla) is installed and a TPU is attached (else 0)."""
+    if not any(b.available() for b in tpu.backends()) or not environment.tpu_present():
         return 0
     return environment.tpu_core_count() or len(glob.glob("/dev/accel*")) or 1
+
+
+def _tpu_names() -> tuple[str, ...]:
+    """``("v5e, torch_xla 2.8.0",)``: the TPU generation (from the markers) and the backend."""
+    backend = next((b for b in tpu.backends() if b.available()), None)
+    if backend is None:
+        return ()
+    found = tpu_devices(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
+    what = f"{backend.name} {backend.version() or ''}".strip()
+    return (f"{found[0]}, {what}" if found else what,)
 
 
 def notebook_host() -> NotebookHost:
@@ -100,7 +110,7 @@ def detect_hardware() -> Hardware:
         return Hardware("gpu", gpus, _gpu_names(gpus), cores)
     tpus = tpu_device_count()
     if tpus:
-        return Hardware("tpu", tpus, (), cores)
+        return Hardware("tpu", tpus, _tpu_names(), cores)
     return Hardware("cpu", cores, (), cores)
 
 

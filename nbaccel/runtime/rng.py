@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..platform.tpu import loaded_backend, require_backend
+
 # Every RNG kind that ``rng_types=`` accepts; "generator" means the dataloader samplers'.
 RNG_TYPES: tuple[str, ...] = ("torch", "cuda", "python", "numpy", "generator", "xla")
 
@@ -70,13 +72,8 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def _xla_rng_state() -> Any:
-    import sys
-
-    if "torch_xla" not in sys.modules:
-        return None
-    import torch_xla.core.xla_model as xm
-
-    return xm.get_rng_state()
+    backend = loaded_backend()  # a TPU backend in use in this process (torch_xla)
+    return None if backend is None else backend.rng_state()
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -90,9 +87,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "xla" in state:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(state["xla"])
+        require_backend().set_rng_state(state["xla"])
 
 
 def validate_rng_types(rng_types: Iterable[str] | None) -> tuple[str, ...]:

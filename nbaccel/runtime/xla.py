@@ -1,8 +1,9 @@
-"""torch_xla device helpers for the process that trains (imports torch_xla on first use).
+"""The TPU backend in the process that trains (imports its runtime on first use).
 
-With several workers, :mod:`nbaccel.runtime.state` joins them in a
-``torch.distributed`` group with torch_xla's ``"xla"`` backend, so DDP and
-:mod:`nbaccel.runtime.ops` need no XLA-specific collectives.
+Thin: every call goes to the active backend of :mod:`nbaccel.platform.tpu` (torch_xla
+today). With several workers, :mod:`nbaccel.runtime.state` joins them in a
+``torch.distributed`` group with the backend's process-group backend (``"xla"``), so DDP
+and :mod:`nbaccel.runtime.ops` need no TPU-specific collectives.
 
 Example:
     >>> import torch
@@ -12,77 +13,48 @@ Example:
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
+
+from ..platform.tpu import TpuBackend, TpuWorld, backend_for, loaded_backend, require_backend
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported lazily
     import torch
 
 #: The ``torch.distributed`` backend name torch_xla registers.
 XLA_BACKEND = "xla"
+XlaWorld = TpuWorld  # the name this module has always used
 
 
-class XlaWorld(NamedTuple):
-    """Where this process stands among the XLA workers (from the torch_xla runtime)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
+def _backend() -> TpuBackend:
+    return loaded_backend() or require_backend()
 
 
 def xla_device() -> torch.device:
-    """This process's XLA device (starts the runtime); registers the ``"xla"`` backend."""
-    import torch_xla
-    import torch_xla.distributed.xla_backend  # registers the "xla" process-group backend
-
-    device = getattr(torch_xla, "device", None)
-    if device is not None:  # torch_xla >= 2.5
-        return device()
-    import torch_xla.core.xla_model as xm  # pragma: no cover - older torch_xla
-
-    return xm.xla_device()  # pragma: no cover
+    """This process's TPU device (starts the runtime); registers the process-group backend."""
+    return require_backend().device()
 
 
-def xla_world() -> XlaWorld:
-    """Rank, world size, local rank/size and host index from the torch_xla runtime."""
-    import torch_xla.runtime as xr
-
-    world_size = int(xr.world_size())
-    local_world_size = max(1, int(xr.local_process_count()) * int(xr.addressable_device_count()))
-    local_world_size = min(local_world_size, world_size)
-    rank = int(xr.global_ordinal()) if world_size > 1 else 0
-    local_rank = int(xr.local_ordinal()) if world_size > 1 else 0
-    return XlaWorld(rank, world_size, local_rank, local_world_size, int(xr.host_index()))
+def xla_world() -> TpuWorld:
+    """Rank, world size, local rank/size and host index from the backend's runtime."""
+    return _backend().world()
 
 
 def init_process_group_kwargs() -> dict[str, Any]:
-    """``init_process_group`` arguments for the ``"xla"`` backend (registers it first)."""
-    import torch_xla.distributed.xla_backend  # noqa: F401
-
-    return {"init_method": "xla://"}
+    """``init_process_group`` arguments for the backend's process-group backend."""
+    return _backend().init_process_group_kwargs()
 
 
 def mark_step() -> None:
-    """Cut the lazy graph and run it (``torch_xla.sync``); a no-op without torch_xla."""
-    if "torch_xla" not in sys.modules:
-        return
-    import torch_xla
-
-    sync = getattr(torch_xla, "sync", None)
-    if sync is not None:
-        sync()
-    else:  # pragma: no cover - torch_xla < 2.6
-        import torch_xla.core.xla_model as xm
-
-        xm.mark_step()
+    """The after-step hook: run the lazy graph; a no-op when no TPU runtime is loaded."""
+    backend = loaded_backend()
+    if backend is not None:
+        backend.after_step()
 
 
 def is_xla(obj: Any) -> bool:
-    """True for an XLA ``torch.device``, tensor, or an optimizer/module with XLA parameters."""
+    """True for a TPU ``torch.device``, tensor, or an optimizer/module with TPU parameters."""
     device = getattr(obj, "device", obj)
-    if getattr(device, "type", None) == "xla":
+    if backend_for(getattr(device, "type", None) or "") is not None:
         return True
     groups = getattr(obj, "param_groups", None)
     if groups:
@@ -95,10 +67,10 @@ def is_xla(obj: Any) -> bool:
 
 
 def storage_id(tensor: torch.Tensor) -> int:
-    """What identifies an XLA tensor's data (XLA tensors have no storage pointer)."""
-    import torch_xla
-
-    return int(torch_xla._XLAC._xla_get_tensor_id(tensor))
+    """What identifies a TPU tensor's data (TPU tensors have no storage pointer)."""
+    backend = backend_for(tensor.device.type)
+    assert backend is not None, tensor.device
+    return backend.tensor_id(tensor)
 
 
 __all__ = [

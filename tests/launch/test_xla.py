@@ -1,19 +1,24 @@
 """The torch_xla (TPU) path.
 
-Unit tests of :mod:`nbaccel.platform.xla`, :mod:`nbaccel.runtime.xla` and :mod:`nbaccel.launch._xla` run here, without torch_xla. The tests marked
-``xla`` run ``tests/xla_scenarios.py`` in the separate environment ``.xla-venv``
-(torch 2.9.0 + torch_xla 2.9.0, made by ``scripts/setup_xla.sh``) with
-``PJRT_DEVICE=CPU``: ``notebook_launcher`` trains through the ``Accelerator`` on
-the XLA device, once in a worker started by torch_xla's ``xmp.spawn`` and once in
-the launching process itself. One process each: CPU-XLA collectives across
-processes do not work, so multi-process XLA needs a TPU.
+Unit tests of :mod:`nbaccel.platform.xla`, :mod:`nbaccel.runtime.xla` and :mod:`nbaccel.launch._xla`
+run here, without torch_xla. The tests marked ``xla`` run ``tests/xla_scenarios.py`` with
+``PJRT_DEVICE=CPU`` in an interpreter that has torch_xla: this one when it does (the
+Kaggle-like stack: torch/torch_xla 2.8, scripts/stacks.env), else the separate ``.xla-venv``
+(torch 2.9.0 + torch_xla 2.9.0, made by ``scripts/setup_xla.sh``). ``notebook_launcher``
+trains through the ``Accelerator`` on the XLA device, once in a worker started by the TPU
+backend's ``start`` (torch_xla's ``xmp.spawn``) and once in the launching process itself;
+Colab's TPU markers (v5e-1) refuse 8 processes. One process each: CPU-XLA collectives
+across processes do not work, so multi-process XLA needs a TPU (the 8-process start on
+Kaggle's markers is tests/platform/test_tpu_backend.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +27,16 @@ import pytest
 from nbaccel.errors import LaunchError
 from nbaccel.launch import _xla as xla_launch
 from nbaccel.platform import xla
+from nbaccel.platform.tpu.torch_xla_backend import TorchXlaBackend
 from nbaccel.runtime import xla as xla_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
-XLA_PYTHON = ROOT / ".xla-venv" / "bin" / "python"
+# torch_xla here (a stack), else the .xla-venv of scripts/setup_xla.sh
+XLA_PYTHON = (
+    Path(sys.executable)
+    if importlib.util.find_spec("torch_xla") is not None
+    else ROOT / ".xla-venv" / "bin" / "python"
+)
 
 
 # ---------------------------------------------------------------- unit tests (no torch_xla)
@@ -45,18 +56,19 @@ XLA_PYTHON = ROOT / ".xla-venv" / "bin" / "python"
 def test_xla_requested_reads_the_given_environment(
     monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], expected: bool
 ) -> None:
-    monkeypatch.setattr(xla, "xla_available", lambda: True)
+    monkeypatch.setattr(TorchXlaBackend, "available", lambda self: True)
     assert xla.xla_requested(environ) is expected
 
 
 def test_nothing_is_requested_without_torch_xla(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(xla, "xla_available", lambda: False)
+    monkeypatch.setattr(TorchXlaBackend, "available", lambda self: False)
     assert xla.xla_requested({"PJRT_DEVICE": "TPU", "COLAB_TPU_ADDR": "x"}) is False
 
 
 def test_launch_without_torch_xla_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(xla_launch, "xla_available", lambda: False)
-    with pytest.raises(LaunchError, match="torch_xla is not installed"):
+    monkeypatch.setattr(TorchXlaBackend, "available", lambda self: False)
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    with pytest.raises(LaunchError, match="torch_xla is not installed: pip install torch_xla"):
         xla_launch.launch_xla(print, (), 1, {})
 
 
@@ -152,3 +164,13 @@ def test_spawning_after_the_runtime_started_is_refused_clearly(
     assert refused["types"][0] == "LaunchError"
     assert "already initialised" in refused["message"]
     assert "num_processes=1" in refused["message"]
+
+
+@pytest.mark.xla
+def test_colab_v5e_1_refuses_8_processes_naming_the_runtime(scenarios: dict[str, Any]) -> None:
+    refused = scenarios["colab_8"]
+    assert refused["types"][0] == "ConfigError", refused
+    assert "num_processes=8" in refused["message"]
+    assert "Google Colab, TPU v5e-1" in refused["message"]
+    assert "torch_xla runs one process per device" in refused["message"]
+    assert scenarios["torch_xla_version"].startswith(("2.8", "2.9")), scenarios

@@ -1,0 +1,144 @@
+"""Which TPU backends exist, which one is in use here, and how many processes it allows.
+
+Backends are tried in registration order; torch_xla is registered first, on first use
+(no import-time side effects). A second backend registers itself with
+:func:`register_backend` (``first=True`` to be preferred where both are installed).
+
+Example:
+    >>> [b.name for b in backends()]
+    ['torch_xla']
+    >>> active_backend({}) is None      # no PJRT_DEVICE, no TPU markers
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ...errors import ConfigError, LaunchError
+from ..hosts import detect_host
+from .base import TpuBackend
+
+_BACKENDS: list[TpuBackend] = []
+
+
+def _ensure_builtin() -> None:
+    if not _BACKENDS:
+        from .torch_xla_backend import TorchXlaBackend
+
+        _BACKENDS.append(TorchXlaBackend())
+
+
+def register_backend(backend: TpuBackend, *, first: bool = False) -> None:
+    """Make ``backend`` one of the TPU backends nbaccel tries.
+
+    Args:
+        backend: an object implementing :class:`~nbaccel.platform.tpu.TpuBackend`.
+        first: try it before the ones already registered (e.g. a successor of torch_xla).
+
+    Raises:
+        TypeError: ``backend`` does not implement the protocol.
+    """
+    if not isinstance(backend, TpuBackend):
+        raise TypeError(
+            f"register_backend({backend!r}): not a TpuBackend (see nbaccel.platform.tpu.base)."
+        )
+    _ensure_builtin()
+    _BACKENDS[:] = [b for b in _BACKENDS if b.name != backend.name]
+    _BACKENDS.insert(0 if first else len(_BACKENDS), backend)
+
+
+def unregister_backend(name: str) -> None:
+    """Forget the backend called ``name`` (the built-in one comes back when none is left)."""
+    _BACKENDS[:] = [b for b in _BACKENDS if b.name != name]
+
+
+def backends() -> tuple[TpuBackend, ...]:
+    """The registered backends, in the order they are tried."""
+    _ensure_builtin()
+    return tuple(_BACKENDS)
+
+
+def active_backend(environ: Mapping[str, str] | None = None) -> TpuBackend | None:
+    """The backend training should run on here (installed and requested), or None."""
+    return next((b for b in backends() if b.requested(environ)), None)
+
+
+def loaded_backend() -> TpuBackend | None:
+    """The backend whose runtime is imported in this process (for hooks that must be
+    no-ops otherwise: the after-step hook, RNG state), or None."""
+    return next((b for b in backends() if b.loaded()), None)
+
+
+def backend_for(device_type: str) -> TpuBackend | None:
+    """The backend whose tensors have ``device_type`` (e.g. ``"xla"``), or None."""
+    return next((b for b in backends() if b.device_type == device_type), None)
+
+
+def require_backend(environ: Mapping[str, str] | None = None) -> TpuBackend:
+    """The active backend, or a ``LaunchError`` that says what to install.
+
+    Raises:
+        LaunchError: no backend is installed (or none is requested here).
+    """
+    backend = active_backend(environ)
+    if backend is not None:
+        return backend
+    names = " or ".join(b.package for b in backends())
+    raise LaunchError(
+        f"TPU/XLA launch requested (PJRT_DEVICE or a TPU host) but {names} is not "
+        f"installed: pip install {names} matching your torch version, or unset "
+        "PJRT_DEVICE / pass compute_device='cpu'."
+    )
+
+
+def check_process_count(
+    num_processes: int | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    runtime: str | None = None,
+) -> int | None:
+    """The number of TPU processes to start, checked against the host's devices.
+
+    Args:
+        num_processes: what was asked for (``None``: one per local device).
+        environ: the environment to read markers from (``os.environ`` by default).
+        runtime: how to name the host in the error (default: from its markers, e.g.
+            ``"Google Colab, TPU v5e-1"``).
+
+    Returns:
+        ``num_processes``, or the device count when it is ``None`` and known.
+
+    Raises:
+        ConfigError: more processes than the host has TPU devices (one process per device).
+
+    Example:
+        >>> check_process_count(None, {"TPU_ACCELERATOR_TYPE": "v5litepod-8"})
+        8
+    """
+    backend = active_backend(environ) or backends()[0]
+    devices = backend.device_count(environ)
+    if devices is None:
+        return num_processes
+    if num_processes is None:
+        return devices
+    if num_processes > devices:
+        runtime = runtime or detect_host(environ).label
+        raise ConfigError(
+            f"num_processes={num_processes}, but {runtime} has {devices} TPU device(s) and "
+            f"{backend.name} runs one process per device: use num_processes={devices} "
+            "(or None for one per device)."
+        )
+    return num_processes
+
+
+__all__ = [
+    "active_backend",
+    "backend_for",
+    "backends",
+    "check_process_count",
+    "loaded_backend",
+    "register_backend",
+    "require_backend",
+    "unregister_backend",
+]

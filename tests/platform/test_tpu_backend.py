@@ -1,0 +1,174 @@
+"""The TPU backend interface (nbaccel.platform.tpu): a second backend is a module and a
+registration, and the hosted TPUs (Colab's v5e-1, Kaggle's v5e-8) launch through it.
+
+``FakeTpu`` below is such a second backend, written only against the protocol: its
+``start`` forks one real process per device and its device is the CPU. Registered first,
+it carries ``notebook_launcher`` on Kaggle's and Colab's TPU markers. The torch_xla
+backend itself trains on the CPU (``PJRT_DEVICE=CPU``) in tests/launch/test_xla.py, on
+torch_xla 2.9 (.xla-venv) and 2.8 (the Kaggle-like stack).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from nbaccel import notebook_launcher
+from nbaccel.errors import ConfigError
+from nbaccel.platform import hardware, tpu, xla
+from nbaccel.platform.tpu.torch_xla_backend import TorchXlaBackend
+from nbaccel.runtime import xla as runtime_xla
+
+COLAB_TPU = {"COLAB_RELEASE_TAG": "release-colab_20251101-060000_RC00",
+             "TPU_ACCELERATOR_TYPE": "v5litepod-1"}  # fmt: skip
+KAGGLE_TPU = {"KAGGLE_KERNEL_RUN_TYPE": "Interactive", "TPU_ACCELERATOR_TYPE": "v5litepod-8"}
+MARKERS = ("COLAB_RELEASE_TAG", "KAGGLE_KERNEL_RUN_TYPE", "TPU_ACCELERATOR_TYPE",
+           "COLAB_TPU_ADDR", "TPU_NAME", "TPU_WORKER_ID", "PJRT_DEVICE", "TPU_NUM_DEVICES")  # fmt: skip
+_RANK = "FAKE_TPU_RANK"
+
+
+class FakeTpu:
+    """A TPU backend implemented against the protocol alone (no torch_xla)."""
+
+    name = "faketpu"
+    package = "faketpu"
+    device_type = "faketpu"
+    process_group_backend = "gloo"
+
+    def __init__(self) -> None:
+        self.started: list[int | None] = []
+
+    def available(self) -> bool:
+        return True
+
+    def requested(self, environ: Mapping[str, str] | None = None) -> bool:
+        return tpu.tpu_present(environ)
+
+    def loaded(self) -> bool:
+        return _RANK in os.environ or bool(self.started)
+
+    def version(self) -> str | None:
+        return "0.1"
+
+    def runtime_initialized(self) -> bool:
+        return False
+
+    def device_count(self, environ: Mapping[str, str] | None = None) -> int | None:
+        return TorchXlaBackend().device_count(environ)  # the same markers
+
+    def start(self, worker: Callable[[int], None], nprocs: int | None, *, start_method: str):
+        self.started.append(nprocs)
+        if nprocs == 1:
+            worker(0)
+            return
+        count = nprocs or self.device_count() or 1
+        ctx = multiprocessing.get_context("fork")
+        procs = [ctx.Process(target=_child, args=(worker, i, count)) for i in range(count)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+        failed = [p.exitcode for p in procs if p.exitcode]
+        if failed:
+            raise RuntimeError(f"faketpu workers failed: exit codes {failed}")
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def world(self) -> tpu.TpuWorld:
+        rank, size = (int(v) for v in os.environ.get(_RANK, "0/1").split("/"))
+        return tpu.TpuWorld(rank, size, rank, size, 0)
+
+    def init_process_group_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def after_step(self) -> None:
+        pass
+
+    def tensor_id(self, tensor: torch.Tensor) -> int:
+        return id(tensor)
+
+    def rng_state(self) -> Any:
+        return None
+
+    def set_rng_state(self, state: Any) -> None:
+        pass
+
+
+def _child(worker: Callable[[int], None], index: int, count: int) -> None:
+    os.environ[_RANK] = f"{index}/{count}"
+    worker(index)
+
+
+def where_am_i() -> tuple[str, int]:
+    return os.environ.get(_RANK, "kernel"), os.getpid()
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeTpu]:
+    for name in MARKERS:
+        monkeypatch.delenv(name, raising=False)
+    backend = FakeTpu()
+    tpu.register_backend(backend, first=True)
+    try:
+        yield backend
+    finally:
+        tpu.unregister_backend(backend.name)
+
+
+def _markers(monkeypatch: pytest.MonkeyPatch, environ: Mapping[str, str]) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_torch_xla_is_the_first_backend_and_implements_the_protocol() -> None:
+    assert isinstance(tpu.backends()[0], TorchXlaBackend)
+    assert isinstance(TorchXlaBackend(), tpu.TpuBackend)
+    assert tpu.backend_for("xla") is tpu.backends()[0]
+    with pytest.raises(TypeError, match="not a TpuBackend"):
+        tpu.register_backend(object())  # type: ignore[arg-type]
+
+
+def test_a_registered_backend_is_what_every_layer_uses(fake: FakeTpu, monkeypatch) -> None:
+    assert [b.name for b in tpu.backends()][:2] == ["faketpu", "torch_xla"]
+    assert not xla.xla_requested({})
+    _markers(monkeypatch, KAGGLE_TPU)
+    assert xla.xla_requested() and tpu.active_backend() is fake  # platform
+    assert runtime_xla.xla_device() == torch.device("cpu")  # runtime: the device
+    assert runtime_xla.is_xla(torch.empty(1, device="meta")) is False
+    assert hardware.tpu_device_count() == 8  # `nbaccel env` and the panel count its devices
+    assert hardware.detect_hardware().summary().startswith("8 x TPU (v5e, faketpu 0.1)")
+
+
+def test_kaggle_v5e_8_starts_8_processes_through_the_backend(fake, monkeypatch) -> None:
+    _markers(monkeypatch, KAGGLE_TPU)
+    results = notebook_launcher(where_am_i, return_all_ranks=True)
+    assert fake.started == [8]
+    assert [rank for rank, _ in results] == [f"{i}/8" for i in range(8)]
+    assert len({pid for _, pid in results} | {os.getpid()}) == 9  # 8 worker processes
+
+
+def test_colab_v5e_1_runs_one_process_and_refuses_8_naming_the_runtime(fake, monkeypatch):
+    _markers(monkeypatch, COLAB_TPU)
+    assert notebook_launcher(where_am_i) == ("kernel", os.getpid())  # in this process
+    assert fake.started == [1]
+    with pytest.raises(ConfigError) as err:
+        notebook_launcher(where_am_i, num_processes=8)
+    message = str(err.value)
+    assert "num_processes=8" in message and "Google Colab, TPU v5e-1" in message
+    assert "num_processes=1" in message
+    assert fake.started == [1]  # nothing was started for the refused launch
+
+
+def test_check_process_count_reads_the_markers() -> None:
+    assert tpu.check_process_count(None, KAGGLE_TPU) == 8
+    assert tpu.check_process_count(4, KAGGLE_TPU) == 4
+    assert tpu.check_process_count(None, COLAB_TPU) == 1
+    assert tpu.check_process_count(None, {}) is None  # unknown: the backend decides
+    with pytest.raises(ConfigError, match=r"Kaggle, TPU v5e-8 has 8 TPU device"):
+        tpu.check_process_count(16, KAGGLE_TPU)
