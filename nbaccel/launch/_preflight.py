@@ -32,7 +32,7 @@ from ..config import (
 )
 from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
 from ..platform import cudatrace, environment, forksafe
-from ..platform.hardware import default_num_processes
+from ..platform.hardware import check_gpu_precision, default_num_processes
 
 RDZV_BACKENDS = ("static", "c10d")
 
@@ -359,6 +359,7 @@ def _decide(
     if not in_kernel:
         _check_platform(cfg.start_method)  # the OS first: nothing else would help there
     _check_gpus_per_process(cfg, nproc)
+    check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # bf16 on a T4: fp16
     if cfg.strategy == "fsdp" and nproc * cfg.num_nodes < 2:
         raise ConfigError(
             "strategy='fsdp' shards the model across processes, but this launch starts one: "

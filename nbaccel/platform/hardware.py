@@ -18,10 +18,19 @@ import glob
 import os
 import shutil
 import subprocess
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from . import environment, tpu
-from .hosts import NotebookHost, detect_host, tpu_devices
+from .hosts import (
+    NotebookHost,
+    detect_host,
+    precision_problem,
+    supported_precisions,
+    tpu_devices,
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,57 @@ def _tpu_names() -> tuple[str, ...]:
     return (f"{found[0]}, {what}" if found else what,)
 
 
+def precision_choices(
+    hardware: Hardware, choices: Sequence[str], current: str | None = None
+) -> tuple[str, ...]:
+    """The ``mixed_precision`` choices to offer on ``hardware`` (the panel's dropdown).
+
+    On GPUs without bf16 (Kaggle's T4s): ``("no", "fp16")``; ``current`` stays listed if
+    it is not one of them (a saved config), so it can be shown and flagged.
+
+    Example:
+        >>> precision_choices(Hardware("gpu", 2, ("Tesla T4",), 4), ("no", "fp16", "bf16"))
+        ('no', 'fp16')
+    """
+    offered = supported_precisions(hardware.device_names, choices)
+    if hardware.kind != "gpu":
+        offered = tuple(choices)
+    if current is not None and current in choices and current not in offered:
+        offered += (current,)
+    return offered
+
+
+def hardware_precision_problem(
+    hardware: Hardware, mixed_precision: str | None, compute_device: str = "auto"
+) -> str | None:
+    """Why ``mixed_precision`` does not run natively on ``hardware``'s GPUs (None if it does)."""
+    if hardware.kind != "gpu" or compute_device in ("cpu", "tpu"):
+        return None
+    return precision_problem(mixed_precision, hardware.device_names)
+
+
+def check_gpu_precision(mixed_precision: str | None, compute_device: str = "auto") -> None:
+    """Before a launch: ``mixed_precision`` the visible GPUs do not run natively.
+
+    bf16 on a GPU without it (Kaggle's T4s) runs emulated, many times slower: a
+    ``RuntimeWarning`` naming fp16. fp8 there cannot run at all: a ``ConfigError``.
+    Costs nothing unless bf16/fp8 is asked for on a machine with GPUs (names come from
+    ``nvidia-smi`` in a subprocess; CUDA is never initialised here).
+
+    Raises:
+        ConfigError: fp8 on GPUs that have no fp8 (nor bf16).
+    """
+    if mixed_precision not in ("bf16", "fp8") or compute_device in ("cpu", "tpu"):
+        return
+    count = cuda_device_count()
+    problem = precision_problem(mixed_precision, _gpu_names(count)) if count else None
+    if problem is None:
+        return
+    if mixed_precision == "fp8":
+        raise ConfigError(problem)
+    warnings.warn(problem, RuntimeWarning, stacklevel=4)
+
+
 def notebook_host() -> NotebookHost:
     """The hosted notebook service (Colab, Kaggle) or this machine, with its defaults."""
     return detect_host(gpu_names=_gpu_names(cuda_device_count()))
@@ -131,10 +191,13 @@ def default_num_processes(compute_device: str, gpu_ids: str | None = None) -> in
 
 __all__ = [
     "Hardware",
+    "check_gpu_precision",
     "cpu_count",
     "cuda_device_count",
     "default_num_processes",
     "detect_hardware",
+    "hardware_precision_problem",
     "notebook_host",
+    "precision_choices",
     "tpu_device_count",
 ]

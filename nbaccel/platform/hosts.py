@@ -112,9 +112,60 @@ def detect_host(
     return NotebookHost(name, f"{service}, CPU only" if name != "local" else service, "cpu")
 
 
+def gpu_without_bf16(gpu_names: Sequence[str]) -> str | None:
+    """The first of ``gpu_names`` with no native bf16 (compute capability < 8.0), or None.
+
+    Example:
+        >>> gpu_without_bf16(["Tesla T4", "Tesla T4"]), gpu_without_bf16(["NVIDIA A100"])
+        ('Tesla T4', None)
+    """
+    return next((g for g in gpu_names if _short_gpu_name(g).startswith(_NO_BF16_GPUS)), None)
+
+
+def supported_precisions(gpu_names: Sequence[str], choices: Sequence[str]) -> tuple[str, ...]:
+    """The ``mixed_precision`` choices these GPUs run natively (all of them when unknown).
+
+    Without native bf16 (a T4) neither bf16 nor fp8 (which needs compute capability 8.9)
+    runs natively: ``"no"`` and ``"fp16"`` remain.
+
+    Example:
+        >>> supported_precisions(["Tesla T4"], ("no", "fp16", "bf16", "fp8"))
+        ('no', 'fp16')
+    """
+    if gpu_without_bf16(gpu_names) is None:
+        return tuple(choices)
+    return tuple(c for c in choices if c not in ("bf16", "fp8"))
+
+
+def precision_problem(mixed_precision: str | None, gpu_names: Sequence[str]) -> str | None:
+    """Why ``mixed_precision`` does not run natively on these GPUs, naming what does; or None.
+
+    Example:
+        >>> precision_problem("bf16", ["Tesla T4"]).split(":")[0]
+        "mixed_precision='bf16' is not native on Tesla T4 (no bf16 before compute capability 8.0)"
+    """
+    gpu = gpu_without_bf16(gpu_names) if mixed_precision in ("bf16", "fp8") else None
+    if gpu is None:
+        return None
+    why = "no bf16 before" if mixed_precision == "bf16" else "fp8 needs"
+    need = "8.0" if mixed_precision == "bf16" else "8.9"
+    return (
+        f"mixed_precision={mixed_precision!r} is not native on {gpu} ({why} compute "
+        f"capability {need}): use mixed_precision='fp16' (GradScaler; what this GPU runs "
+        "fast), or 'no'."
+    )
+
+
 def _short_gpu_name(name: str) -> str:
     """``"Tesla T4"`` -> ``"T4"``, ``"NVIDIA A100-SXM4-40GB"`` -> ``"A100-SXM4-40GB"``."""
     return re.sub(r"^(NVIDIA|Tesla)\s+", "", name.strip()) or name
 
 
-__all__ = ["NotebookHost", "detect_host", "tpu_devices"]
+__all__ = [
+    "NotebookHost",
+    "detect_host",
+    "gpu_without_bf16",
+    "precision_problem",
+    "supported_precisions",
+    "tpu_devices",
+]

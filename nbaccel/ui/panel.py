@@ -46,7 +46,9 @@ from ..platform.hardware import (
     Hardware,
     default_num_processes,
     detect_hardware,
+    hardware_precision_problem,
     notebook_host,
+    precision_choices,
 )
 from ._widgets_compat import tooltip_kwargs
 from .monitor import RunMonitor
@@ -215,6 +217,8 @@ class LaunchPanel(widgets.VBox):
             "style": _STYLE,
             "layout": widgets.Layout(width=_ROW_WIDTH),
         }
+        if name == "mixed_precision" and choices:  # what the GPUs run natively (T4: no bf16)
+            choices = precision_choices(self.hardware, choices, value)
         if choices:
             return widgets.Dropdown(options=list(choices), value=value, **common)
         if kind is bool:
@@ -263,6 +267,11 @@ class LaunchPanel(widgets.VBox):
             found["num_processes"] = (
                 f"only {gpus} GPU(s) are visible: use at most {gpus} processes per node."
             )
+        precision = hardware_precision_problem(
+            self.hardware, cfg.mixed_precision, cfg.compute_device
+        )
+        if precision:
+            found["mixed_precision"] = precision
         if cfg.strategy == "fsdp" and (cfg.num_processes or 1) * cfg.num_nodes < 2:
             found["strategy"] = "fsdp shards across processes: use 2 or more processes."
         return found

@@ -6,6 +6,7 @@ import pytest
 
 from nbaccel.config import LaunchConfig
 from nbaccel.config.store import with_host_defaults
+from nbaccel.errors import ConfigError
 from nbaccel.platform import environment, hardware
 from nbaccel.platform.hardware import Hardware
 from nbaccel.platform.hosts import detect_host, tpu_devices
@@ -137,3 +138,76 @@ def test_panel_offers_the_host_defaults(monkeypatch, tmp_path, environ, gpus, ki
     panel = LaunchPanel(lambda: None, hardware=devices)
     assert (panel.config.num_processes, panel.config.mixed_precision) == expected[:2]
     assert expected[2] in panel.children[0].value
+
+
+# ------------------------------------------------ Kaggle's 2 x T4: no bf16, fp16 offered
+
+
+def _never_called():
+    raise AssertionError("the function must not run")
+
+
+def test_bf16_on_t4_warns_naming_fp16_before_any_process_starts(monkeypatch):
+    import os
+
+    from nbaccel import notebook_launcher
+
+    _pretend(monkeypatch, KAGGLE, T4X2)
+    from nbaccel.platform import environment as env_module
+
+    monkeypatch.setattr(env_module, "gpu_count", lambda: 2)
+
+    def no_fork():  # the warning must come before anything is started
+        raise AssertionError("forked")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    with (
+        pytest.warns(RuntimeWarning, match=r"'bf16' is not native on Tesla T4") as caught,
+        pytest.raises(AssertionError, match="forked"),
+    ):
+        notebook_launcher(_never_called, num_processes=2, mixed_precision="bf16")
+    assert "use mixed_precision='fp16'" in str(caught[0].message)
+
+
+def test_fp8_on_t4_is_refused_and_fp16_passes_silently(monkeypatch):
+    import warnings
+
+    from nbaccel.launch import _preflight
+
+    _pretend(monkeypatch, KAGGLE, T4X2)
+    from nbaccel.platform import environment as env_module
+
+    monkeypatch.setattr(env_module, "gpu_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"'fp8' is not native on Tesla T4.*'fp16'"):
+        _preflight.plan_launch(print, num_processes=2, mixed_precision="fp8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = _preflight.plan_launch(print, num_processes=2, mixed_precision="fp16")
+        assert plan.config.mixed_precision == "fp16"
+        _preflight.plan_launch(  # the CPU: no GPU question
+            print,
+            num_processes=2,
+            mixed_precision="bf16",
+            config=LaunchConfig(compute_device="cpu"),
+        )
+
+
+def test_panel_offers_fp16_on_t4_and_flags_a_saved_bf16(monkeypatch, tmp_path):
+    pytest.importorskip("ipywidgets", reason="the panel needs the notebook extra")
+    from nbaccel.ui.panel import LaunchPanel
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _pretend(monkeypatch, KAGGLE, T4X2)
+    t4 = Hardware("gpu", 2, T4X2, 4)
+    monkeypatch.setenv("NBACCEL_CONFIG_FILE", str(tmp_path / "none.yaml"))
+    panel = LaunchPanel(lambda: None, hardware=t4)
+    assert tuple(panel.controls["mixed_precision"].options) == ("no", "fp16")
+    assert panel.controls["mixed_precision"].value == "fp16"
+    assert not panel.launch_button.disabled
+    saved = LaunchConfig(compute_device="gpu", num_processes=2, mixed_precision="bf16")
+    panel = LaunchPanel(lambda: None, hardware=t4, config=saved)
+    assert tuple(panel.controls["mixed_precision"].options) == ("no", "fp16", "bf16")
+    assert "use mixed_precision=&#x27;fp16&#x27;" in panel.messages["mixed_precision"].value
+    assert panel.launch_button.disabled
+    a100 = Hardware("gpu", 1, ("NVIDIA A100-SXM4-40GB",), 4)
+    assert "bf16" in LaunchPanel(lambda: None, hardware=a100).controls["mixed_precision"].options
