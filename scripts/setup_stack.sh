@@ -85,14 +85,14 @@ build() { # build NAME: make the venv in the stack's root and install everything
   local want=("torch==$torch")
   [ -z "$xla" ] || want+=("torch_xla==$xla")
   stack_exec "$root" "$vpy" -m pip download -q --no-deps -d "$wheels" "${want[@]}" || return 1
-  wheel=$(cd "$HOME/.cache/pip/nbaccel-torch-wheels/$tag" && ls torch-"$torch"-*.whl | head -n1)
+  wheel=$(cd "$PIP_CACHE/nbaccel-torch-wheels/$tag" && ls torch-"$torch"-*.whl | head -n1)
   local big=("$wheels/$wheel")
   if [ -n "$xla" ]; then
-    big+=("$wheels/$(cd "$HOME/.cache/pip/nbaccel-torch-wheels/$tag" && ls torch_xla-"$xla"-*.whl | head -n1)")
+    big+=("$wheels/$(cd "$PIP_CACHE/nbaccel-torch-wheels/$tag" && ls torch_xla-"$xla"-*.whl | head -n1)")
   fi
   # torch's and torch_xla's own requirements (with markers) from the wheels, minus the GPU ones.
   local reqs
-  mapfile -t reqs < <(python3 - "${big[@]/#\/root/$HOME}" <<'PYEOF'
+  mapfile -t reqs < <(python3 - "${big[@]/#\/root\/.cache\/pip/$PIP_CACHE}" <<'PYEOF'
 import sys, zipfile
 from email.parser import Parser
 for path in sys.argv[1:]:

@@ -10,6 +10,7 @@
 
 STACKS_DIR=${NBACCEL_STACKS_DIR:-$PWD/.stacks}
 DEB_CACHE=${NBACCEL_DEB_CACHE:-$HOME/.cache/nbaccel/debs}
+PIP_CACHE=${NBACCEL_PIP_CACHE:-$HOME/.cache/pip} # seen as /root/.cache/pip inside a root
 DEBIAN_MIRROR=${NBACCEL_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # shellcheck source=stacks.env
 source "$(dirname "${BASH_SOURCE[0]}")/stacks.env"
@@ -42,7 +43,7 @@ stack_exec() { # stack_exec ROOT [VAR=VALUE ...] CMD ARGS...: run CMD in the roo
     env+=("$1")
     shift
   done
-  mkdir -p "$root/nbaccel" "$root/root/.cache/pip" "$HOME/.cache/pip"
+  mkdir -p "$root/nbaccel" "$root/root/.cache/pip" "$PIP_CACHE"
   # The host's CA bundle and resolver: pip inside reaches PyPI the way the host's pip does.
   cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
   cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
@@ -56,7 +57,7 @@ stack_exec() { # stack_exec ROOT [VAR=VALUE ...] CMD ARGS...: run CMD in the roo
       mount --bind "$src" "$root/nbaccel"
       mount --bind "$pipcache" "$root/root/.cache/pip"
       exec chroot "$root" /usr/bin/env -i "$@"
-    ' stack_exec "$root" "$PWD" "$HOME/.cache/pip" "${env[@]}" \
+    ' stack_exec "$root" "$PWD" "$PIP_CACHE" "${env[@]}" \
     /bin/sh -c 'cd /nbaccel && exec "$@"' sh "$@"
 }
 
@@ -65,8 +66,8 @@ stack_make_root() { # stack_make_root NAME: debootstrap the stack's Debian relea
   suite=$(stack_var "$name" SUITE)
   python=$(stack_var "$name" PYTHON)
   root=$(stack_root_dir "$name")
-  if [ -x "$root/usr/bin/$python" ] && [ -f "$root/.nbaccel-root" ] \
-    && [ -x "$root/usr/bin/gcc" ]; then
+  local packages="$python,$python-venv,lib$python,ca-certificates,gcc,libc6-dev,binutils"
+  if [ "$(cat "$root/.nbaccel-root" 2>/dev/null)" = "$packages" ]; then
     return 0
   fi
   if ! command -v debootstrap >/dev/null; then
@@ -78,13 +79,13 @@ stack_make_root() { # stack_make_root NAME: debootstrap the stack's Debian relea
   [ -e "$script" ] || script=/usr/share/debootstrap/scripts/sid # newer than this debootstrap
   rm -rf "$root"
   mkdir -p "$STACKS_DIR" "$DEB_CACHE/$suite"
-  # gcc + binutils: scripts/cuda_stubs.py builds its stub libraries inside the root.
-  debootstrap --variant=minbase --cache-dir="$DEB_CACHE/$suite" \
-    --include="$python,$python-venv,ca-certificates,gcc,libc6-dev,binutils" \
+  # lib$python: torch_xla links libpython; gcc + binutils: scripts/cuda_stubs.py builds its
+  # stub libraries inside the root.
+  debootstrap --variant=minbase --cache-dir="$DEB_CACHE/$suite" --include="$packages" \
     "$suite" "$root" "$DEBIAN_MIRROR" "$script" >"$STACKS_DIR/debootstrap-$suite.log" 2>&1 || {
     tail -n 20 "$STACKS_DIR/debootstrap-$suite.log" >&2
     return 1
   }
   rm -rf "$root/var/cache/apt/archives"/*.deb
-  touch "$root/.nbaccel-root"
+  echo "$packages" >"$root/.nbaccel-root" # what it was made with: a change remakes it
 }

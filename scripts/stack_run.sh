@@ -15,5 +15,4 @@ if [ ! -f "$root/venvs/$name/pyvenv.cfg" ]; then
 fi
 exec_env=(PATH="/venvs/$name/bin:/usr/local/bin:/usr/bin:/bin" VIRTUAL_ENV="/venvs/$name" \
   NBACCEL_STACK="$name")
-[ "$(stack_var "$name" XLA)" = "" ] || exec_env+=(PJRT_DEVICE=CPU)
 stack_exec "$root" "${exec_env[@]}" "$@"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Set everything up, then lint, type-check and run the whole test suite on the pinned dev torch,
 # then the launcher/runtime/platform/checkpoint/kernel tests on every other torch of the matrix
-# (scripts/torch_matrix.env: the oldest torch setup.cfg claims and the newest release), and
-# print one summary line per torch version at the end.
+# (scripts/torch_matrix.env: the oldest torch setup.cfg claims and the newest release), then
+# the hosted-notebook stacks (scripts/stacks.env: Colab-like and Kaggle-like, in Debian roots
+# with their Python), and print one summary line per torch version and stack at the end.
 # Extra arguments go to the main pytest run (e.g. `bash scripts/test.sh -k launcher`);
-# NBACCEL_TORCH_MATRIX=0 skips the matrix runs.
+# NBACCEL_TORCH_MATRIX=0 skips the matrix runs, NBACCEL_STACKS=0 the stacks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh          # .venv: torch==2.13.0 (CPU), nbaccel -e [notebook,test]
@@ -28,9 +29,12 @@ echo "torch $DEV_TORCH (dev pin, whole suite): ${main_summary:-no summary}" >"$S
 if [ "${NBACCEL_TORCH_MATRIX:-1}" != "0" ]; then
   NBACCEL_SUMMARY_FILE=$SUMMARY bash scripts/test_torch_matrix.sh || status=1
 fi
+if [ "${NBACCEL_STACKS:-1}" != "0" ]; then
+  NBACCEL_SUMMARY_FILE=$SUMMARY bash scripts/test_stacks.sh || status=1
+fi
 
 echo
-echo "==================== test summary: passed tests per torch version ===================="
+echo "============ test summary: passed tests per torch version and hosted-notebook stack ============"
 cat "$SUMMARY"
 passed=$({ grep -oE '[0-9]+ passed' "$SUMMARY" || true; } | awk '{s += $1} END {print s + 0}')
 failed=$({ grep -oE '[0-9]+ (failed|errors?)' "$SUMMARY" || true; } | awk '{s += $1} END {print s + 0}')

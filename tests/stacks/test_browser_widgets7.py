@@ -14,6 +14,7 @@ Run by scripts/test_stacks.sh (NBACCEL_STACK=colab, NBACCEL_STACK_ROOT=the root)
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import secrets
@@ -114,8 +115,16 @@ def notebook6():
             time.sleep(0.3)
         yield base, token, server
     finally:
-        if server.poll() is None:
-            server.kill()  # unshare --kill-child takes the server down with it
+        if server.poll() is None:  # a failed test: shut down politely (kernels too), then kill
+            left = psutil.Process(server.pid).children(recursive=True)
+            try:
+                _get(f"{base}/api/shutdown", token, method="POST")
+                server.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            for proc in [*left, psutil.Process(server.pid)]:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
             server.wait(10)
         log.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -135,12 +144,20 @@ def test_launch_panel_on_ipywidgets7_in_notebook6(notebook6, tmp_path):
         )
         try:
             page = context.pages[0] if context.pages else context.new_page()
+            console: list[str] = []  # the front end's messages, saved if the panel is missing
+            page.on("console", lambda msg: console.append(f"{msg.type}: {msg.text}"))
             page.goto(f"{base}/notebooks/panel.ipynb?token={token}")
             page.locator("#kernel_indicator_icon.kernel_idle_icon").wait_for(timeout=90_000)
             page.locator(".code_cell .CodeMirror").first.click()
             page.keyboard.press("Shift+Enter")
             panel = page.locator(".output_area .nbaccel-launch-panel")
-            panel.wait_for(timeout=90_000)
+            try:
+                panel.wait_for(timeout=90_000)
+            except Exception:
+                page.screenshot(path=str(ARTIFACTS / "widgets7-notebook6-failed.png"))
+                (ARTIFACTS / "widgets7-notebook6-failed.html").write_text(page.content())
+                (ARTIFACTS / "widgets7-notebook6-console.txt").write_text("\n".join(console))
+                raise
             expect(page.locator(".output_area", has_text="ipywidgets 7.7.1")).to_have_count(1)
             # Rendered by the widget manager, not the kernel's text repr "LaunchPanel(train, ...)".
             expect(page.locator(".output_area", has_text="LaunchPanel(")).to_have_count(0)
@@ -154,7 +171,7 @@ def test_launch_panel_on_ipywidgets7_in_notebook6(notebook6, tmp_path):
             expect(launch).to_be_enabled()
             expect(panel.get_by_role("button", name="Save as default")).to_be_visible()
             launch.click()
-            output = panel.locator(".widget-output")
+            output = panel.locator(".jupyter-widgets-output-area")  # 7's Output (8: .widget-output)
             expect(output).to_contain_text("[rank0] hello from rank 0 of 2", timeout=120_000)
             expect(output).to_contain_text("[rank1] hello from rank 1 of 2", timeout=30_000)
             expect(output).to_contain_text("steps: 100%")
