@@ -117,7 +117,7 @@ PYEOF
 status=0
 for name in "${NAMES[@]}"; do
   if [ -z "$(stack_var "$name" SUITE)" ]; then
-    echo "setup_stack.sh: unknown stack '$name' (scripts/stacks.env has: $STACKS)" >&2
+    echo "setup_stack.sh: unknown stack '$name' (scripts/stacks.env has: $STACKS $EXTRA_STACKS)" >&2
     status=1
     continue
   fi

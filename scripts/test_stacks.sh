@@ -6,13 +6,14 @@
 #   stack colab (Python 3.13.5, torch 2.11.0+cu130, ipywidgets 7.7.1, ...): 97 passed in 160.2s
 # and appends the same lines to $NBACCEL_SUMMARY_FILE when set (scripts/test.sh). A stack that
 # could not be built prints NOT RUN and fails the run.
-# NBACCEL_STACKS_FULL=1 runs STACK_<name>_FULL_TESTS instead (everything that runs there).
+# NBACCEL_STACKS_FULL=1 runs STACK_<name>_FULL_TESTS instead (everything that runs there);
+# NBACCEL_EXTRA_STACKS=py314 adds stacks CI leaves out for time (EXTRA_STACKS in stacks.env).
 #
 # Usage: bash scripts/test_stacks.sh [NAME ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/stack_lib.sh
-if [ "$#" -gt 0 ]; then NAMES=("$@"); else read -r -a NAMES <<<"$STACKS"; fi
+if [ "$#" -gt 0 ]; then NAMES=("$@"); else read -r -a NAMES <<<"$STACKS ${NBACCEL_EXTRA_STACKS:-}"; fi
 
 summary_line() { # the numbers of pytest's closing line in $1, e.g. "97 passed, 1 failed"
   grep -E '^=*\s*[0-9]+ (passed|failed|error)' "$1" | tail -n1 | sed -E 's/^=+ //; s/ =+$//' \

@@ -30,7 +30,7 @@ def stack(name: str, field: str) -> str:
 
 
 def names() -> list[str]:
-    return stacks_env()["STACKS"].split()
+    return stacks_env()["STACKS"].split() + stacks_env()["EXTRA_STACKS"].split()
 
 
 def setup_requirements(section: str, key: str) -> list[str]:
@@ -40,7 +40,8 @@ def setup_requirements(section: str, key: str) -> list[str]:
 
 
 def test_the_colab_and_kaggle_stacks_are_defined() -> None:
-    assert names() == ["colab", "kaggle"]
+    assert names() == ["colab", "kaggle", "py314"]
+    assert stacks_env()["STACKS"].split() == ["colab", "kaggle"]  # what CI runs
     assert stack("colab", "PYTHON") == "python3.13" and stack("colab", "TORCH") == "2.11.0"
     assert "ipywidgets==7.7.1" in stack("colab", "PIP").split()
     assert (stack("kaggle", "TORCH"), stack("kaggle", "XLA")) == ("2.8.0", "2.8.0")
