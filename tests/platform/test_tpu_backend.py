@@ -172,3 +172,26 @@ def test_check_process_count_reads_the_markers() -> None:
     assert tpu.check_process_count(None, {}) is None  # unknown: the backend decides
     with pytest.raises(ConfigError, match=r"Kaggle, TPU v5e-8 has 8 TPU device"):
         tpu.check_process_count(16, KAGGLE_TPU)
+
+
+@pytest.mark.parametrize(
+    ("environ", "devices", "host"),
+    [(COLAB_TPU, "1 x TPU (v5e, faketpu 0.1)", "Google Colab, TPU v5e-1"),
+     (KAGGLE_TPU, "8 x TPU (v5e, faketpu 0.1)", "Kaggle, TPU v5e-8")],
+)  # fmt: skip
+def test_nbaccel_env_and_the_panel_show_the_tpu_runtime(fake, monkeypatch, tmp_path, environ,
+                                                        devices, host):  # fmt: skip
+    from nbaccel.cli import env
+
+    _markers(monkeypatch, environ)
+    monkeypatch.setattr(hardware, "cuda_device_count", lambda: 0)
+    rows = dict(env.report())
+    assert rows["Devices"].startswith(devices) and rows["Notebook host"] == host
+    pytest.importorskip("ipywidgets", reason="the panel needs the notebook extra")
+    from nbaccel.ui.panel import LaunchPanel
+
+    monkeypatch.setenv("NBACCEL_CONFIG_FILE", str(tmp_path / "none.yaml"))
+    panel = LaunchPanel(lambda: None)
+    header = panel.children[0].value
+    assert devices in header and host in header
+    assert (panel.config.num_processes, panel.config.mixed_precision) == (int(devices[0]), "bf16")
