@@ -129,9 +129,10 @@ def _select_device_and_backend(
     ``backend`` is an explicit request (``InitProcessGroupKwargs.backend``) or the
     backend of a process group that is already initialised.
     """
-    if not (cpu or env.use_cpu) and backend in (None, xla.XLA_BACKEND) and xla_requested():
+    tpu_group = xla.process_group_backend()  # the TPU backend's ("xla" for torch_xla)
+    if not (cpu or env.use_cpu) and backend in (None, tpu_group) and xla_requested():
         device = xla.xla_device()  # TPU, or PJRT_DEVICE=CPU; ranks come from the XLA runtime
-        chosen = xla.XLA_BACKEND if xla.xla_world().world_size > 1 else None
+        chosen = tpu_group if xla.xla_world().world_size > 1 else None
         return device, chosen, DistributedType.XLA
     distributed = env.world_size > 1
     # The backend picks the collective library, not the device: gloo moves CUDA tensors
@@ -203,7 +204,7 @@ def _init_kwargs(
     """
     kwargs: dict[str, Any] = {k: v for k, v in init_kwargs.items() if v is not None}
     kwargs.pop("backend", None)
-    if backend == xla.XLA_BACKEND:
+    if backend == xla.process_group_backend():
         kwargs = {**xla.init_process_group_kwargs(), **kwargs}
     kwargs.setdefault("init_method", "env://")
     if timeout is not None:

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..platform.tpu import TpuBackend, TpuWorld, backend_for, loaded_backend, require_backend
+from ..platform.tpu import (
+    TpuBackend,
+    TpuWorld,
+    active_backend,
+    backend_for,
+    loaded_backend,
+    require_backend,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported lazily
     import torch
@@ -27,6 +34,12 @@ XlaWorld = TpuWorld  # the name this module has always used
 
 def _backend() -> TpuBackend:
     return loaded_backend() or require_backend()
+
+
+def process_group_backend() -> str:
+    """The ``torch.distributed`` backend of the TPU backend in use (``"xla"``: torch_xla)."""
+    backend = loaded_backend() or active_backend()
+    return backend.process_group_backend if backend is not None else XLA_BACKEND
 
 
 def xla_device() -> torch.device:
@@ -79,6 +92,7 @@ __all__ = [
     "init_process_group_kwargs",
     "is_xla",
     "mark_step",
+    "process_group_backend",
     "storage_id",
     "xla_device",
     "xla_world",
