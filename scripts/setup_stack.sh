@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the hosted-notebook stacks of scripts/stacks.env (default: all of them), e.g.
 #   bash scripts/setup_stack.sh colab
-# Each is a virtual environment /venvs/<name> inside a Debian root .stacks/<suite> made with
-# debootstrap (scripts/stack_lib.sh), holding that release's Python, the stack's torch (PyPI's
+# Each is a virtual environment /venvs/<name> inside a Debian root made with debootstrap in
+# ~/.cache/nbaccel/stacks/<suite> (NBACCEL_STACKS_DIR; scripts/stack_lib.sh), holding that
+# release's Python, the stack's torch (PyPI's
 # CUDA wheel installed with --no-deps; scripts/cuda_stubs.py stands in for the NVIDIA
 # libraries, so torch.cuda.is_available() is False), torch_xla where the stack has it, the
 # stack's notebook packages (ipywidgets, ipykernel, ...), nbaccel's requirements from
@@ -121,10 +122,16 @@ for name in "${NAMES[@]}"; do
     status=1
     continue
   fi
-  if check "$name" 2>/dev/null; then continue; fi
-  if ! build "$name" || ! check "$name"; then
+  # One builder per root at a time: the roots are shared by every checkout on the machine.
+  mkdir -p "$STACKS_DIR"
+  exec {lock}>"$(stack_root_dir "$name").lock"
+  if ! flock -x -w 1800 "$lock"; then
+    echo "setup_stack.sh: stack $name: another build held $(stack_root_dir "$name").lock for 30 min" >&2
+    status=1
+  elif ! check "$name" 2>/dev/null && { ! build "$name" || ! check "$name"; }; then
     echo "setup_stack.sh: stack $name could not be built (the error is above)" >&2
     status=1
   fi
+  exec {lock}>&-
 done
 exit "$status"

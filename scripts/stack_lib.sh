@@ -3,12 +3,15 @@
 #
 # A stack is a Debian root (debootstrap, minbase) in $STACKS_DIR/<suite> with the newer Python
 # that Debian release packages, and one virtual environment per stack in it at /venvs/<name>.
+# The roots live in nbaccel's cache folder, shared by every checkout on the machine (a fresh
+# clone, as CI makes, finds them built): the checkout is mounted at /nbaccel and the venvs'
+# nbaccel is installed in editable mode from there, so a root serves any checkout.
 # Commands run in it through `stack_exec ROOT CMD...`: a private mount namespace (unshare; the
 # mounts vanish with the command) with /proc, /dev, /sys, this checkout at /nbaccel and pip's
 # cache at /root/.cache/pip, then chroot. Needs root (CI and the dev machines run as root).
 # shellcheck shell=bash
 
-STACKS_DIR=${NBACCEL_STACKS_DIR:-$PWD/.stacks}
+STACKS_DIR=${NBACCEL_STACKS_DIR:-$HOME/.cache/nbaccel/stacks}
 DEB_CACHE=${NBACCEL_DEB_CACHE:-$HOME/.cache/nbaccel/debs}
 PIP_CACHE=${NBACCEL_PIP_CACHE:-$HOME/.cache/pip} # seen as /root/.cache/pip inside a root
 DEBIAN_MIRROR=${NBACCEL_DEBIAN_MIRROR:-http://deb.debian.org/debian}
