@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from ..errors import WorkerError
+from ..errors import WorkerError, WorkerTimeoutError
 from ._wire import loads
 
 _SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
@@ -187,34 +187,6 @@ def _copy_attributes(err: BaseException, info: dict[str, Any]) -> None:
             setattr(err, name, loads(*data))
         except Exception:
             continue
-
-
-class WorkerTimeoutError(WorkerError):
-    """Some ranks stopped making progress: a collective timed out or peers never finished.
-
-    Attributes:
-        stuck_ranks: ranks that were still running when the hang was declared.
-        stacks: rank -> that worker's Python stack (faulthandler dump) or traceback.
-    """
-
-    def __init__(
-        self, stuck_ranks: list[int], stacks: dict[int, str], reason: str, pid: int | None = None
-    ) -> None:
-        self.stuck_ranks = list(stuck_ranks)
-        self.stacks = dict(stacks)
-        self.reason = reason
-        rank = self.stuck_ranks[0] if self.stuck_ranks else -1
-        super().__init__(rank, pid, "Timeout", reason, "")
-
-    def _render(self) -> str:
-        stuck = ", ".join(str(r) for r in self.stuck_ranks) or "none"
-        parts = [f"rank(s) {stuck} appear stuck: {self.reason}"]
-        for rank in sorted(self.stacks):
-            parts.append(f"\n--- where rank {rank} was ---\n{self.stacks[rank].rstrip()}")
-        return "\n".join(parts)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.stuck_ranks, self.stacks, self.reason, self.pid))
 
 
 def add_note(err: BaseException, note: str) -> None:

@@ -18,11 +18,11 @@ Decisions, as in ``notebook_launcher`` where they apply:
 * ``KeyboardInterrupt`` in the kernel (the interrupt button) or ``stop()``: every
   busy rank is interrupted and waited for, as above.
 
-"Must restart" is :class:`PoolBroken`, carrying the error for the user and the reason.
+"Must restart" is :class:`_PoolBroken`, carrying the error for the user and the reason.
 
 Example:
-    >>> from nbaccel.launch._pool_call import PoolBroken
-    >>> PoolBroken(ValueError("x"), "rank 1 died").reason
+    >>> from nbaccel.launch._pool_call import _PoolBroken
+    >>> _PoolBroken(ValueError("x"), "rank 1 died").reason
     'rank 1 died'
 """
 
@@ -39,7 +39,7 @@ from ._spawn import WorkerProcess
 from ._supervise import Supervisor
 
 
-class PoolBroken(Exception):
+class _PoolBroken(Exception):
     """The pool's workers cannot go on (a rank died, hung or is stuck); restart them."""
 
     def __init__(self, error: BaseException, reason: str) -> None:
@@ -77,7 +77,7 @@ class PoolSupervisor(Supervisor):
 
     # ------------------------------------------------------------------ one call
     def call(self, call_id: int, ranks: list[int], stop: threading.Event) -> CallResult:
-        """Wait until every rank in ``ranks`` answered ``call_id``; raise PoolBroken."""
+        """Wait until every rank in ``ranks`` answered ``call_id``; raise _PoolBroken."""
         self._call_id, self._done = call_id, {}
         procs = [p for p in self.procs if p.rank in ranks]
         outcome = CallResult()
@@ -126,7 +126,7 @@ class PoolSupervisor(Supervisor):
     def _check_alive(self, procs: list[WorkerProcess]) -> None:
         chosen = self.dead_failure()
         if chosen is not None:
-            raise PoolBroken(remote_exception(chosen), chosen.summary())
+            raise _PoolBroken(remote_exception(chosen), chosen.summary())
 
     def dead_failure(self) -> Failure | None:
         """How a dead worker died (its exit, signal and last stack), or None if all live."""
@@ -155,10 +155,10 @@ class PoolSupervisor(Supervisor):
         stacks.update({f.rank: f.info.get("traceback", "") for f in self.call_failures()})
         pid = busy[0].pid if busy else None
         err = WorkerTimeoutError([p.rank for p in busy], stacks, reason, pid)
-        raise PoolBroken(err, f"rank(s) {[p.rank for p in busy]} hung")
+        raise _PoolBroken(err, f"rank(s) {[p.rank for p in busy]} hung")
 
     def _interrupt(self, procs: list[WorkerProcess], why: str) -> None:
-        """SIGINT the busy ranks; PoolBroken when one does not come back in time."""
+        """SIGINT the busy ranks; _PoolBroken when one does not come back in time."""
         busy = [p for p in procs if p.rank not in self._done]
         for proc in busy:
             proc.send_signal(signal.SIGINT)
@@ -176,7 +176,7 @@ class PoolSupervisor(Supervisor):
             failures = self.call_failures()
             if failures and not all(_interrupted(f) for f in failures):
                 error = remote_exception(pick_failure([f for f in failures if not _interrupted(f)]))
-            raise PoolBroken(
+            raise _PoolBroken(
                 error,
                 f"{why}; rank(s) {stuck} did not come back within "
                 f"{self.INTERRUPT_GRACE:g}s of an interrupt (stuck in a collective?)",
@@ -223,4 +223,4 @@ def _interrupted(failure: Failure) -> bool:
     return failure.info.get("type_qualname") == "KeyboardInterrupt"
 
 
-__all__ = ["CallResult", "PoolBroken", "PoolSupervisor", "trim_pool_stack"]
+__all__ = ["CallResult", "PoolSupervisor", "trim_pool_stack"]

@@ -31,7 +31,7 @@ from typing import Any
 from ..errors import LaunchError
 from ..platform import environment
 from ._failures import add_note, pick_failure, remote_exception
-from ._pool_call import PoolBroken
+from ._pool_call import _PoolBroken
 from ._pool_start import Workers, boot, forwarder
 from ._preflight import LaunchPlan
 from ._status import Listener, RankStatus
@@ -171,13 +171,13 @@ class PoolEngine:
                     self.workers.conns[rank].sendall(frame)
             except OSError as err:  # a worker's socket is gone: it died
                 gone = LaunchError(f"a worker is gone ({err})")
-                raise PoolBroken(gone, "a worker is gone") from err
+                raise _PoolBroken(gone, "a worker is gone") from err
             except KeyboardInterrupt:  # some ranks may have the job, others not
                 reason = "the kernel was interrupted while the job was being sent"
-                raise PoolBroken(KeyboardInterrupt(), reason) from None
+                raise _PoolBroken(KeyboardInterrupt(), reason) from None
             result = sup.call(call_id, targets, stop)
             self._finish_states(targets, result.done)
-        except PoolBroken as broken:
+        except _PoolBroken as broken:
             self._finish_states(targets, {})
             self._handle = None
             self.replace(broken.reason)

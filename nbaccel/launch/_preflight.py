@@ -34,7 +34,7 @@ from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpu
 from ..platform import cudatrace, environment, forksafe
 from ..platform.hardware import default_num_processes
 
-RDZV_BACKENDS = ("static", "c10d")
+RDZV_BACKENDS = ("static",)
 
 
 @dataclass
@@ -89,10 +89,44 @@ def _parse_endpoint(endpoint: str) -> tuple[str | None, int | None]:
 
 
 def _overrides(**given: Any) -> dict[str, Any]:
-    """Arguments that differ from the signature defaults count as explicit settings."""
-    defaults = {"master_addr": "127.0.0.1", "node_rank": 0, "num_nodes": 1}
-    defaults.update(start_method="auto", max_restarts=0)
-    return {k: v for k, v in given.items() if v is not None and defaults.get(k, object()) != v}
+    """The arguments given explicitly (not None): they win over file and environment."""
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _check_port(use_port: Any) -> int | None:
+    """``use_port`` as an int (Accelerate's scripts pass it as a string, "29500"), or None."""
+    if isinstance(use_port, str) and use_port.strip().isdigit():
+        use_port = int(use_port)
+    if use_port is None:
+        return None
+    _check_int("use_port", use_port, 0, "pass a free TCP port, or None to pick one.")
+    if use_port > 65535:
+        raise ConfigError(f"use_port={use_port} must be <= 65535.")
+    return int(use_port) or None
+
+
+def _check_rendezvous(backend: Any, conf: Any, run_id: Any) -> None:
+    """Only the static rendezvous exists here: refuse what would otherwise be ignored."""
+    if backend == "c10d":
+        raise ConfigError(
+            "rdzv_backend='c10d' (torch.distributed.elastic's dynamic rendezvous, nodes joining "
+            "in any order) is not supported by nbaccel's launcher. Use rdzv_backend='static' "
+            "(the default): run the same launch on every machine with its own node_rank, the "
+            "same num_nodes, master_addr (node 0) and use_port. For an elastic job, run your "
+            "script with torchrun --rdzv-backend=c10d: Accelerator() works under torchrun."
+        )
+    if backend not in RDZV_BACKENDS:
+        raise ConfigError(f"rdzv_backend={backend!r} is unknown; use 'static'.")
+    if conf:
+        raise ConfigError(
+            f"rdzv_conf={conf!r} configures the c10d rendezvous, which nbaccel does not run; "
+            "remove it (the static rendezvous' waiting time is timeout=...)."
+        )
+    if run_id not in (None, "", "none"):
+        raise ConfigError(
+            f"rdzv_id={run_id!r} names a c10d rendezvous run, which nbaccel does not use; "
+            "remove it (nodes of a static rendezvous meet at master_addr:use_port)."
+        )
 
 
 def _check_no_state_in_kernel() -> None:
@@ -144,8 +178,8 @@ def cuda_fork_error() -> CUDAInitializedError:
     culprit = (
         f"CUDA was first initialised here:\n{where}"
         if where
-        else "Where it was first initialised is unknown (import nbaccel before touching CUDA, "
-        "or set NBACCEL_DEBUG_MODE=1, to have it recorded)."
+        else "Where it was first initialised is unknown: it is recorded from the first launch "
+        "or `%load_ext nbaccel` on (run either before touching CUDA to have it named here)."
     )
     return CUDAInitializedError(
         "CUDA is already initialised in this kernel, so start_method='fork' cannot be used: "
@@ -264,50 +298,50 @@ def plan_launch(
     num_processes: Any = None,
     mixed_precision: Any = None,
     use_port: Any = None,
-    master_addr: Any = "127.0.0.1",
-    node_rank: Any = 0,
-    num_nodes: Any = 1,
-    start_method: Any = "auto",
-    max_restarts: Any = 0,
-    timeout: Any = None,
-    *,
+    master_addr: Any = None,
+    node_rank: Any = None,
+    num_nodes: Any = None,
     rdzv_backend: Any = "static",
     rdzv_endpoint: Any = "",
+    rdzv_conf: Any = None,
+    rdzv_id: Any = "none",
+    max_restarts: Any = None,
     monitor_interval: Any = 0.1,
     log_line_prefix_template: Any = None,
+    *,
+    start_method: Any = None,
+    timeout: Any = None,
     config: Any = None,
     return_all_ranks: bool = False,
     block: bool = True,
     output: Any = None,
 ) -> LaunchPlan:
-    """Validate and resolve a launch; raises before anything is started."""
+    """Validate and resolve a launch; raises before anything is started.
+
+    Every argument that is not None was given explicitly and wins over the config file and
+    the environment, also when it equals the default (``num_nodes=1``, ``max_restarts=0``).
+    """
+    cudatrace.install()  # from now on a later CUDA initialisation in the kernel is recorded
     _check_function(function)
     if not isinstance(args, tuple | list):
         raise TypeError(f"args={args!r} must be a tuple of arguments, e.g. args=(model,).")
     fix = "use None for one process per device, or a positive int."
     if num_processes is not None:
         _check_int("num_processes", num_processes, 1, fix)
-    _check_int("num_nodes", num_nodes, 1, "pass the number of machines taking part.")
-    _check_int("node_rank", node_rank, 0, "number the machines 0..num_nodes-1.")
-    if node_rank >= num_nodes:
-        raise ConfigError(
-            f"node_rank={node_rank} must be < num_nodes={num_nodes}; number the machines "
-            "0..num_nodes-1 and give each its own node_rank."
-        )
+    if num_nodes is not None:
+        _check_int("num_nodes", num_nodes, 1, "pass the number of machines taking part.")
+    if node_rank is not None:  # node_rank < num_nodes: LaunchConfig checks the merged values
+        _check_int("node_rank", node_rank, 0, "number the machines 0..num_nodes-1.")
     if mixed_precision is not None:
         mixed_precision = normalize_precision(mixed_precision)
-    if start_method not in START_METHODS:
+    if start_method is not None and start_method not in START_METHODS:
         raise ConfigError(f"start_method={start_method!r} is unknown; use one of {START_METHODS}.")
-    _check_int("max_restarts", max_restarts, 0, "pass 0 to never restart.")
-    if use_port is not None:
-        _check_int("use_port", use_port, 0, "pass a free TCP port, or None to pick one.")
-        if use_port > 65535:
-            raise ConfigError(f"use_port={use_port} must be <= 65535.")
-        use_port = use_port or None
+    if max_restarts is not None:
+        _check_int("max_restarts", max_restarts, 0, "pass 0 to never restart.")
+    use_port = _check_port(use_port)
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"timeout={timeout!r} must be a number of seconds (or None).")
-    if rdzv_backend not in RDZV_BACKENDS:
-        raise ConfigError(f"rdzv_backend={rdzv_backend!r} is unknown; use one of {RDZV_BACKENDS}.")
+    _check_rendezvous(rdzv_backend, rdzv_conf, rdzv_id)
     if rdzv_endpoint:
         host, port = _parse_endpoint(str(rdzv_endpoint))
         master_addr, use_port = host or master_addr, port or use_port

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import LaunchError
+from ..errors import LaunchError, Stopped
 from ._bootstrap import STACK_SIGNAL
 from ._failures import Failure, WorkerTimeoutError, add_note, pick_failure, remote_exception
 from ._output import LineForwarder
@@ -45,10 +45,6 @@ from ._spawn import WorkerProcess
 from ._wire import FrameReader, loads
 
 EventCallback = Callable[[int, str, dict], None]
-
-
-class Stopped(LaunchError):
-    """The run was stopped with ``LaunchHandle.stop()``."""
 
 
 class Supervisor:

@@ -44,18 +44,20 @@ def notebook_launcher(
     args: tuple[Any, ...] = (),
     num_processes: int | None = None,
     mixed_precision: str | None = None,
-    use_port: int | None = None,
-    master_addr: str = "127.0.0.1",
-    node_rank: int = 0,
-    num_nodes: int = 1,
-    start_method: str = "auto",
-    max_restarts: int = 0,
-    timeout: float | None = None,
-    *,
+    use_port: int | str | None = None,
+    master_addr: str | None = None,
+    node_rank: int | None = None,
+    num_nodes: int | None = None,
     rdzv_backend: str = "static",
     rdzv_endpoint: str = "",
+    rdzv_conf: dict[str, Any] | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int | None = None,
     monitor_interval: float = 0.1,
     log_line_prefix_template: str | None = None,
+    *,
+    start_method: str | None = None,
+    timeout: float | None = None,
     config: LaunchConfig | None = None,
     return_all_ranks: bool = False,
     block: bool = True,
@@ -71,26 +73,27 @@ def notebook_launcher(
             else TPU cores, else 1. With one process the function runs in the kernel.
         mixed_precision: "no", "fp16", "bf16" or "fp8"; reaches the ``Accelerator()``
             created inside the function (``None``: from the environment/config file).
-        use_port: rendezvous port; ``None`` picks a free one for each launch. A busy
-            port raises ``ValueError`` naming it.
-        master_addr: node 0's address; on one machine the rendezvous listens on
-            127.0.0.1 only.
+        use_port: rendezvous port (an int, or a string such as "29500"); ``None`` picks a
+            free one for each launch. A busy port raises ``ValueError`` naming it.
+        master_addr: node 0's address (default 127.0.0.1); on one machine the rendezvous
+            listens on 127.0.0.1 only.
         node_rank: this machine's index (multi-node: run the same cell on each machine).
-        num_nodes: machines taking part.
-        start_method: "auto" (fork, or spawn when CUDA is already initialised in the
-            kernel), "fork" (refuses with ``CUDAInitializedError`` in that case) or "spawn".
-        max_restarts: how often a failed group of workers is started again.
-        timeout: seconds a collective may block (passed to the process group as
-            ``NBACCEL_TIMEOUT``). When a rank's collective times out while other ranks
-            still run, or ranks still run ``timeout`` seconds after a peer finished,
-            those ranks are reported as stuck (``WorkerTimeoutError``) with their
-            Python stacks, and everything is cleaned up.
-        rdzv_backend: "static" or "c10d" (both use torch's TCPStore on node 0).
+        num_nodes: machines taking part (default 1).
+        rdzv_backend: "static" (the default: every node names its ``node_rank``). "c10d"
+            (nodes joining in any order) is refused with an error saying what to do.
         rdzv_endpoint: "host:port", overriding ``master_addr``/``use_port``.
+        rdzv_conf, rdzv_id: settings of the c10d rendezvous; refused when given.
+        max_restarts: how often a failed group of workers is started again (default 0).
         monitor_interval: seconds between checks of the workers.
         log_line_prefix_template: prefix of every forwarded output line when more than
             one process runs here (default "[rank{rank}] "; "" disables). Fields:
             {rank}, {local_rank}, {node_rank}, {world_size} (or torchrun's ${rank}).
+        start_method: "auto" (fork, or spawn when CUDA is already initialised in the
+            kernel), "fork" (refuses with ``CUDAInitializedError`` in that case) or "spawn".
+        timeout: seconds a collective may block (the process group's timeout). When a
+            rank's collective times out while other ranks still run, or ranks still run
+            ``timeout`` seconds after a peer finished, those ranks are reported as stuck
+            (``WorkerTimeoutError``) with their Python stacks, and everything is cleaned up.
         config: a complete :class:`~nbaccel.LaunchConfig` to use instead of the
             environment and config file (explicit arguments still override it).
         return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).
@@ -123,13 +126,15 @@ def notebook_launcher(
         master_addr,
         node_rank,
         num_nodes,
-        start_method,
+        rdzv_backend,
+        rdzv_endpoint,
+        rdzv_conf,
+        rdzv_id,
         max_restarts,
-        timeout,
-        rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint,
-        monitor_interval=monitor_interval,
-        log_line_prefix_template=log_line_prefix_template,
+        monitor_interval,
+        log_line_prefix_template,
+        start_method=start_method,
+        timeout=timeout,
         config=config,
         return_all_ranks=return_all_ranks,
         block=block,

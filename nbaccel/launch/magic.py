@@ -98,6 +98,10 @@ def load_ipython_extension(ipython: Any) -> None:
     """Register ``%%distributed`` (called by ``%load_ext nbaccel``)."""
     from IPython.core.error import UsageError
 
+    from ..platform import cudatrace
+
+    cudatrace.install()  # a CUDA initialisation in a later cell is named if a fork is refused
+
     def magic(line: str, cell: str) -> Any:
         try:
             return distributed(line, cell, ipython.user_ns)

@@ -23,7 +23,7 @@ Example:
     ...     accelerator = Accelerator()
     ...     return accelerator.process_index * lr
     >>> with start_workers(num_processes=2) as pool:  # doctest: +SKIP
-    ...     pool.run(train, 0.5, return_all_ranks=True)
+    ...     pool.call(train, (0.5,), return_all_ranks=True)
     ...     pool.push(steps=3)
     ...     pool.pull("steps", rank=None)
     [0.0, 0.5]
@@ -84,27 +84,19 @@ class WorkerPool:
         self.closed = False
 
     # ------------------------------------------------------------------ calls
-    def run(
-        self,
-        function: Callable[..., Any],
-        *args: Any,
-        return_all_ranks: bool = False,
-        block: bool = True,
-        output: Any = None,
-        **kwargs: Any,
-    ) -> Any:
+    def run(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call ``function(*args, **kwargs)`` on every rank; return rank 0's value.
+
+        Every argument goes to ``function`` (also one named ``output`` or ``block``); the
+        options of a call are :meth:`call`'s.
 
         Args:
             function: any function, also one defined or edited in the notebook after
                 the pool started (shipped with dill, as for ``start_method="spawn"``).
             *args, **kwargs: its arguments.
-            return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).
-            block: ``False`` returns a :class:`~nbaccel.LaunchHandle` at once.
-            output: where the workers' lines go, as for ``notebook_launcher``.
 
         Returns:
-            Rank 0's value (on another node: its first rank's), the list, or a handle.
+            Rank 0's value (on another node: its first rank's).
 
         Raises:
             TypeError: ``function`` is not callable or cannot be pickled.
@@ -116,12 +108,44 @@ class WorkerPool:
             >>> pool.run(lambda x: x + 1, 41)  # doctest: +SKIP
             42
         """
+        return self.call(function, args, kwargs)
+
+    def call(
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        return_all_ranks: bool = False,
+        block: bool = True,
+        output: Any = None,
+    ) -> Any:
+        """:meth:`run` with options: ``function(*args, **kwargs)`` on every rank.
+
+        Args:
+            function: as for :meth:`run`.
+            args: its positional arguments (a tuple).
+            kwargs: its keyword arguments (a dict).
+            return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).
+            block: ``False`` returns a :class:`~nbaccel.LaunchHandle` at once.
+            output: where the workers' lines go, as for ``notebook_launcher``.
+
+        Example:
+            >>> pool.call(train, (3e-4,), return_all_ranks=True)  # doctest: +SKIP
+            [0.91, 0.91]
+        """
         if not callable(function):
             raise TypeError(
                 f"pool.run needs a function, got {function!r} (a {type(function).__name__}): "
                 "pass the function itself, e.g. pool.run(train, lr) instead of pool.run(train(lr))."
             )
-        payload = _dill((function, args, kwargs), "the function and its arguments")
+        if not isinstance(args, tuple | list):
+            raise TypeError(f"args={args!r} must be a tuple of arguments, e.g. args=(lr,).")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments.")
+        payload = _dill(
+            (function, tuple(args), dict(kwargs or {})), "the function and its arguments"
+        )
         return self._submit(("run", payload), None, return_all_ranks, block, output)
 
     def exec_cell(self, source: str, ranks: list[int] | None = None, output: Any = None) -> Any:
@@ -310,15 +334,15 @@ def _dill(value: Any, what: str) -> bytes:
 def start_workers(
     num_processes: int | None = None,
     mixed_precision: str | None = None,
-    use_port: int | None = None,
-    master_addr: str = "127.0.0.1",
-    node_rank: int = 0,
-    num_nodes: int = 1,
-    start_method: str = "auto",
-    timeout: float | None = None,
-    *,
+    use_port: int | str | None = None,
+    master_addr: str | None = None,
+    node_rank: int | None = None,
+    num_nodes: int | None = None,
     rdzv_backend: str = "static",
     rdzv_endpoint: str = "",
+    *,
+    start_method: str | None = None,
+    timeout: float | None = None,
     monitor_interval: float = 0.1,
     log_line_prefix_template: str | None = None,
     config: LaunchConfig | None = None,
@@ -334,7 +358,7 @@ def start_workers(
 
     Example:
         >>> pool = start_workers(num_processes=2)  # doctest: +SKIP
-        >>> pool.run(lambda: __import__("os").environ["RANK"], return_all_ranks=True)  # doctest: +SKIP
+        >>> pool.call(lambda: __import__("os").environ["RANK"], return_all_ranks=True)  # doctest: +SKIP
         ['0', '1']
         >>> pool.close()  # doctest: +SKIP
 
@@ -358,13 +382,13 @@ def start_workers(
         master_addr,
         node_rank,
         num_nodes,
-        start_method,
-        0,
-        timeout,
-        rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint,
+        rdzv_backend,
+        rdzv_endpoint,
+        max_restarts=0,
         monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template,
+        start_method=start_method,
+        timeout=timeout,
         config=config,
         block=False,  # always worker processes (never "run in the kernel"), own session
     )

@@ -52,7 +52,7 @@ def test_hang_names_the_stuck_rank_with_its_stack_and_restarts(pool, capsys):
     assert "_pool_worker" not in err.stacks[1] and "in watch" not in err.stacks[1], err.stacks[1]
     assert "restarted" in capsys.readouterr().err
     assert pool.restarts == 1 and set(pool.pids.values()).isdisjoint(old.values())
-    assert pool.run(_rank, return_all_ranks=True) == [0, 1]
+    assert pool.call(_rank, return_all_ranks=True) == [0, 1]
 
 
 def fails_while_peer_waits() -> None:
@@ -101,7 +101,7 @@ def test_collectives_out_of_step_after_a_failure_restart_the_pool(pool, capsys):
         pool.run(extra_collective_then_fail)
     assert "out of step" in capsys.readouterr().err
     assert pool.restarts == 1
-    assert pool.run(_rank, return_all_ranks=True) == [0, 1]
+    assert pool.call(_rank, return_all_ranks=True) == [0, 1]
 
 
 def one_sided_sends() -> int:
@@ -124,7 +124,7 @@ def one_sided_sends() -> int:
 def test_uneven_point_to_point_counts_after_a_normal_call_keep_the_pool():
     with start_workers(num_processes=3, timeout=30) as pool3:
         pids = pool3.pids
-        assert pool3.run(one_sided_sends, return_all_ranks=True) == [0, 1, 2]
+        assert pool3.call(one_sided_sends, return_all_ranks=True) == [0, 1, 2]
         assert pool3.run(one_sided_sends) == 0
         assert pool3.restarts == 0 and pool3.pids == pids
 
@@ -140,6 +140,10 @@ def group_sum() -> float:
     return value.item()
 
 
+def echo_options(output: str, block: str, return_all_ranks: str = "unset") -> list[str]:
+    return [output, block, return_all_ranks]
+
+
 def sleepy(seconds: float) -> str:
     time.sleep(seconds)
     return f"slept-{_rank()}"
@@ -148,17 +152,19 @@ def sleepy(seconds: float) -> str:
 @pytest.mark.timeout(180)
 def test_background_call_busy_error_stop_and_closed_pool(pool):
     pids = pool.pids
-    handle = pool.run(sleepy, 0.5, block=False, return_all_ranks=True)
+    handle = pool.call(sleepy, (0.5,), block=False, return_all_ranks=True)
     with pytest.raises(LaunchError, match="busy"):
         pool.run(_rank)
     assert handle.result(timeout=60) == ["slept-0", "slept-1"]
     assert {s["state"] for s in handle.status().values()} == {"finished"}
-    handle = pool.run(sleepy, 60, block=False)
+    handle = pool.call(sleepy, (60,), block=False)
     time.sleep(0.5)
     handle.stop(timeout=30)
     assert isinstance(handle.exception(), Stopped)
     assert pool.pids == pids and pool.restarts == 0
     assert pool.run(_rank) == 0
+    # every argument of run() is the function's, also those named like call()'s options
+    assert pool.run(echo_options, "o", block="b", return_all_ranks="r") == ["o", "b", "r"]
     pool.push(kept=1)
     pool.restart()  # fresh workers: new pids, empty namespaces, a working group
     assert pool.restarts == 1 and set(pool.pids.values()).isdisjoint(pids.values())
@@ -226,7 +232,7 @@ def dataloader_in_namespace() -> list[int]:
 @pytest.mark.timeout(180)
 def test_close_ends_dataloader_workers_too():
     pool = start_workers(num_processes=2)
-    children = pool.run(dataloader_in_namespace, return_all_ranks=True)
+    children = pool.call(dataloader_in_namespace, return_all_ranks=True)
     procs = [psutil.Process(pid) for pids in children for pid in pids]
     assert len(procs) >= 4
     workers = [psutil.Process(pid) for pid in pool.pids.values()]
@@ -271,11 +277,11 @@ def test_restart_after_cuda_appeared_in_the_kernel_spawns(monkeypatch, capsys):
     import torch
 
     with start_workers(num_processes=2) as pool:
-        assert pool.run(_spawned, return_all_ranks=True) == [False, False]
+        assert pool.call(_spawned, return_all_ranks=True) == [False, False]
         monkeypatch.setattr(torch.cuda, "_initialized", True)  # simulate CUDA in the kernel
         os.kill(pool.pids[1], signal.SIGKILL)
         time.sleep(0.2)
-        assert pool.run(_spawned, return_all_ranks=True) == [True, True]
+        assert pool.call(_spawned, return_all_ranks=True) == [True, True]
         err = capsys.readouterr().err
         assert "SIGKILL" in err and "start_method='spawn'" in err, err
 
