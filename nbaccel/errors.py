@@ -74,7 +74,12 @@ class WorkerError(LaunchError):
         exc_type: qualified name of the remote exception type.
         message: ``str()`` of the remote exception.
         remote_traceback: the formatted traceback text from the worker.
+
+    Attributes:
+        exit_code: the worker's exit code (a script's own; 128 + N after signal N).
     """
+
+    exit_code: int = 1
 
     def __init__(
         self,

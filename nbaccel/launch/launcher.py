@@ -7,13 +7,14 @@ A launch is "check, then launch":
    CUDA-before-fork, an Accelerator already in the kernel, a busy port. Any
    problem raises here, before a process exists;
 2. one process: the function runs in the kernel itself; TPU: ``torch_xla``;
-   otherwise workers are forked (or spawned with dill when CUDA is already
-   initialised) with the rank environment, torch's own TCPStore rendezvous
-   listening on loopback only (:mod:`nbaccel.launch._rendezvous`) and their output
-   forwarded into the cell;
-3. supervision (:mod:`nbaccel.launch._supervise`): results, the first real failure
-   re-raised with its type, rank and remote traceback, hangs reported with
-   every stuck worker's stack, interrupts and clean-up.
+   otherwise a one-shot group of workers (:mod:`nbaccel.launch._start`): forked (or
+   spawned with dill when CUDA is already initialised), each given the typed
+   configuration, torch's own TCPStore rendezvous listening on loopback only
+   (:mod:`nbaccel.launch._rendezvous`), and the function as its one job;
+3. supervision (:mod:`nbaccel.launch._supervisor`, the same as a pool's): output
+   forwarded into the cell, results, the first real failure re-raised with its type,
+   rank and remote traceback, hangs reported with every stuck worker's stack,
+   interrupts and clean-up; ``max_restarts`` starts a fresh group.
 
 Example:
     >>> from nbaccel import notebook_launcher
@@ -28,14 +29,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from ..config import LaunchConfig
-from ._environ import patched_environ
-from ._failures import WorkerTimeoutError
+from ..errors import Stopped, WorkerTimeoutError
+from ..platform.process_env import EnvironmentSnapshot
+from ._environ import installed, patched_environ
 from ._preflight import LaunchPlan, plan_launch
+from ._start import rank_environment, start_group
+from ._supervisor import JobFailed, Supervisor
 from .handle import LaunchHandle
 
 
@@ -140,21 +145,80 @@ def notebook_launcher(
         block=block,
         output=output,
     )
+    return launch(plan)
+
+
+def launch(plan: LaunchPlan) -> Any:
+    """Run a planned launch: in the kernel, on TPUs, or on a one-shot group of workers
+    (a :class:`LaunchHandle` when ``plan.block`` is False)."""
     if plan.method == "kernel":
         return _run_in_kernel(plan)
     if plan.method == "xla":
         return _run_xla(plan)
-    handle = LaunchHandle(plan)
-    try:
-        handle._start_attempt()
-        if not block:
-            handle._run_in_background()
+    started: list[Supervisor] = []
+    handle = LaunchHandle(
+        plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.return_all_ranks
+    )
+    try:  # the first group starts in the calling thread (the kernel's main thread)
+        started.append(_start(plan, handle))
+        if not plan.block:
+            handle.run_in_background()
             return handle
     except BaseException:
-        handle.abort()  # an interrupt between starting and supervising leaves no worker
+        for group in started:  # an interrupt between starting and supervising
+            group.terminate()
+            group.close()
         raise
-    handle._run()
+    handle.run()
     return handle.result()
+
+
+def _attempts(plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor]) -> dict[int, Any]:
+    """One group of workers per attempt, ``max_restarts`` more after a failure."""
+    while True:
+        group = started.pop() if started else _start(plan, handle)
+        try:
+            return group.run_job(1, plan.ranks, _wanted(plan), handle.stop_requested)
+        except JobFailed as failed:
+            err = failed.error
+        finally:
+            group.terminate()
+            group.close()
+        if isinstance(err, (Stopped, KeyboardInterrupt)):
+            raise err
+        if handle.attempt >= plan.config.max_restarts or handle.stop_requested.is_set():
+            raise err
+        handle.attempt += 1
+        _announce_restart(plan, handle.attempt, err)
+
+
+def _wanted(plan: LaunchPlan) -> set[int]:
+    return set(plan.ranks) if plan.return_all_ranks else {plan.ranks[0]}
+
+
+def _start(plan: LaunchPlan, handle: LaunchHandle) -> Supervisor:
+    want = _wanted(plan)
+    if plan.method == "fork":  # inherited through the fork: nothing is pickled
+        job: tuple[Any, ...] = ("job", 1, "call", want, plan.function, plan.args, {})
+    else:
+        job = ("job", 1, "run", want, plan.payload)
+    return start_group(
+        plan, on_event=handle.on_event, round_=handle.attempt, first_job=job, output=plan.output
+    )
+
+
+def _announce_restart(plan: LaunchPlan, attempt: int, err: BaseException) -> None:
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    text = (
+        f"nbaccel: workers failed ({first}); restarting, attempt {attempt} of "
+        f"{plan.config.max_restarts}\n"
+    )
+    output: Any = sys.stderr if plan.output is None else plan.output
+    with contextlib.suppress(Exception):
+        if hasattr(output, "write"):
+            output.write(text)
+        else:  # output(rank, stream, line)
+            output(plan.ranks[0], "stderr", text.rstrip("\n"))
 
 
 def debug_launcher(
@@ -178,19 +242,16 @@ def debug_launcher(
 
 
 def _run_in_kernel(plan: LaunchPlan) -> Any:
-    """One process: call the function right here, with the rank environment set."""
-    env = {
-        **plan.env,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-        "GROUP_RANK": "0",
-    }
+    """One process: call the function right here, as rank 0 of 1."""
+    env = {**plan.env, **rank_environment(0, 0, world_size=1, local_world_size=1, node_rank=0)}
+    cfg = plan.config
+    facts = EnvironmentSnapshot(
+        use_cpu=cfg.compute_device == "cpu", timeout=cfg.timeout, debug=cfg.debug
+    )
     state = sys.modules.get("nbaccel.runtime.state")
     had_state = state is not None and state.current_state() is not None
     try:
-        with patched_environ(env):
+        with patched_environ(env), installed(cfg, facts):
             value = plan.function(*plan.args)
     finally:
         state = sys.modules.get("nbaccel.runtime.state")
@@ -202,7 +263,7 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
 def _run_xla(plan: LaunchPlan) -> Any:
     from ._xla import launch_xla
 
-    results = launch_xla(plan.function, plan.args, plan.num_processes, plan.env)
+    results = launch_xla(plan.function, plan.args, plan.num_processes, plan.config)
     return list(results) if plan.return_all_ranks else results[0]
 
 

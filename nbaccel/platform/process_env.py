@@ -59,6 +59,11 @@ def install_process_facts(facts: EnvironmentSnapshot | None) -> None:
     _installed[:] = [] if facts is None else [facts]
 
 
+def installed_process_facts() -> EnvironmentSnapshot | None:
+    """The facts a launcher installed in this process, or None."""
+    return _installed[0] if _installed else None
+
+
 def read_environment(environ: Mapping[str, str] | None = None) -> EnvironmentSnapshot:
     """This process's launch facts: installed by nbaccel's launcher, else parsed from the
     environment variables (the only place nbaccel's runtime reads them).
@@ -131,5 +136,6 @@ __all__ = [
     "EnvironmentSnapshot",
     "distributed_active",
     "install_process_facts",
+    "installed_process_facts",
     "read_environment",
 ]

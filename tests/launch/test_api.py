@@ -127,10 +127,14 @@ def _exception_classes() -> list[tuple[str, str]]:
     return found
 
 
+# control flow inside the engine: the launcher and the pool always catch it
+INTERNAL = {("launch/_supervisor.py", "JobFailed")}
+
+
 def test_every_public_exception_is_defined_in_nbaccel_errors():
     classes = _exception_classes()
     assert ("errors.py", "WorkerTimeoutError") in classes
-    outside = [(m, c) for m, c in classes if m != "errors.py"]
+    outside = [(m, c) for m, c in classes if m != "errors.py" and (m, c) not in INTERNAL]
     assert not outside, f"define these in nbaccel/errors.py: {outside}"
     for name in ("WorkerTimeoutError", "Stopped", "CheckpointError", "CUDAInitializedError"):
         assert issubclass(getattr(errors, name), errors.NbaccelError)

@@ -14,10 +14,8 @@ import psutil
 import pytest
 
 from nbaccel import WorkerPool, start_workers
-from nbaccel.errors import LaunchError, WorkerError
+from nbaccel.errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from nbaccel.launch import magic
-from nbaccel.launch._failures import WorkerTimeoutError
-from nbaccel.launch._supervise import Stopped
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +47,7 @@ def test_hang_names_the_stuck_rank_with_its_stack_and_restarts(pool, capsys):
     err = info.value
     assert err.stuck_ranks == [1], str(err)
     assert "slow_rank_one" in err.stacks[1], err.stacks[1]
-    assert "_pool_worker" not in err.stacks[1] and "in watch" not in err.stacks[1], err.stacks[1]
+    assert os.path.join("nbaccel", "launch") not in err.stacks[1], err.stacks[1]  # user's frames
     assert "restarted" in capsys.readouterr().err
     assert pool.restarts == 1 and set(pool.pids.values()).isdisjoint(old.values())
     assert pool.call(_rank, return_all_ranks=True) == [0, 1]
@@ -69,11 +67,9 @@ def fails_while_peer_waits() -> None:
 
 @pytest.mark.timeout(180)
 def test_real_error_first_when_a_peer_is_stuck_in_a_collective(pool, capsys):
-    start = time.monotonic()
     with pytest.raises(ValueError, match="rank one gives up") as info:
-        pool.run(fails_while_peer_waits)
+        pool.run(fails_while_peer_waits)  # before the peer's collective timed out (timeout=4)
     assert isinstance(info.value, WorkerError) and info.value.rank == 1
-    assert time.monotonic() - start < 15
     err = capsys.readouterr().err
     # rank 0 either stays stuck in C++ or comes back from the interrupt with one
     # collective more than rank 1: either way the group cannot go on
@@ -294,3 +290,34 @@ def test_tpu_is_refused_with_a_clear_error(monkeypatch):
     monkeypatch.setattr("nbaccel.platform.xla.xla_requested", lambda: True)  # a TPU host
     with pytest.raises(LaunchError, match="TPUs"):
         start_workers(num_processes=2)
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+@pytest.mark.timeout(180)
+def test_distributed_cells_get_the_kernels_names_as_run_gets_a_functions_globals(pool):
+    ns = {"p": pool, "double": double, "lr": 3}
+    assert magic.distributed("--pool p", "y = double(lr)\ny", ns) == 6
+    pool.exec_cell("w = 5")  # the workers' own name
+    assert magic.distributed("--pool p", "w + lr", {**ns, "w": 99}) == 8  # kept, not the kernel's
+    assert magic.distributed("--pool p", "lr", {**ns, "lr": 4}) == 4  # the kernel's, refreshed
+    with pytest.raises(TypeError, match="'gen'"):  # a generator cannot be copied
+        magic.distributed("--pool p", "next(gen)", {**ns, "gen": (i for i in range(3))})
+    with pytest.raises(NameError, match="nowhere"):
+        magic.distributed("--pool p", "nowhere + 1", ns)
+
+
+@pytest.mark.timeout(180)
+def test_a_cell_on_some_ranks_that_enters_a_collective_fails_naming_it(capsys):
+    # before: rank 0 waited in all_reduce for rank 1, which never runs the cell: a deadlock
+    with start_workers(num_processes=2) as pool:  # no timeout=: only the detection can end it
+        pool.exec_cell("import torch, torch.distributed as dist\nrank = accelerator.process_index")
+        with pytest.raises(LaunchError, match=r"torch\.distributed\.all_reduce") as info:
+            pool.exec_cell("dist.all_reduce(torch.ones(1))", ranks=[0])
+        assert "rank(s) [1]" in str(info.value) and "--ranks" in str(info.value)
+        assert "dist.all_reduce(torch.ones(1))" in str(info.value)  # where rank 0 was
+        assert "restarted" in capsys.readouterr().err  # rank 0 could not leave the collective
+        assert pool.exec_cell("1 + 1", ranks=[0]) == 2  # no collective: fine on a subset
+        assert pool.call(_rank, return_all_ranks=True) == [0, 1]
