@@ -26,7 +26,7 @@ from ..errors import LaunchError, Stopped, WorkerError
 from ..platform import environment
 from ._preflight import LaunchPlan
 from ._start import forwarder, start_group
-from ._status import RankStatus
+from ._status import Observed, RankStatus
 from ._supervisor import JobFailed, Supervisor
 from .handle import LaunchHandle
 
@@ -34,7 +34,7 @@ _SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for t
 START_TIMEOUT = 120.0  # seconds the workers get to start (more if timeout= says so)
 
 
-class PoolWorkers:
+class PoolWorkers(Observed):
     """A pool's workers and its calls (one at a time)."""
 
     def __init__(self, plan: LaunchPlan) -> None:

@@ -101,11 +101,6 @@ def _parse_endpoint(endpoint: str) -> tuple[str | None, int | None]:
     return host or None, int(port)
 
 
-def _overrides(**given: Any) -> dict[str, Any]:
-    """The arguments given explicitly (not None): they win over file and environment."""
-    return {k: v for k, v in given.items() if v is not None}
-
-
 def _check_port(use_port: Any) -> int | None:
     """``use_port`` as an int (Accelerate's scripts pass it as a string, "29500"), or None."""
     if isinstance(use_port, str) and use_port.strip().isdigit():
@@ -178,89 +173,83 @@ def process_env(cfg: LaunchConfig, threads: int | None) -> dict[str, str]:
     return env
 
 
-def plan_launch(
-    function: Any,
-    args: Any = (),
-    num_processes: Any = None,
-    mixed_precision: Any = None,
-    use_port: Any = None,
-    master_addr: Any = None,
-    node_rank: Any = None,
-    num_nodes: Any = None,
-    rdzv_backend: Any = "static",
-    rdzv_endpoint: Any = "",
-    rdzv_conf: Any = None,
-    rdzv_id: Any = "none",
-    max_restarts: Any = None,
-    monitor_interval: Any = 0.1,
-    log_line_prefix_template: Any = None,
-    *,
-    start_method: Any = None,
-    timeout: Any = None,
-    config: Any = None,
-    return_all_ranks: bool = False,
-    block: bool = True,
-    output: Any = None,
-    kernel_state_ok: bool = False,
-) -> LaunchPlan:
+#: the options of a launch (notebook_launcher's arguments after ``args``) and their defaults;
+#: None means "not given": the environment, the config file or the default decides
+_NONE = "num_processes mixed_precision use_port master_addr node_rank num_nodes rdzv_conf "
+_NONE += "max_restarts log_line_prefix_template start_method timeout config output"
+OPTIONS: dict[str, Any] = dict.fromkeys(_NONE.split()) | {
+    "rdzv_backend": "static",
+    "rdzv_endpoint": "",
+    "rdzv_id": "none",
+    "monitor_interval": 0.1,
+    "return_all_ranks": False,
+    "block": True,
+    "kernel_state_ok": False,  # a test's own Accelerator in this process (run_on_workers)
+}
+# the options that are LaunchConfig fields (use_port is master_port there)
+_FIELDS = "num_processes mixed_precision master_addr node_rank num_nodes start_method "
+_FIELDS += "max_restarts timeout"
+
+
+def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
     """Validate and resolve a launch; raises before anything is started.
 
-    Every argument that is not None was given explicitly and wins over the config file and
-    the environment, also when it equals the default (``num_nodes=1``, ``max_restarts=0``).
+    ``options`` are :data:`OPTIONS`. Every one that is not None was given explicitly and
+    wins over the config file and the environment, also when it equals the default
+    (``num_nodes=1``, ``max_restarts=0``).
     """
     cudatrace.install()  # from now on a later CUDA initialisation in the kernel is recorded
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected argument(s) {unknown}; valid ones: {sorted(OPTIONS)}.")
+    o = {**OPTIONS, **options}
     _check_function(function)
     if not isinstance(args, tuple | list):
         raise TypeError(f"args={args!r} must be a tuple of arguments, e.g. args=(model,).")
-    fix = "use None for one process per device, or a positive int."
-    if num_processes is not None:
-        _check_int("num_processes", num_processes, 1, fix)
-    if num_nodes is not None:
-        _check_int("num_nodes", num_nodes, 1, "pass the number of machines taking part.")
-    if node_rank is not None:  # node_rank < num_nodes: LaunchConfig checks the merged values
-        _check_int("node_rank", node_rank, 0, "number the machines 0..num_nodes-1.")
-    if mixed_precision is not None:
-        mixed_precision = normalize_precision(mixed_precision)
-    if start_method is not None and start_method not in START_METHODS:
-        raise ConfigError(f"start_method={start_method!r} is unknown; use one of {START_METHODS}.")
-    if max_restarts is not None:
-        _check_int("max_restarts", max_restarts, 0, "pass 0 to never restart.")
-    use_port = _check_port(use_port)
+    fixes = {
+        "num_processes": (1, "use None for one process per device, or a positive int."),
+        "num_nodes": (1, "pass the number of machines taking part."),
+        "node_rank": (0, "number the machines 0..num_nodes-1."),  # < num_nodes: LaunchConfig
+        "max_restarts": (0, "pass 0 to never restart."),
+    }
+    for name, (minimum, fix) in fixes.items():
+        if o[name] is not None:
+            _check_int(name, o[name], minimum, fix)
+    if o["mixed_precision"] is not None:
+        o["mixed_precision"] = normalize_precision(o["mixed_precision"])
+    if o["start_method"] is not None and o["start_method"] not in START_METHODS:
+        raise ConfigError(
+            f"start_method={o['start_method']!r} is unknown; use one of {START_METHODS}."
+        )
+    o["use_port"] = _check_port(o["use_port"])
+    timeout = o["timeout"]
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"timeout={timeout!r} must be a number of seconds (or None).")
-    _check_rendezvous(rdzv_backend, rdzv_conf, rdzv_id)
-    if rdzv_endpoint:
-        host, port = _parse_endpoint(str(rdzv_endpoint))
-        master_addr, use_port = host or master_addr, port or use_port
-    if not isinstance(monitor_interval, int | float) or not monitor_interval > 0:
-        raise ConfigError(f"monitor_interval={monitor_interval!r} must be seconds > 0.")
-    if log_line_prefix_template is not None and not isinstance(log_line_prefix_template, str):
-        raise TypeError(f"log_line_prefix_template={log_line_prefix_template!r} must be a str.")
+    _check_rendezvous(o["rdzv_backend"], o["rdzv_conf"], o["rdzv_id"])
+    if o["rdzv_endpoint"]:
+        host, port = _parse_endpoint(str(o["rdzv_endpoint"]))
+        o["master_addr"], o["use_port"] = host or o["master_addr"], port or o["use_port"]
+    interval, template, output = o["monitor_interval"], o["log_line_prefix_template"], o["output"]
+    if not isinstance(interval, int | float) or not interval > 0:
+        raise ConfigError(f"monitor_interval={interval!r} must be seconds > 0.")
+    if template is not None and not isinstance(template, str):
+        raise TypeError(f"log_line_prefix_template={template!r} must be a str.")
     if output is not None and not (callable(output) or hasattr(output, "write")):
         raise TypeError(f"output={output!r} must be a file-like object or a callable.")
-    if config is not None and not isinstance(config, LaunchConfig):
-        raise TypeError(f"config={config!r} must be a nbaccel.LaunchConfig (or None).")
-
-    given = _overrides(
-        num_processes=num_processes,
-        mixed_precision=mixed_precision,
-        master_addr=master_addr,
-        master_port=use_port,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        start_method=start_method,
-        max_restarts=max_restarts,
-        timeout=timeout,
-    )
-    cfg = config.replace(**given) if config is not None else resolve_launch_config(given)
+    if o["config"] is not None and not isinstance(o["config"], LaunchConfig):
+        raise TypeError(f"config={o['config']!r} must be a nbaccel.LaunchConfig (or None).")
+    given = {k: o[k] for k in _FIELDS.split() if o[k] is not None}
+    if o["use_port"] is not None:
+        given["master_port"] = o["use_port"]
+    cfg = o["config"].replace(**given) if o["config"] is not None else resolve_launch_config(given)
     common: dict[str, Any] = {
-        "template": log_line_prefix_template,
+        "template": template,
         "output": output,
-        "return_all_ranks": bool(return_all_ranks),
-        "block": bool(block),
-        "monitor_interval": float(monitor_interval),
+        "return_all_ranks": bool(o["return_all_ranks"]),
+        "block": bool(o["block"]),
+        "monitor_interval": float(interval),
     }
-    return _decide(cfg, function, tuple(args), common, kernel_state_ok)
+    return _decide(cfg, function, tuple(args), common, o["kernel_state_ok"])
 
 
 def _decide(

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import Stopped
-from ._status import Listener, RankStatus
+from ._status import Observed, RankStatus
 
 _LIVE: weakref.WeakSet[LaunchHandle] = weakref.WeakSet()
 _TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
@@ -47,7 +47,7 @@ def _stop_live_handles() -> None:
             handle.stop(timeout=5)
 
 
-class LaunchHandle:
+class LaunchHandle(Observed):
     """Control and observe a job: ``wait``, ``result``, ``stop``, ``done``, ``status``."""
 
     def __init__(self, ranks: list[int], runner: Runner, *, all_ranks: bool = False) -> None:
@@ -97,18 +97,6 @@ class LaunchHandle:
         self.stop_requested.set()
         if threading.current_thread() is not self._thread:  # not from a listener callback
             self.wait(timeout)
-
-    def status(self) -> dict[int, dict[str, Any]]:
-        """A snapshot of every rank's state, step and latest scalars."""
-        return self._board.snapshot()
-
-    def add_listener(self, callback: Listener) -> Listener:
-        """Call ``callback(rank, kind, data)`` for every event; returns ``callback``."""
-        return self._board.add_listener(callback)
-
-    def remove_listener(self, callback: Listener) -> None:
-        """Undo :meth:`add_listener`."""
-        self._board.remove_listener(callback)
 
     @property
     def pids(self) -> dict[int, int | None]:

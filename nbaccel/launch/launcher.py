@@ -122,29 +122,7 @@ def notebook_launcher(
             stuck ranks (``err.stuck_ranks``) with every worker's stack (``err.stacks``).
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
-    plan = plan_launch(
-        function,
-        args,
-        num_processes,
-        mixed_precision,
-        use_port,
-        master_addr,
-        node_rank,
-        num_nodes,
-        rdzv_backend,
-        rdzv_endpoint,
-        rdzv_conf,
-        rdzv_id,
-        max_restarts,
-        monitor_interval,
-        log_line_prefix_template,
-        start_method=start_method,
-        timeout=timeout,
-        config=config,
-        return_all_ranks=return_all_ranks,
-        block=block,
-        output=output,
-    )
+    plan = plan_launch(**locals())  # first: locals() are exactly the arguments
     return launch(plan)
 
 

@@ -27,12 +27,10 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..config import LaunchConfig
 from ..errors import LaunchError
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
 from ._preflight import plan_launch
-from ._status import Listener
 
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 # The pools %%distributed may use, newest last. Weak: a pool the notebook no longer
@@ -215,18 +213,6 @@ class WorkerPool(PoolWorkers):
         """How the current workers were started: "fork" or "spawn"."""
         return self._plan.method
 
-    def status(self) -> dict[int, dict[str, Any]]:
-        """Every rank's state ("idle", "running", "terminated"), step, scalars, pid."""
-        return self._board.snapshot()
-
-    def add_listener(self, callback: Listener) -> Listener:
-        """Call ``callback(rank, kind, data)`` for every event of every call."""
-        return self._board.add_listener(callback)
-
-    def remove_listener(self, callback: Listener) -> None:
-        """Undo :meth:`add_listener`."""
-        self._board.remove_listener(callback)
-
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"pids={list(self.pids.values())}"
         return f"<WorkerPool ranks={self.ranks} {state} method={self.start_method}>"
@@ -236,27 +222,15 @@ def _idle() -> None:
     """The plan's function: a pool's workers get theirs call by call."""
 
 
-def start_workers(
-    num_processes: int | None = None,
-    mixed_precision: str | None = None,
-    use_port: int | str | None = None,
-    master_addr: str | None = None,
-    node_rank: int | None = None,
-    num_nodes: int | None = None,
-    rdzv_backend: str = "static",
-    rdzv_endpoint: str = "",
-    *,
-    start_method: str | None = None,
-    timeout: float | None = None,
-    monitor_interval: float = 0.1,
-    log_line_prefix_template: str | None = None,
-    config: LaunchConfig | None = None,
-) -> WorkerPool:
+def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPool:
     """Start a :class:`WorkerPool`: one warm worker per device, kept across cells.
 
-    The options and checks of :func:`~nbaccel.notebook_launcher` (several machines: run
-    the same cells on each). The process group forms at the first ``Accelerator()`` on
-    the workers and lives as long as they do.
+    ``options`` are :func:`~nbaccel.notebook_launcher`'s (``mixed_precision``,
+    ``start_method``, ``timeout``, ``config``, ``master_addr``/``node_rank``/``num_nodes``
+    /``use_port`` for several machines: run the same cells on each, ...), checked the
+    same way before anything starts; a pool's calls have their own ``return_all_ranks``,
+    ``block`` and ``output`` (:meth:`WorkerPool.call`). The process group forms at the
+    first ``Accelerator()`` on the workers and lives as long as they do.
 
     Example:
         >>> pool = start_workers(num_processes=2)  # doctest: +SKIP
@@ -269,27 +243,14 @@ def start_workers(
     from ..platform.xla import xla_requested
 
     no_tpu = "start_workers does not support TPUs (torch_xla) yet; use notebook_launcher."
+    config = options.get("config")
     if config.compute_device == "tpu" if config is not None else xla_requested():
         raise LaunchError(no_tpu)  # before the planner, whose TPU message is about block=False
-    plan = plan_launch(
-        _idle,
-        (),
-        num_processes,
-        mixed_precision,
-        use_port,
-        master_addr,
-        node_rank,
-        num_nodes,
-        rdzv_backend,
-        rdzv_endpoint,
-        max_restarts=0,
-        monitor_interval=monitor_interval,
-        log_line_prefix_template=log_line_prefix_template,
-        start_method=start_method,
-        timeout=timeout,
-        config=config,
-        block=False,  # always worker processes (never "run in the kernel"), own session
-    )
+    own = sorted(set(options) & {"max_restarts", "return_all_ranks", "block", "output"})
+    if own:
+        raise TypeError(f"start_workers() takes no {own}: they are options of pool.call().")
+    # block=False: always worker processes (never "run in the kernel"), in their own session
+    plan = plan_launch(_idle, (), num_processes=num_processes, block=False, **options)
     if plan.method == "xla":
         raise LaunchError(no_tpu)
     pool = WorkerPool(plan)

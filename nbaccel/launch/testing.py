@@ -59,7 +59,7 @@ def run_on_workers(
         plan = plan_launch(
             fn,
             tuple(args),
-            num_processes,
+            num_processes=num_processes,
             config=resolve_launch_config({"compute_device": "cpu"}),
             return_all_ranks=True,
             block=False,  # worker processes also for one (block=True would use this process)

@@ -46,13 +46,19 @@ def test_positional_parameters_follow_accelerate_and_the_rest_are_keyword_only()
     own = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
     assert own and not set(own) & set(ACCELERATE_ORDER)
     pool_params = inspect.signature(start_workers).parameters.values()
-    pool_positional = [p.name for p in pool_params if p.kind is p.POSITIONAL_OR_KEYWORD]
-    assert pool_positional == ACCELERATE_ORDER[2:10]
+    assert [p.name for p in pool_params if p.kind is p.POSITIONAL_OR_KEYWORD] == ["num_processes"]
+    with pytest.raises(TypeError, match="return_all_ranks"):  # an option of pool.call()
+        start_workers(num_processes=2, return_all_ranks=True)
+    with pytest.raises(TypeError, match="num_gpus"):  # a misspelt option is named
+        start_workers(num_processes=2, num_gpus=2)
 
 
 def test_accelerate_style_positional_call_and_string_port():
-    plan = plan_launch(print, (), 2, "bf16", "29512", "127.0.0.1", 0, 1, "static", "", None, "none")
+    call = (print, (), 2, "bf16", "29512", "127.0.0.1", 0, 1, "static", "", None, "none", 0)
+    bound = inspect.signature(notebook_launcher).bind(*call)  # as Accelerate's scripts call it
+    plan = plan_launch(**bound.arguments)
     assert (plan.config.master_port, plan.config.mixed_precision) == (29512, "bf16")
+    assert (plan.config.num_processes, plan.config.max_restarts) == (2, 0)
 
 
 def _from_environment(monkeypatch, tmp_path):
