@@ -72,7 +72,7 @@ def processes_per_node(cfg: LaunchConfig) -> int:
 
 def launch(cfg: LaunchConfig, command: list[str], name: str = "nbaccel launch") -> int:
     """Run ``command`` on ``cfg``'s processes; the exit code (2: bad settings)."""
-    from ..launch._script import run_script
+    from ..launch.launcher import run_script
 
     try:
         return run_script(cfg, command)

@@ -233,6 +233,9 @@ def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forke
             job = job if job is not None else _inbox.get()
             if job[0] == "exit":
                 break
+            if job[0] != "job":  # a kind this worker does not know: not for it
+                job = None
+                continue
             code = _run_job(worker, channel, job)
             job = None
             learn.report(channel)

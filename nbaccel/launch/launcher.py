@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from ..config import LaunchConfig
-from ..errors import Stopped, WorkerTimeoutError
+from ..errors import Stopped, WorkerError, WorkerTimeoutError
 from ..platform.process_env import EnvironmentSnapshot
 from ._environ import installed, patched_environ
-from ._preflight import LaunchPlan, plan_launch
+from ._preflight import LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
 from ._supervisor import JobFailed, Supervisor
 from .handle import LaunchHandle
@@ -245,4 +246,63 @@ def _run_xla(plan: LaunchPlan) -> Any:
     return list(results) if plan.return_all_ranks else results[0]
 
 
-__all__ = ["LaunchHandle", "WorkerTimeoutError", "debug_launcher", "notebook_launcher"]
+def run_script(cfg: LaunchConfig, command: list[str]) -> int:
+    """``nbaccel launch``: ``command`` (``[-m] script_or_module args...``) as ``__main__``
+    on ``cfg``'s processes, the same engine with a ``script`` job; returns the exit code
+    (the first real failure's: the script's own, 1 for an exception, 128 + N after
+    signal N) and says on stderr which rank failed.
+
+    Example:
+        >>> run_script(LaunchConfig(num_processes=2), ["train.py", "--lr", "3e-4"])  # doctest: +SKIP
+        0
+    """
+    plan = plan_script(cfg)
+    stop = threading.Event()
+    for attempt in range(cfg.max_restarts + 1):
+        if attempt:
+            print(f"nbaccel launch: restarting, attempt {attempt} of {cfg.max_restarts}",
+                  file=sys.stderr)  # fmt: skip
+        job: tuple[object, ...] = ("job", 1, "script", set(), list(command))
+        try:
+            group = start_group(plan, on_event=_ignore, round_=attempt, first_job=job)
+        except KeyboardInterrupt:
+            return 130
+        try:
+            group.run_job(1, plan.ranks, set(), stop)
+            return 0
+        except JobFailed as failed:
+            code = _exit_code(failed.error)
+        finally:
+            group.terminate()
+            group.close()
+        if code == 130:
+            return code
+    return code
+
+
+def _exit_code(error: BaseException) -> int:
+    if isinstance(error, KeyboardInterrupt):
+        return 130
+    if isinstance(error, WorkerError):
+        code = error.exit_code or 1
+        if error.exc_type in ("SystemExit", "ExitCode") or error.exc_type.startswith("SIG"):
+            detail = f"exited with code {code}"
+        else:  # the traceback is on stderr already, as python prints it
+            detail = f"failed with {error.exc_type}: {error.message.splitlines()[0] if error.message else ''}"
+        print(f"nbaccel launch: rank {error.rank} (pid {error.pid}) {detail}", file=sys.stderr)
+        return code
+    print(f"nbaccel launch: {error}", file=sys.stderr)
+    return 1
+
+
+def _ignore(rank: int, kind: str, data: dict) -> None:
+    """A script's events have no live view in a terminal."""
+
+
+__all__ = [
+    "LaunchHandle",
+    "WorkerTimeoutError",
+    "debug_launcher",
+    "notebook_launcher",
+    "run_script",
+]
