@@ -128,7 +128,9 @@ def bench_cold(python: str, systems: list[str], reps: int, cache: str, res: dict
                     bench.load_cells(("common", "launch"))
                     return {"launch_s": bench.call(f"bench_first_train_once({system!r})")}
 
-            _record(res["samples"].setdefault(f"coldtrain/{system}", []), train, res["errors"], label)
+            _record(
+                res["samples"].setdefault(f"coldtrain/{system}", []), train, res["errors"], label
+            )
 
 
 def bench_main(

@@ -9,7 +9,6 @@ a test that leaves it busy gets a fresh one.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 
 import psutil

@@ -8,7 +8,6 @@ naming the address and port within its ``timeout``, never hang.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest

@@ -167,9 +167,8 @@ def fails_first_time(marker):
 
 
 def world_size_from_state():
-    from nbaccel.runtime.state import get_state
-
     from nbaccel.config import launch_config
+    from nbaccel.runtime.state import get_state
 
     state = get_state()
     return state.world_size, state.device.type, launch_config().compute_device

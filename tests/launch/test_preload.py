@@ -65,9 +65,7 @@ def test_dynamo_is_imported_by_the_workers_once_then_by_the_kernel(tmp_path):
     cuda_build = torch.cuda._is_compiled()  # CUDA builds never pre-import torch._dynamo
     script = tmp_path / "launch_script.py"
     script.write_text(SCRIPT)
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
-    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("after")]
     # a launch that only runs collectives never pays the import, anywhere
