@@ -90,6 +90,8 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
         return pid
 
     monkeypatch.setattr(_process, "_fork", fork_then_interrupt)
+    # as in a kernel, SIGINT raises KeyboardInterrupt (a shell's background job ignores it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             notebook_launcher(_never_runs, num_processes=2, start_method="fork")
@@ -103,3 +105,4 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
             if _is_our_zombie_or_alive(pid):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
+        signal.signal(signal.SIGINT, previous)
