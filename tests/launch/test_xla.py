@@ -69,7 +69,7 @@ def test_launch_without_torch_xla_says_what_to_install(monkeypatch: pytest.Monke
     monkeypatch.setattr(TorchXlaBackend, "available", lambda self: False)
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     with pytest.raises(LaunchError, match="torch_xla is not installed: pip install torch_xla"):
-        xla_launch.launch_xla(print, (), 1, {})
+        xla_launch.launch_xla(print, (), 1)
 
 
 def test_helpers_do_nothing_when_torch_xla_is_not_loaded() -> None:
