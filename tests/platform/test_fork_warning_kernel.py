@@ -67,7 +67,7 @@ def test_a_fork_checked_safe_shows_nothing_in_the_cell(kernel: KernelSession) ->
     assert cell.stdout.strip() == "[0, 1]"
     assert PYTHON_WARNING not in cell.stderr and "nbaccel forks" not in cell.stderr, cell.stderr
     cell = kernel.run(
-        "pool = start_workers(num_processes=2)\nprint(pool.run(rank, return_all_ranks=True))\n"
+        "pool = start_workers(num_processes=2)\nprint(pool.call(rank, return_all_ranks=True))\n"
         "pool.close()"
     )
     assert cell.stdout.strip() == "[0, 1]"
