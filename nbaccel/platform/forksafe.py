@@ -176,7 +176,8 @@ def unknown_threads() -> list[str]:
     for thread in threading.enumerate():
         if thread is threading.current_thread() or thread is threading.main_thread():
             continue
-        target = getattr(thread, "_target", None)  # Thread(target=...): whose code runs
+        # Thread(target=...) or threading.Timer(interval, function): whose code runs
+        target = getattr(thread, "_target", None) or getattr(thread, "function", None)
         origins = {type(thread).__module__, getattr(target, "__module__", None) or ""}
         origins -= {"threading", ""}  # a plain Thread: its target tells
         if not origins or not all(o.split(".")[0] in KNOWN_THREAD_PACKAGES for o in origins):

@@ -64,3 +64,26 @@ def test_threads_are_known_by_the_package_whose_code_runs_them():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert forksafe.warn_if_fork_unsafe().safe  # nothing unknown left: no warning
+
+
+def test_a_timer_is_known_by_the_function_it_will_call():
+    # threading.Timer keeps its callable in .function, not ._target: the monitor's redraw
+    # timer (nbaccel.ui.monitor) runs during a launch, and must not make the fork "unsafe"
+    import threading
+
+    from nbaccel.ui.monitor import RunMonitor
+
+    ours = threading.Timer(60, RunMonitor.refresh)
+    mine = threading.Timer(60, print)  # a builtin: nobody nbaccel knows
+    ours.name, mine.name = "nbaccel-timer", "user-timer"
+    for timer in (ours, mine):
+        timer.daemon = True
+        timer.start()
+    try:
+        unknown = forksafe.unknown_threads()
+        assert "nbaccel-timer" not in unknown
+        assert "user-timer" in unknown
+    finally:
+        for timer in (ours, mine):
+            timer.cancel()
+            timer.join()
