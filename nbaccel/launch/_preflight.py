@@ -30,8 +30,8 @@ from ..config import (
     resolve_launch_config,
 )
 from ..errors import ConfigError
-from ..platform import cudatrace, environment
-from ..platform.hardware import check_gpu_precision, default_num_processes
+from ..platform import cudatrace, environment, hardware
+from ..platform.hardware import default_num_processes
 from ._safety import (
     check_gpus_per_process,
     check_no_state_in_kernel,
@@ -273,7 +273,7 @@ def _decide(
     if not in_kernel:
         check_platform(cfg.start_method)  # the OS first: nothing else would help there
     check_gpus_per_process(cfg, nproc)
-    check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # bf16 on a T4: fp16
+    hardware.check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # bf16 on a T4: fp16
     if cfg.strategy == "fsdp" and nproc * cfg.num_nodes < 2:
         raise ConfigError(
             "strategy='fsdp' shards the model across processes, but this launch starts one: "
