@@ -156,9 +156,11 @@ def _pause_function(path: str) -> Any:
 # (shell/IOPub/heartbeat/control threads, output pipes, history, parent poller), Colab's and
 # the debugger's, progress bars' monitors, and nbaccel's own supervisors. Their locks stay
 # with the kernel; the worker runs only nbaccel's bootstrap and the user's function.
+# OpenTelemetry's exporters (mlflow starts them) re-create their threads and locks in a
+# forked child themselves (os.register_at_fork).
 KNOWN_THREAD_PACKAGES = frozenset(
     {"ipykernel", "IPython", "jupyter_client", "zmq", "tornado", "comm", "debugpy", "tqdm",
-     "google", "nbaccel"}
+     "google", "nbaccel", "opentelemetry"}
 )  # fmt: skip
 # Python's own warning (3.12+), replaced by check_fork's verdict.
 _PYTHON_FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead"

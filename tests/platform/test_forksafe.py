@@ -87,3 +87,22 @@ def test_a_timer_is_known_by_the_function_it_will_call():
         for timer in (ours, mine):
             timer.cancel()
             timer.join()
+
+
+def test_opentelemetry_exporter_threads_are_known():
+    # mlflow starts OpenTelemetry's exporter threads in the kernel; the SDK re-creates them
+    # (and their locks) in a forked child, so a launch must not warn about them
+    export = pytest.importorskip("opentelemetry.sdk.metrics.export", reason="no OpenTelemetry")
+    import io
+
+    reader = export.PeriodicExportingMetricReader(
+        export.ConsoleMetricExporter(out=io.StringIO()), export_interval_millis=600_000
+    )
+    try:
+        import threading
+
+        names = [t.name for t in threading.enumerate()]
+        assert "OtelPeriodicExportingMetricReader" in names  # the real thread runs
+        assert "OtelPeriodicExportingMetricReader" not in forksafe.unknown_threads()
+    finally:
+        reader.shutdown()
