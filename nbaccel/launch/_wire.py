@@ -27,6 +27,8 @@ import sys
 import threading
 from typing import Any
 
+from ..tracking import events
+
 HEADER = struct.Struct("!Q")
 
 
@@ -37,6 +39,8 @@ class Channel:
         self.fd, self.rank, self.lock = fd, rank, threading.Lock()
 
     def send(self, message: tuple[Any, ...]) -> None:
+        if message[0] != "event":  # queued events (Accelerator.log...) arrive before a result
+            events.flush()
         buffer = io.BytesIO()  # tensors in events/results reach the kernel on the CPU
         _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
         data = buffer.getvalue()
