@@ -239,6 +239,7 @@ class KernelSession:
         self._started_at: dict[str, float] = {}
         self._idle: set[str] = set()
         self._replies: dict[str, dict[str, Any]] = {}
+        self._cells: dict[str, CellResult] = {}  # every cell submitted, for late output
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> KernelSession:
@@ -314,6 +315,7 @@ class KernelSession:
         self._started_at.clear()
         self._idle.clear()
         self._replies.clear()
+        self._cells.clear()
         return leftovers
 
     def restart(self) -> list[str]:
@@ -346,7 +348,7 @@ class KernelSession:
         msg_id = self._kc.execute(
             code, user_expressions=dict(user_expressions or {}), stop_on_error=False
         )
-        self._pending[msg_id] = CellResult(code=code)
+        self._pending[msg_id] = self._cells[msg_id] = CellResult(code=code)
         self._started_at[msg_id] = time.monotonic()
         return str(msg_id)
 
@@ -367,9 +369,26 @@ class KernelSession:
                 if not self.is_alive():
                     raise AssertionError(f"kernel died\n{waiting_for.describe()}") from None
                 continue
-            parent = msg["parent_header"].get("msg_id")
-            if parent in self._pending and self._record(self._pending[parent], msg):
+            self._route(msg)
+
+    def _route(self, msg: dict[str, Any]) -> None:
+        parent = msg["parent_header"].get("msg_id")
+        if parent in self._pending:
+            if self._record(self._pending[parent], msg):
                 self._idle.add(parent)
+        elif parent in self._cells:  # output of a cell that finished already (a background run)
+            self._record(self._cells[parent], msg)
+
+    def drain(self, seconds: float) -> None:
+        """Read output for ``seconds`` while no cell runs: late output lands in its own cell's
+        :class:`CellResult` (the object ``execute``/``collect`` returned), by parent header."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = self._kc.get_iopub_msg(timeout=min(remaining, 0.2))
+            except queue.Empty:
+                continue
+            self._route(msg)
 
     def wait_for_output(
         self, msg_id: str, pattern: str, *, count: int = 1, timeout: float = 30.0

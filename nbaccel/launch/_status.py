@@ -18,10 +18,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 Listener = Callable[[int, str, dict], Any]
+#: Logged-value events a board keeps for listeners that come late.
+REPLAY = 20_000
 
 
 def _entry(state: str) -> dict[str, Any]:
@@ -46,6 +49,9 @@ class RankStatus:
         self._renamed = dict(renamed or {})
         self._table: dict[int, dict[str, Any]] = {r: _entry(state) for r in ranks}
         self._listeners: list[Listener] = []
+        # logged values, for a live view attached after the run started (its charts start
+        # at the first step; issue 28); bounded: a long run replays its last REPLAY events
+        self._replay: deque[tuple[int, str, dict]] = deque(maxlen=REPLAY)
 
     def record(self, rank: int, kind: str, data: dict) -> list[Listener]:
         """Apply one event; return the listeners to call with it (outside any lock)."""
@@ -57,6 +63,8 @@ class RankStatus:
                 if data.get("pid"):
                     entry["pid"] = data["pid"]
             else:
+                if kind in ("log", "system"):
+                    self._replay.append((rank, kind, data))
                 entry["last_event"] = kind
                 step = data.get("step")
                 if isinstance(step, int) and not isinstance(step, bool):
@@ -95,9 +103,14 @@ class RankStatus:
         with self._lock:
             self._table = {r: s for r, s in self._table.items() if r in wanted}
 
-    def add_listener(self, callback: Listener) -> Listener:
+    def add_listener(self, callback: Listener, *, replay: bool = False) -> Listener:
+        """Call ``callback`` with every event from now on (``replay``: first with the logged
+        values so far, on this thread; the caller keeps newer events waiting meanwhile)."""
         with self._lock:
             self._listeners.append(callback)
+            past = list(self._replay) if replay else []
+        for rank, kind, data in past:
+            self.notify([callback], rank, kind, data)
         return callback
 
     def remove_listener(self, callback: Listener) -> None:

@@ -30,6 +30,8 @@ import weakref
 from typing import Any
 
 from ._attempt import start_attempt
+from ._cell_output import CellOutput
+from ._live_stacks import live_stacks
 from ._preflight import LaunchPlan
 from ._status import Listener, RankStatus
 from ._supervise import Stopped, Supervisor
@@ -60,8 +62,13 @@ class LaunchHandle:
         self._supervisor: Supervisor | None = None
         self._thread: threading.Thread | None = None
         self.attempt = 0
-        if plan.output is None:
-            self._streams: tuple[Any, Any] = (sys.stdout, sys.stderr)
+        #: In a notebook kernel, the launching cell: the run's output stays there (and a
+        #: live monitor may take it over), whatever cell runs later.
+        self.cell_output = CellOutput.here() if plan.output is None else None
+        if self.cell_output is not None:
+            self._streams: tuple[Any, Any] = self.cell_output.streams()
+        elif plan.output is None:
+            self._streams = (sys.stdout, sys.stderr)
         elif callable(plan.output):
             self._streams = (None, None)
         else:
@@ -114,13 +121,25 @@ class LaunchHandle:
         """A snapshot of every rank's state, step and latest scalars."""
         return self._board.snapshot()
 
-    def add_listener(self, callback: Listener) -> Listener:
-        """Call ``callback(rank, kind, data)`` for every event; returns ``callback``."""
-        return self._board.add_listener(callback)
+    def add_listener(self, callback: Listener, *, replay: bool = False) -> Listener:
+        """Call ``callback(rank, kind, data)`` for every event; returns ``callback``.
+
+        ``replay=True`` first calls it with the run's logged values so far (the last
+        20,000 ``log``/``system`` events), so a live view opened late draws them all.
+        """
+        return self._board.add_listener(callback, replay=replay)
 
     def remove_listener(self, callback: Listener) -> None:
         """Undo :meth:`add_listener`."""
         self._board.remove_listener(callback)
+
+    def stacks(self, ranks: list[int] | None = None, timeout: float = 2.0) -> dict[int, str]:
+        """Where each running rank is now: its Python stack (all threads), by rank.
+
+        For a live view during a background run (the monitor's "where?" button); a
+        finished rank shows ``"(not running)"``.
+        """
+        return live_stacks(self._supervisor, ranks, timeout)
 
     @property
     def pids(self) -> dict[int, int | None]:

@@ -202,6 +202,13 @@ class WorkerPool:
         """Every rank's state ("idle", "running", "terminated"), step, scalars, pid."""
         return self._engine.status()
 
+    def stacks(self, ranks: list[int] | None = None, timeout: float = 2.0) -> dict[int, str]:
+        """Where each rank of the call running now is: its Python stack, by rank."""
+        handle = self._engine._handle
+        if handle is None:
+            return {rank: "(idle)" for rank in (self.ranks if ranks is None else ranks)}
+        return dict(handle.stacks(ranks, timeout))
+
     def add_listener(self, callback: Callable[[int, str, dict], Any]) -> Any:
         """Call ``callback(rank, kind, data)`` for every event of every call."""
         return self._engine.add_listener(callback)
