@@ -73,8 +73,10 @@ def _panel(name: str, ranks: dict[int, Points], mode: str, ox: int, oy: int) -> 
     y0, y1 = min(p[1] for p in everything), max(p[1] for p in everything)
     if x1 == x0:
         x1 = x0 + 1
-    if y1 == y0:
-        y0, y1 = y0 - (abs(y0) or 1) * 0.05, y1 + (abs(y1) or 1) * 0.05
+    span = max(abs(y0), abs(y1)) * 0.02 or 0.1  # a 0.3 % change must not fill the chart
+    if y1 - y0 < span:
+        middle = (y0 + y1) / 2
+        y0, y1 = middle - span / 2, middle + span / 2
     width, height = PANEL_W - LEFT - RIGHT, PANEL_H - TOP - BOTTOM
 
     def xy(x: float, y: float) -> str:

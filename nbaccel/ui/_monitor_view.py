@@ -102,7 +102,7 @@ def log_html(lines: Iterable[tuple[str, str]], live: str | None, height_em: int 
     """A scrollable box of the run's last lines (stderr in red), newest at the bottom.
 
     ``flex-direction: column-reverse`` keeps the box scrolled to its end when the HTML is
-    replaced, without any script.
+    replaced, without any script (the ``pre`` must not shrink, or it overflows downwards).
     """
     text = "".join(
         f"<span style='color:#b71c1c'>{html.escape(line)}</span>"
@@ -117,7 +117,7 @@ def log_html(lines: Iterable[tuple[str, str]], live: str | None, height_em: int 
     return (
         f"<div class='nbaccel-log' style='max-height:{height_em}em;overflow:auto;display:flex;"
         "flex-direction:column-reverse;border:1px solid #ddd;padding:2px 4px'>"
-        f"<pre style='margin:0;font-size:12px;white-space:pre-wrap'>{text}</pre></div>"
+        f"<pre style='flex:none;margin:0;font-size:12px;white-space:pre-wrap'>{text}</pre></div>"
     )
 
 

@@ -304,6 +304,7 @@ class RunMonitor:
     def _draw_widget(self, svg: str | None) -> None:
         assert self._view is not None
         self._view.table.value = view.table_html(self.rows(), self.stragglers())
+        self._view.stacks_button.layout.display = "none" if self._ended else None
         if self._progress:
             self._view.show_progress(self._progress, view.progress_text(self._progress))
         if svg is not None:
@@ -329,7 +330,11 @@ class RunMonitor:
         if not svg:
             return
         self.final_svg = svg
-        if self._cell is not None:
+        if self._cell is not None:  # the image below shows them from now on, once
+            if self._view is not None:
+                self._view.charts.value = ""
+            elif self._display_id is not None:
+                self._cell.update(self._display_id, self._bundle())
             names = ", ".join(self.chart_data())
             self._cell.display({"image/svg+xml": svg, "text/plain": f"<nbaccel charts: {names}>"})
 
