@@ -96,6 +96,8 @@ def _run_once(name: str, tmp_path: Path, run: int) -> None:
     assert "Traceback" not in text, text
     if name == "launch_panel.ipynb":
         assert WIDGET_MIME in result.mime_types()  # the panel is a live widget in the kernel
+        assert "live charts: loss" in text  # the monitor's section (issue 28)
+        assert "image/svg+xml" in result.mime_types()  # its final charts, kept as an image
     if name == "nlp_example.ipynb":  # the JSONL tracker wrote one row per epoch, this run only
         metrics = tmp_path / "runs" / "nlp" / "pairs" / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
