@@ -262,8 +262,10 @@ def monitor_table(res: dict) -> list[str]:
         "the median (min–max) of the rounds' ratios, each against the run without logging of "
         "the same round. Target: ≤ 1.01×.",
         "",
-        "| | median step (ms) | CPU per step (ms) | ratio of medians | per-round ratio | result |",
-        "|---|---|---|---|---|---|",
+        "| | median step (ms) | CPU per step (ms) | log call, mean / median (µs) "
+        "| kernel CPU per step (ms) "
+        "| ratio of medians | per-round ratio | result |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for kind, label in (
         ("off", "no Accelerator.log"),
@@ -283,7 +285,10 @@ def monitor_table(res: dict) -> list[str]:
         ok = None if kind == "off" or r is None else r <= 1.01
         lines.append(
             f"| {label} | {cell(res, name, 'median_step_s', 1e3, '{:.2f}')} | "
-            f"{cell(res, name, 'cpu_per_step_s', 1e3, '{:.2f}')} | {_r(r, '{:.3f}×')} | "
+            f"{cell(res, name, 'cpu_per_step_s', 1e3, '{:.2f}')} | "
+            f"{cell(res, name, 'log_us', 1, '{:.1f}')} / "
+            f"{cell(res, name, 'log_median_us', 1, '{:.1f}')} | "
+            f"{cell(res, name, 'kernel_cpu_per_step_s', 1e3, '{:.3f}')} | {_r(r, '{:.3f}×')} | "
             f"{per_round if kind != 'off' else '–'} | {verdict(ok)} |"
         )
     render = (res["samples"].get("monitorrender/render") or [{}])[0]

@@ -42,6 +42,7 @@ from typing import Any, Protocol, TextIO
 from ..launch._cell_output import CellOutput
 from . import _monitor_view as view
 from ._chart import render_svg
+from ._deferred import DeferredCall
 from ._history import History
 from ._stragglers import find_stragglers
 
@@ -115,7 +116,7 @@ class RunMonitor:
         self._live_line: str | None = None
         self._progress: dict[str, Any] = {}
         self._last_draw = self._last_print = self._last_chart = float("-inf")
-        self._timer: threading.Timer | None = None
+        self._redraw = DeferredCall(self._deferred, "nbaccel-monitor")
         self._charts_dirty = self._ended = self._log_dirty = False
         self._display_id: str | None = None
         self.final_svg: str | None = None
@@ -157,9 +158,7 @@ class RunMonitor:
         with self._lock:
             handle, self._handle = self._handle, None
             diverted, self._diverted = self._diverted, None
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._redraw.cancel()
         if diverted is not None:
             diverted.set_listener(None)
         if handle is not None:
@@ -205,15 +204,13 @@ class RunMonitor:
         wait = self.interval - (time.monotonic() - self._last_draw)
         if now or wait <= 0:
             self.refresh()
-        elif self._timer is None:  # redraw once at the end of the quiet period
-            self._timer = threading.Timer(wait, self._deferred)
-            self._timer.daemon = True
-            self._timer.start()
+        elif not self._redraw.pending:  # redraw once at the end of the quiet period
+            self._redraw.later(wait)
 
     def _deferred(self) -> None:
         with self._lock:
-            self._timer = None
-            self.refresh()
+            if self._handle is not None:
+                self.refresh()
 
     # ------------------------------------------------------------------ reading
     @property
@@ -282,11 +279,7 @@ class RunMonitor:
             charts_due = self.charts and self._charts_dirty
             if charts_due and not ending and now - self._last_chart < self.chart_interval:
                 charts_due = False
-                if self._timer is None:  # draw them once their interval has passed
-                    wait = self.chart_interval - (now - self._last_chart)
-                    self._timer = threading.Timer(wait, self._deferred)
-                    self._timer.daemon = True
-                    self._timer.start()
+                self._redraw.later(self.chart_interval - (now - self._last_chart))
             svg = None
             if charts_due:
                 svg = self.chart_svg()

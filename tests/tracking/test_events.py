@@ -136,3 +136,18 @@ def test_timer_and_caller_flushes_never_reorder_events(sink):
     for k in range(2):
         mine = [d["step"] for _, d in sink if k * 1000 <= d["step"] < (k + 1) * 1000]
         assert mine == sorted(mine)
+
+
+def test_one_flusher_thread_per_worker_and_it_ends_with_its_sink(sink):
+    def flushers():
+        return [t for t in threading.enumerate() if t.name == "nbaccel-events"]
+
+    for _ in range(5):  # several quiet periods, each needing the flusher
+        events.flush()
+        events.publish("log", step=1, values={})
+        time.sleep(events.FLUSH_S * 2)
+    assert len(sink) == 5 and len(flushers()) == 1  # not a thread per batch
+    thread = flushers()[0]
+    events.install_sink(None)
+    thread.join(timeout=5)
+    assert not thread.is_alive()

@@ -250,15 +250,28 @@ def test_stop_terminates_every_worker(kernel):
     assert "Stopped" in kernel.evaluate("type(h.exception()).__name__")
 
 
-def test_pending_redraw_is_a_daemon_timer_and_detach_cancels_it():
+def test_pending_redraw_runs_on_one_reused_daemon_thread_and_detach_cancels_it():
     handle = FakeHandle(ranks=(0,))
-    monitor = RunMonitor(handle, widget=False, stream=None, interval=5)
-    handle.emit(0, "log", step=1, values={"x": 1.0})
-    timer = monitor._timer
-    assert timer is not None and timer.daemon and timer.is_alive()
+    monitor = RunMonitor(handle, widget=False, stream=None, interval=0.2)
+    draws = []
+    original = monitor.refresh
+    monitor.refresh = lambda: draws.append(time.monotonic()) or original()
+    threads = set()
+    for burst in range(3):
+        for step in range(20):
+            handle.emit(0, "log", step=burst * 100 + step, values={"x": 1.0})
+        threads.add(monitor._redraw._thread)
+        time.sleep(0.4)
+    (thread,) = threads  # not a thread per quiet period
+    assert thread.daemon and thread.is_alive() and thread.name == "nbaccel-monitor"
+    assert 3 <= len(draws) <= 6
+    handle.emit(0, "log", step=1000, values={"x": 1.0})
+    assert monitor._redraw.pending
     monitor.detach()
-    timer.join(timeout=1)
-    assert not timer.is_alive() and monitor._timer is None
+    assert not monitor._redraw.pending
+    drawn = len(draws)
+    time.sleep(0.4)
+    assert len(draws) == drawn  # cancelled
 
 
 # ------------------------------------------------------------------ charts, stragglers, log
