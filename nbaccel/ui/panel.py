@@ -132,8 +132,7 @@ class LaunchPanel(widgets.VBox):
         self.background = widgets.Checkbox(
             value=True,
             description="in the background",
-            indent=False,
-            tooltip="Launch returns at once: the kernel stays free while the monitor follows the run",
+            indent=False,  # no tooltip: a Checkbox has none in ipywidgets 7.7 (Colab)
             layout=widgets.Layout(width="auto"),
         )
         self.status = widgets.HTML(html.escape(note))
