@@ -291,6 +291,20 @@ def monitor_table(res: dict) -> list[str]:
             f"{cell(res, name, 'kernel_cpu_per_step_s', 1e3, '{:.3f}')} | {_r(r, '{:.3f}×')} | "
             f"{per_round if kind != 'off' else '–'} | {verdict(ok)} |"
         )
+    step = med(res, "monitor/off", "median_step_s")
+    call = med(res, "monitor/log", "log_median_us")
+    kernel = {
+        k: med(res, f"monitor/{k}", "kernel_cpu_per_step_s") for k in ("off", "log", "log+watch")
+    }
+    if step and call is not None and None not in kernel.values():
+        lines += [
+            "",
+            "Load-independent view (wall-time ratios need a quiet machine): one `Accelerator.log` "
+            f"call (median) is {call * 1e-6 / step:.2%} of the median step; the kernel's CPU per "
+            f"step is {kernel['off'] * 1e3:.3f} ms without logging, {kernel['log'] * 1e3:.3f} ms "
+            f"with it and {kernel['log+watch'] * 1e3:.3f} ms with the monitor watching "
+            f"({(kernel['log+watch'] - kernel['off']) / step:.1%} of a step on one core).",
+        ]
     render = (res["samples"].get("monitorrender/render") or [{}])[0]
     if isinstance(render, dict) and render.get("svg_ms") is not None:
         mpl = render.get("matplotlib_ms")
