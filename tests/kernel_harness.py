@@ -16,7 +16,9 @@ API:
         ``evaluate_json(expr)`` read a value back; ``descendants()``,
         ``wait_for_no_descendants()``, ``assert_no_descendants()``,
         ``watch_descendants()`` (every child seen during a block) and
-        ``listening_sockets()`` inspect the kernel's live child processes.
+        ``listening_sockets()`` inspect the kernel's live child processes; ``drain(seconds)``
+        reads output that arrives after its cell finished (a background run's) into that
+        cell's :class:`CellResult`, by parent header, as a notebook front end routes it.
         ``stop()`` shuts the kernel down and kills anything it left behind;
         ``restart()`` gives a fresh kernel (e.g. after a :class:`CellTimeout`, see ``busy``).
     :class:`CellResult` -- status, per-name stream text, MIME bundles of
