@@ -4,7 +4,8 @@ Workers publish events (``state`` changes with a pid, logged ``step``/``values``
 a :class:`RankStatus` keeps the latest per rank for ``status()`` and ``pids``, and hands
 each event to the listeners (``nbaccel.monitor.watch``, the panel). A
 :class:`~nbaccel.launch.handle.LaunchHandle` and a
-:class:`~nbaccel.launch._pool_engine.PoolEngine` each own one.
+:class:`~nbaccel.launch._pool.PoolWorkers` each own one. Logged values (``log``/``system``
+events) are also kept, bounded, for a listener added late (``add_listener(replay=True)``).
 
 Example:
     >>> board = RankStatus([0, 1], "starting")
@@ -59,6 +60,8 @@ class RankStatus:
             entry = self._table.setdefault(rank, _entry(self._initial))
             if kind == "state":
                 state = data.get("state", entry["state"])
+                if state == "running" and entry["state"] != "running":  # a new call or attempt
+                    self._replay = deque((e for e in self._replay if e[0] != rank), REPLAY)
                 entry["state"] = self._renamed.get(state, state)
                 if data.get("pid"):
                     entry["pid"] = data["pid"]
@@ -118,4 +121,27 @@ class RankStatus:
             self._listeners.remove(callback)
 
 
-__all__ = ["Listener", "RankStatus"]
+class Observed:
+    """What a launch's handle and a pool show of their ranks (their ``_board``)."""
+
+    _board: RankStatus
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        """A snapshot of every rank's state, step, latest scalars and pid."""
+        return self._board.snapshot()
+
+    def add_listener(self, callback: Listener, *, replay: bool = False) -> Listener:
+        """Call ``callback(rank, kind, data)`` for every event; returns ``callback``.
+
+        ``replay=True`` first calls it with the values logged so far in the current call
+        or attempt (the last 20,000 ``log``/``system`` events), so a live view opened late
+        draws them all.
+        """
+        return self._board.add_listener(callback, replay=replay)
+
+    def remove_listener(self, callback: Listener) -> None:
+        """Undo :meth:`add_listener`."""
+        self._board.remove_listener(callback)
+
+
+__all__ = ["Listener", "Observed", "RankStatus"]

@@ -54,7 +54,7 @@ class _Handle(Protocol):
 
     def status(self) -> dict[int, dict[str, Any]]: ...
 
-    def add_listener(self, callback: Any) -> Any: ...
+    def add_listener(self, callback: Any, *, replay: bool = False) -> Any: ...
 
     def remove_listener(self, callback: Any) -> None: ...
 
@@ -138,10 +138,8 @@ class RunMonitor:
         with self._lock:
             self._handle = handle
             self._new_run()
-            try:  # the values logged before now too (a LaunchHandle keeps them), under our lock
-                handle.add_listener(self._on_event, replay=True)  # type: ignore[call-arg]
-            except TypeError:  # a pool: each call starts afresh
-                handle.add_listener(self._on_event)
+            # the values logged so far in this run (or pool call) too, under our lock
+            handle.add_listener(self._on_event, replay=True)
             self._status = handle.status()  # after add_listener: no event falls in between
             self._ended = self._all_ended()
             cell = getattr(handle, "cell_output", None)

@@ -66,7 +66,7 @@ class LaunchPanel(widgets.VBox):
         launcher_kwargs: extra keyword arguments for ``notebook_launcher`` (e.g. ``output``,
             ``return_all_ranks``); the seam the live view plugs into.
         pool: a warm :class:`~nbaccel.WorkerPool`: Launch runs the function on its
-            workers (``pool.run``) instead of starting new ones; the pool's own settings
+            workers (``pool.call``) instead of starting new ones; the pool's own settings
             apply, the controls are not used for the run.
 
     Attributes:
@@ -286,7 +286,7 @@ class LaunchPanel(widgets.VBox):
             with self.output:
                 if self.pool is not None:  # warm workers: no new processes
                     own = {k: options[k] for k in ("output", "return_all_ranks") if k in options}
-                    handle = self.pool.run(self.training_function, *self.args, block=False, **own)
+                    handle = self.pool.call(self.training_function, self.args, block=False, **own)
                 else:
                     handle = launcher.notebook_launcher(
                         self.training_function, self.args, config=cfg, block=False, **options

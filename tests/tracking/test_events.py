@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import time
@@ -58,25 +57,31 @@ def test_tensor_scalars_become_numbers_and_unpicklable_payloads_are_dropped(sink
     assert sink[1][0] == "log" and sink[1][1]["unpicklable"] is True
 
 
-def test_a_result_frame_follows_every_queued_event():
-    """The launcher's channel flushes the queue before any frame that is not an event."""
-    from nbaccel.launch._wire import Channel, FrameReader
+def _publish_quickly(count):
+    from nbaccel.tracking import events as worker_events
 
-    read_fd, write_fd = os.pipe()
-    channel = Channel(write_fd, 0)
-    events.install_sink(lambda kind, data: channel.send(("event", 0, kind, data, 0.0)))
-    try:
-        events.flush()
-        for step in range(5):
-            events.publish("log", step=step, values={})
-        channel.send(("result", 0, "none", b"", 0.0))
-        messages = FrameReader().feed(os.read(read_fd, 1 << 16))
-    finally:
-        events.install_sink(None)
-        os.close(read_fd)
-        os.close(write_fd)
-    assert [m[0] for m in messages] == ["event"] * 5 + ["result"]
-    assert [m[3]["step"] for m in messages[:5]] == list(range(5))
+    for step in range(count):  # well within one batching interval
+        worker_events.publish("log", step=step, values={"loss": float(step)})
+    return count
+
+
+def test_a_jobs_events_all_arrive_before_its_end():
+    """The worker flushes the queued events before it reports a job done: a listener sees
+    every logged step of a call before that rank's "finished" (on a real pool over gloo)."""
+    from nbaccel import start_workers
+
+    seen: list[tuple[int, str, object]] = []
+    with start_workers(num_processes=2, start_method="fork") as pool:
+        pool.add_listener(
+            lambda rank, kind, data: seen.append((rank, kind, data.get("step", data.get("state"))))
+        )
+        for _ in range(2):  # also the second call of warm workers
+            del seen[:]
+            assert pool.run(_publish_quickly, 20) == 20
+            for rank in (0, 1):
+                mine = [(kind, what) for r, kind, what in seen if r == rank]
+                assert mine[-1] == ("state", "finished"), mine
+                assert [what for kind, what in mine if kind == "log"] == list(range(20)), mine
 
 
 def test_install_sink_gives_a_fresh_lock_after_fork():

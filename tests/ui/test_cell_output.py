@@ -82,7 +82,7 @@ def test_background_run_output_stays_in_the_launching_cell(kernel):
 def test_a_pool_call_in_the_background_keeps_its_output_too(kernel):
     kernel.run("pool = start_workers(num_processes=2)", timeout=120)
     try:
-        call = kernel.run("h = pool.run(chatty, 20, 0.05, block=False)", timeout=60)
+        call = kernel.run("h = pool.call(chatty, (20, 0.05), block=False)", timeout=60)
         other = kernel.run("y = 3\nprint('y', y, h.done())", timeout=30)
         kernel.run("h.result(timeout=120)", timeout=150)
         kernel.drain(1.0)

@@ -33,7 +33,7 @@ class FakeHandle:
     def status(self):
         return {r: {**s, "scalars": dict(s["scalars"])} for r, s in self._status.items()}
 
-    def add_listener(self, callback):
+    def add_listener(self, callback, *, replay=False):
         self.listeners.append(callback)
         return callback
 

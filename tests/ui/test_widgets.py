@@ -190,7 +190,7 @@ class FakeHandle:
         self.listeners: list = []
         self.ranks = {0: {"state": "running", "step": 0, "scalars": {}}}
 
-    def add_listener(self, callback):
+    def add_listener(self, callback, *, replay=False):
         self.listeners.append(callback)
         return callback
 
