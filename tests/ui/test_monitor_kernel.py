@@ -139,7 +139,7 @@ def test_a_straggler_is_marked_and_its_stack_shown(kernel):
         assert "&#9888; straggler: busy" in shown.stdout, shown.describe()
         stacks = kernel.evaluate_json("{str(r): s for r, s in monitor.stacks().items()}")
         assert sorted(stacks) == ["0", "1"]
-        assert re.search(r'File "[^"]*ipykernel[^"]*", line \d+ in train', stacks["1"]), stacks
+        assert re.search(r'File "[^"]*ipykernel[^"]*", line \d+, in train', stacks["1"]), stacks
         assert "_worker.py" not in stacks["1"]  # nbaccel's own frames are cut
     finally:
         kernel.run("handle.stop()", timeout=60)
