@@ -26,12 +26,14 @@ from .choices import (
     COMPUTE_DEVICES,
     FSDP_STATE_DICT_TYPES,
     FSDP_WRAP_POLICIES,
+    ON_HANG,
     PRECISIONS,
     START_METHODS,
     STRATEGIES,
     ComputeDeviceType,
     FsdpStateDictType,
     FsdpWrapPolicyType,
+    OnHangType,
     PrecisionType,
     StartMethodType,
     StrategyType,
@@ -129,6 +131,29 @@ class LaunchConfig:
         default=False,
         metadata={"help": "record CUDA-initialisation stacks and worker stacks on hangs."},
     )
+    # -- hangs (the supervisor's watchdog, nbaccel.launch._watchdog) ---------------------
+    hang_after: float = field(
+        default=300.0,
+        metadata={
+            "help": "seconds without progress (no collective completed, no step or event "
+            "logged) while a rank waits in torch.distributed before the ranks are reported "
+            "with their stacks; 0 turns the watchdog off."
+        },
+    )
+    on_hang: OnHangType = field(
+        default="report",
+        metadata={
+            "help": '"report" (say which ranks wait in which collective, keep waiting) or '
+            '"raise" (end the job with WorkerTimeoutError).'
+        },
+    )
+    debug_collectives: bool = field(
+        default=False,
+        metadata={
+            "help": "torch's collective-mismatch check (TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks "
+            "calling different collectives fail with torch's error instead of hanging."
+        },
+    )
     # -- strategy (the fsdp_* fields matter only with strategy="fsdp") --------------------
     strategy: StrategyType = field(
         default="ddp",
@@ -221,7 +246,21 @@ class LaunchConfig:
             raise ConfigError(f"timeout={self.timeout!r} must be a number of seconds > 0.")
         if not isinstance(self.debug, bool):
             raise ConfigError(f"debug={self.debug!r} must be True or False.")
+        self._check_hang()
         self._check_strategy()
+
+    def _check_hang(self) -> None:
+        after = self.hang_after
+        if isinstance(after, bool) or not isinstance(after, int | float) or not after >= 0:
+            raise ConfigError(
+                f"hang_after={after!r} must be a number of seconds >= 0 (0 turns the hang "
+                "watchdog off)."
+            )
+        _check_choice("on_hang", self.on_hang, ON_HANG)
+        if not isinstance(self.debug_collectives, bool):
+            raise ConfigError(
+                f"debug_collectives={self.debug_collectives!r} must be True or False."
+            )
 
     def _check_strategy(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)

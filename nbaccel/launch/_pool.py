@@ -28,6 +28,7 @@ from ._preflight import LaunchPlan
 from ._start import forwarder, start_group
 from ._status import Observed, RankStatus
 from ._supervisor import JobFailed, Supervisor
+from ._watchdog import HangPolicy
 from .handle import LaunchHandle
 
 _SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for the next call
@@ -114,6 +115,11 @@ class PoolWorkers(Observed):
         if self.closed:
             raise LaunchError("this pool is closed; start a new one with start_workers(...).")
 
+    def _hang_policy(self, after: float | None, action: str | None) -> HangPolicy | None:
+        """A call's own watchdog settings (checked as LaunchConfig fields), or None."""
+        given = {k: v for k, v in (("hang_after", after), ("on_hang", action)) if v is not None}
+        return HangPolicy.of(self._plan.config.replace(**given)) if given else None
+
     def _ranks(self, ranks: list[int] | None) -> list[int]:
         if ranks is None:
             return list(self.ranks)
@@ -144,6 +150,7 @@ class PoolWorkers(Observed):
         output: Any,
         *,
         want: list[int] | None = None,
+        hang: HangPolicy | None = None,
     ) -> Any:
         self._check_open()
         if output is not None and not (callable(output) or hasattr(output, "write")):
@@ -159,8 +166,9 @@ class PoolWorkers(Observed):
             self._ensure_healthy()
             if kind == "run":
                 body = (*body, self._new_sources())
-            handle = LaunchHandle(targets, lambda h: self._call(h, kind, body, wanted, output),
-                                  all_ranks=all_ranks)  # fmt: skip
+            policy = hang or HangPolicy.of(self._plan.config)
+            handle = LaunchHandle(targets, lambda h: self._call(h, kind, body, wanted, output,
+                                  policy), all_ranks=all_ranks)  # fmt: skip
         except BaseException:
             self._busy.release()
             raise
@@ -175,13 +183,20 @@ class PoolWorkers(Observed):
             raise err.with_traceback(None) from None
 
     def _call(
-        self, handle: LaunchHandle, kind: str, body: tuple[Any, ...], want: set[int], output: Any
+        self,
+        handle: LaunchHandle,
+        kind: str,
+        body: tuple[Any, ...],
+        want: set[int],
+        output: Any,
+        hang: HangPolicy,
     ) -> dict[int, Any]:
         """One call on the workers; replaces them when they cannot go on."""
         try:
             group = self._group
             assert group is not None
             group.forwarder = forwarder(self._plan, self.ranks, output)
+            group.hang = hang
             job = group.new_job()
             for rank in handle.ranks:
                 self._event(rank, "state", {"state": "running", "pid": group.procs[rank].pid})

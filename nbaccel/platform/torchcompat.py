@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from typing import Any
 
@@ -113,6 +115,19 @@ def destroy_process_group_at_exit() -> None:
         destroy_process_group()
 
 
+def reread_debug_level() -> None:
+    """Apply ``TORCH_DISTRIBUTED_DEBUG`` from this process's environment now.
+
+    torch.distributed reads it once, when it is imported; a worker forked from a kernel
+    that imported it already would keep the kernel's level (``debug_collectives=True``
+    sets the variable in the workers' environment, before any process group exists).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and os.environ.get("TORCH_DISTRIBUTED_DEBUG"):
+        with contextlib.suppress(Exception):
+            dist.set_debug_level_from_env()
+
+
 __all__ = [
     "FSDP_MIN_TORCH",
     "destroy_process_group",
@@ -120,6 +135,7 @@ __all__ = [
     "dtensor_module",
     "fsdp_supported",
     "libuv_store_adopts_socket",
+    "reread_debug_level",
     "skip_teardown_at_exit",
     "torch_at_least",
 ]
