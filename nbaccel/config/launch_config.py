@@ -131,28 +131,21 @@ class LaunchConfig:
         default=False,
         metadata={"help": "record CUDA-initialisation stacks and worker stacks on hangs."},
     )
-    # -- hangs (the supervisor's watchdog, nbaccel.launch._watchdog) ---------------------
+    # -- hangs: nbaccel.launch._watchdog ------------------------------------------------
     hang_after: float = field(
         default=300.0,
         metadata={
-            "help": "seconds without progress (no collective completed, no step or event "
-            "logged) while a rank waits in torch.distributed before the ranks are reported "
-            "with their stacks; 0 turns the watchdog off."
+            "help": "seconds without progress (no collective issued, nothing logged) while "
+            "ranks wait on each other before they are reported with stacks; 0: never."
         },
     )
     on_hang: OnHangType = field(
         default="report",
-        metadata={
-            "help": '"report" (say which ranks wait in which collective, keep waiting) or '
-            '"raise" (end the job with WorkerTimeoutError).'
-        },
+        metadata={"help": '"report" (and keep waiting) or "raise" (WorkerTimeoutError).'},
     )
     debug_collectives: bool = field(
         default=False,
-        metadata={
-            "help": "torch's collective-mismatch check (TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks "
-            "calling different collectives fail with torch's error instead of hanging."
-        },
+        metadata={"help": "torch's collective-mismatch check (TORCH_DISTRIBUTED_DEBUG=DETAIL)."},
     )
     # -- strategy (the fsdp_* fields matter only with strategy="fsdp") --------------------
     strategy: StrategyType = field(
@@ -244,23 +237,14 @@ class LaunchConfig:
             or self.timeout <= 0
         ):
             raise ConfigError(f"timeout={self.timeout!r} must be a number of seconds > 0.")
-        if not isinstance(self.debug, bool):
-            raise ConfigError(f"debug={self.debug!r} must be True or False.")
-        self._check_hang()
-        self._check_strategy()
-
-    def _check_hang(self) -> None:
+        for name in ("debug", "debug_collectives"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
         after = self.hang_after
         if isinstance(after, bool) or not isinstance(after, int | float) or not after >= 0:
-            raise ConfigError(
-                f"hang_after={after!r} must be a number of seconds >= 0 (0 turns the hang "
-                "watchdog off)."
-            )
+            raise ConfigError(f"hang_after={after!r} must be seconds >= 0 (0: no watchdog).")
         _check_choice("on_hang", self.on_hang, ON_HANG)
-        if not isinstance(self.debug_collectives, bool):
-            raise ConfigError(
-                f"debug_collectives={self.debug_collectives!r} must be True or False."
-            )
+        self._check_strategy()
 
     def _check_strategy(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
