@@ -128,8 +128,31 @@ def reread_debug_level() -> None:
             dist.set_debug_level_from_env()
 
 
+def check_ddp_debug_level() -> None:
+    """A clear error where torch's ``DistributedDataParallel`` would crash the process.
+
+    Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``debug_collectives=True``) a gloo group is
+    torch's checking wrapper, and DDP's constructor logs the gloo backend's thread count
+    through a cast that assumes the plain gloo backend: a segmentation fault (seen on torch
+    2.13; NCCL groups are not affected).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.get_backend() == "gloo":
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            "debug_collectives=True (TORCH_DISTRIBUTED_DEBUG=DETAIL) with a gloo process group: "
+            "torch's DistributedDataParallel crashes the process (SIGSEGV) when built under "
+            "it. Use debug_collectives to find mismatched collectives in code that calls "
+            "them directly, or on GPUs (NCCL); turn it off to train with DDP on the CPU."
+        )
+
+
 __all__ = [
     "FSDP_MIN_TORCH",
+    "check_ddp_debug_level",
     "destroy_process_group",
     "destroy_process_group_at_exit",
     "dtensor_module",

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from nbaccel import LaunchConfig, notebook_launcher, start_workers
 from nbaccel.config import resolve_launch_config
@@ -270,6 +271,12 @@ def mismatched() -> None:
         dist.broadcast(value, src=0)
 
 
+def prepares_a_model() -> str:
+    from nbaccel import Accelerator
+
+    return type(Accelerator(cpu=True).prepare(torch.nn.Linear(2, 2))).__name__
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_debug_collectives_turns_a_mismatch_into_torchs_error():
@@ -278,6 +285,14 @@ def test_debug_collectives_turns_a_mismatch_into_torchs_error():
             mismatched, num_processes=2, config=CPU, start_method="fork", debug_collectives=True
         )
     assert "ALLREDUCE" in str(info.value) and "BROADCAST" in str(info.value)
+    # torch's DDP would crash (SIGSEGV) under its gloo checking wrapper: an error instead
+    with pytest.raises(ConfigError, match="debug_collectives=True") as info:
+        notebook_launcher(prepares_a_model, num_processes=2, config=CPU, debug_collectives=True)
+    assert "failed with ConfigError" in str(info.value), str(info.value)  # not by a signal
+    assert (
+        notebook_launcher(prepares_a_model, num_processes=2, config=CPU)
+        == "DistributedDataParallel"
+    )
 
 
 # ---------------------------------------------------------------------------- nbaccel launch
