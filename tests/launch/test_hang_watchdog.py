@@ -1,20 +1,17 @@
 """The hang watchdog: ranks that wait on each other without progress are reported, with
 the collective each is in and their stacks, and the job goes on (or ends, if asked).
 
-Real workers over gloo, started from this process (notebook_launcher, a pool) and as
-``nbaccel launch`` subprocesses; a waiting rank is released by a file flag once the report
-was seen, so nothing depends on how fast the machine is. The real-kernel case is in
-test_kernel_hang.py; the rules themselves are unit-tested with a scripted probe.
+Real workers over gloo, started from this process (notebook_launcher, a pool); a waiting
+rank is released by a file flag once the report was seen, so nothing depends on how fast
+the machine is. The rules themselves are unit-tested with a scripted probe; the real
+kernel is test_kernel_hang.py, ``nbaccel launch`` tests/cli/test_launch_hang.py.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -293,69 +290,3 @@ def test_debug_collectives_turns_a_mismatch_into_torchs_error():
         notebook_launcher(prepares_a_model, num_processes=2, config=CPU)
         == "DistributedDataParallel"
     )
-
-
-# ---------------------------------------------------------------------------- nbaccel launch
-SCRIPT = """
-import os, sys, time
-import torch, torch.distributed as dist
-from nbaccel import Accelerator
-
-accelerator = Accelerator(cpu=True)
-value = torch.ones(2)
-if sys.argv[1] == "mismatch":
-    dist.all_reduce(value) if accelerator.process_index == 0 else dist.broadcast(value, 0)
-if accelerator.process_index == 1:
-    while not os.path.exists(sys.argv[1]): time.sleep(0.05)
-dist.all_reduce(value)
-print("total", value.sum().item(), flush=True)
-"""
-
-
-def _nbaccel_launch(tmp_path: Path, *args: str) -> subprocess.Popen:
-    script = tmp_path / "hang.py"
-    script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_")}
-    env.update(NBACCEL_CONFIG_FILE=str(tmp_path / "none.yaml"), PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", "--cpu"]
-    return subprocess.Popen(
-        [*command, *args[:-1], str(script), args[-1]], env=env, cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(240)
-def test_nbaccel_launch_reports_on_the_terminal_and_goes_on(tmp_path):
-    flag = tmp_path / "go"
-    proc = _nbaccel_launch(tmp_path, "--hang_after", "2", str(flag))
-    err: list[str] = []
-    try:
-        assert proc.stderr is not None and proc.stdout is not None
-        for line in proc.stderr:  # the report arrives while the job runs
-            err.append(line)
-            if REPORTED in line:
-                flag.touch()
-        out = proc.stdout.read()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = "".join(err)
-    assert proc.returncode == 0 and out.count("total 4.0") == 2, out + text
-    assert "rank 1: not in a torch.distributed call" in text and "hang.py" in text, text
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(240)
-def test_nbaccel_launch_debug_collectives_prints_torchs_mismatch_error(tmp_path):
-    proc = _nbaccel_launch(tmp_path, "--debug_collectives", "mismatch")
-    try:
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 1, out + err
-    assert "Detected mismatch between collectives" in err and "BROADCAST" in err, err
