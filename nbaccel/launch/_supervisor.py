@@ -12,6 +12,9 @@ for fatal-error stacks), channel messages are hello/ready/event/done/fatal/probe
 * only secondary failures while other ranks still run, or ranks still busy ``timeout``
   seconds after a peer finished: those ranks hang; their stacks (:meth:`probe`) go into
   a :class:`~nbaccel.errors.WorkerTimeoutError`;
+* ranks that wait on each other with no progress for ``hang_after`` seconds: the
+  :mod:`~nbaccel.launch._watchdog` reports them where the output goes and the job goes on
+  (``on_hang="raise"``: ``_hang`` as above);
 * a job on a subset of this node's ranks (``%%distributed --ranks 0``) whose rank enters
   a torch.distributed call that needs a rank not running the job: an error naming it;
 * an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
