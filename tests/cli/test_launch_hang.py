@@ -77,3 +77,16 @@ def test_nbaccel_launch_debug_collectives_prints_torchs_mismatch_error(tmp_path)
             proc.wait()
     assert proc.returncode == 1, out + err
     assert "Detected mismatch between collectives" in err and "BROADCAST" in err, err
+
+
+def test_nbaccel_launch_on_hang_raise_exits_1_with_every_stack(tmp_path):
+    proc = _nbaccel_launch(tmp_path, "--hang_after", "2", "--on_hang", "raise", "never")
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out + err
+    assert "nbaccel launch: rank(s) 0, 1 appear stuck" in err and REPORTED in err, err
+    assert "--- where rank 1 was ---" in err and "hang.py" in err, err
