@@ -9,8 +9,9 @@ C++: its Python stack, the torch.distributed call it is in, its collective count
 
 * a rank's count of collectives on the default process group changed (torch's sequence
   number; it advances when a rank issues a collective, DDP's gradient all-reduces included);
-* a rank published an event (``Accelerator.log``, a step, a ``tqdm`` bar, anything sent
-  through :func:`nbaccel.tracking.events.publish`) or finished its part of the job.
+* a rank published an event (``Accelerator.log``, a step, a redraw of an ``nbaccel.tqdm``
+  or ``tqdm.auto`` bar, anything sent through :func:`nbaccel.tracking.events.publish`)
+  or finished its part of the job.
 
 **Hung**: no progress for ``hang_after`` seconds while at least one busy rank waits on a
 peer: it is inside a torch.distributed call, or it issued more collectives than another
