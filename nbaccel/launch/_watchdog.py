@@ -15,8 +15,8 @@ C++: its Python stack, the torch.distributed call it is in, its collective count
 
 **Hung**: no progress for ``hang_after`` seconds while at least one busy rank waits on a
 peer: it is inside a torch.distributed call, or it issued more collectives than another
-rank of the job (DDP's backward waits for its all-reduce in C++, where no Python frame
-shows it). A job that computes without collectives for a long time is not hung.
+rank of the job (DDP's backward and NCCL's asynchronous collectives wait in C++, where no
+Python frame shows it). A job that computes without collectives for a long time is not hung.
 
 Then, with ``on_hang="report"`` (the default), the report is written once where the job's
 output goes (the launching cell's stderr, the ``output=`` of the call, or the terminal of
