@@ -172,6 +172,20 @@ class LineForwarder:
                 rest = rest[MAX_LINE:]
             self._buffers[key] = rest
 
+    def note(self, rank: int, text: str) -> None:
+        """A message of the launcher's own (a hang report), on the stderr side: written
+        whole and unprefixed, or handed to the callback line by line as ``rank``'s."""
+        with self._lock:
+            if self._callback is not None:
+                for line in text.rstrip("\n").split("\n"):
+                    self._emit(rank, "stderr", line, "\n")
+                return
+            target = self._streams.get("stderr")
+            if target is not None:
+                with contextlib.suppress(Exception):
+                    target.write(text if text.endswith("\n") else text + "\n")
+                    target.flush()
+
     def close(self, rank: int, stream: str) -> None:
         """End of ``rank``'s ``stream``: write any unterminated last line."""
         key = (rank, stream)

@@ -29,6 +29,7 @@ from ._preflight import LaunchPlan
 from ._start import forwarder, start_group
 from ._status import Observed, RankStatus
 from ._supervisor import JobFailed, Supervisor
+from ._watchdog import HangPolicy
 from .handle import LaunchHandle
 
 _SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for the next call
@@ -115,6 +116,11 @@ class PoolWorkers(Observed):
         if self.closed:
             raise LaunchError("this pool is closed; start a new one with start_workers(...).")
 
+    def _hang_policy(self, after: float | None, action: str | None) -> HangPolicy | None:
+        """A call's own watchdog settings (checked as LaunchConfig fields), or None."""
+        given = {k: v for k, v in (("hang_after", after), ("on_hang", action)) if v is not None}
+        return HangPolicy.of(self._plan.config.replace(**given)) if given else None
+
     def _ranks(self, ranks: list[int] | None) -> list[int]:
         if ranks is None:
             return list(self.ranks)
@@ -145,6 +151,7 @@ class PoolWorkers(Observed):
         output: Any,
         *,
         want: list[int] | None = None,
+        hang: HangPolicy | None = None,
     ) -> Any:
         self._check_open()
         if output is not None and not (callable(output) or hasattr(output, "write")):
@@ -162,8 +169,9 @@ class PoolWorkers(Observed):
                 body = (*body, self._new_sources())
             cell = CellOutput.here() if output is None else None  # in the cell's thread
             route = output if cell is None else cell
-            handle = LaunchHandle(targets, lambda h: self._call(h, kind, body, wanted, route),
-                                  all_ranks=all_ranks)  # fmt: skip
+            policy = hang or HangPolicy.of(self._plan.config)
+            handle = LaunchHandle(targets, lambda h: self._call(h, kind, body, wanted, route,
+                                  policy), all_ranks=all_ranks)  # fmt: skip
             handle.cell_output = cell
         except BaseException:
             self._busy.release()
@@ -179,7 +187,13 @@ class PoolWorkers(Observed):
             raise err.with_traceback(None) from None
 
     def _call(
-        self, handle: LaunchHandle, kind: str, body: tuple[Any, ...], want: set[int], output: Any
+        self,
+        handle: LaunchHandle,
+        kind: str,
+        body: tuple[Any, ...],
+        want: set[int],
+        output: Any,
+        hang: HangPolicy,
     ) -> dict[int, Any]:
         """One call on the workers; replaces them when they cannot go on."""
         try:
@@ -187,6 +201,7 @@ class PoolWorkers(Observed):
             assert group is not None
             group.forwarder = forwarder(self._plan, self.ranks, output)
             handle.supervisor = group
+            group.hang = hang
             job = group.new_job()
             for rank in handle.ranks:
                 self._event(rank, "state", {"state": "running", "pid": group.procs[rank].pid})

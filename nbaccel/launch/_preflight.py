@@ -164,19 +164,23 @@ def _spawn_payload(function: Any, args: tuple[Any, ...]) -> bytes:
 
 def process_env(cfg: LaunchConfig, threads: int | None) -> dict[str, str]:
     """What the operating system and libraries of every worker read from the environment
-    (visible GPUs, compute threads); rank and rendezvous variables are added per worker."""
+    (visible GPUs, compute threads, torch's distributed debug level); rank and rendezvous
+    variables are added per worker."""
     env = {}
     if cfg.gpu_ids and cfg.gpu_ids.strip().lower() != "all":
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids.replace(" ", "")
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
+    if cfg.debug_collectives:  # torch wraps each process group in its checking wrapper
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     return env
 
 
 #: the options of a launch (notebook_launcher's arguments after ``args``) and their defaults;
 #: None means "not given": the environment, the config file or the default decides
 _NONE = "num_processes mixed_precision use_port master_addr node_rank num_nodes rdzv_conf "
-_NONE += "max_restarts log_line_prefix_template start_method timeout config output"
+_NONE += "max_restarts log_line_prefix_template start_method timeout config output "
+_NONE += "hang_after on_hang debug_collectives"
 OPTIONS: dict[str, Any] = dict.fromkeys(_NONE.split()) | {
     "rdzv_backend": "static",
     "rdzv_endpoint": "",
@@ -188,7 +192,7 @@ OPTIONS: dict[str, Any] = dict.fromkeys(_NONE.split()) | {
 }
 # the options that are LaunchConfig fields (use_port is master_port there)
 _FIELDS = "num_processes mixed_precision master_addr node_rank num_nodes start_method "
-_FIELDS += "max_restarts timeout"
+_FIELDS += "max_restarts timeout hang_after on_hang debug_collectives"
 
 
 def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:

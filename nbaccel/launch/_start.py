@@ -26,6 +26,7 @@ from ._preflight import LaunchPlan
 from ._process import start_processes
 from ._rendezvous import Rendezvous
 from ._supervisor import Supervisor
+from ._watchdog import HangPolicy
 from ._worker import WorkerSpec
 
 
@@ -109,6 +110,7 @@ def start_group(
             interval=plan.monitor_interval,
             on_event=on_event,
             one_shot=not persistent,
+            hang=HangPolicy.of(cfg),
         )
         if plan.method != "fork" and first_job is not None:
             supervisor.send(ranks, first_job)

@@ -12,6 +12,9 @@ for fatal-error stacks), channel messages are hello/ready/event/done/fatal/probe
 * only secondary failures while other ranks still run, or ranks still busy ``timeout``
   seconds after a peer finished: those ranks hang; their stacks (:meth:`probe`) go into
   a :class:`~nbaccel.errors.WorkerTimeoutError`;
+* ranks that wait on each other with no progress for ``hang_after`` seconds: the
+  :mod:`~nbaccel.launch._watchdog` reports them where the output goes and the job goes on
+  (``on_hang="raise"``: ``_hang`` as above);
 * a job on a subset of this node's ranks (``%%distributed --ranks 0``) whose rank enters
   a torch.distributed call that needs a rank not running the job: an error naming it;
 * an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
@@ -41,6 +44,7 @@ from ._group import Group
 from ._output import LineForwarder
 from ._preload import IMPORTED_EVENT, remember_worker_imports
 from ._process import WorkerProcess
+from ._watchdog import HangPolicy, Watchdog
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
@@ -71,9 +75,12 @@ class Supervisor(Group):
         interval: float,
         on_event: EventCallback,
         one_shot: bool,
+        hang: HangPolicy | None = None,
     ) -> None:
         super().__init__(procs, forwarder, on_event)
         self.timeout, self.interval, self.one_shot = timeout, interval, one_shot
+        self.hang = hang or HangPolicy()  # the watchdog's (a pool call may set its own)
+        self.activity = 0  # events and answers received: progress, for the watchdog
         self.ready: set[int] = set()
         self._ids = itertools.count(2)  # 1 is the first job, made before the group started
         self._job: int | None = None
@@ -84,6 +91,7 @@ class Supervisor(Group):
 
     def handle(self, proc: WorkerProcess, message: tuple[Any, ...]) -> None:
         kind, rank = message[0], proc.rank
+        self.activity += kind in ("event", "done")
         if kind == "hello":
             state = "running" if self.one_shot else "idle"
             self.on_event(rank, "state", {"state": state, "pid": message[1]})
@@ -162,6 +170,7 @@ class Supervisor(Group):
         subset = [r for r in self.procs if r not in ranks]
         first_problem: float | None = None
         last_look = time.monotonic()
+        watchdog = Watchdog(self.hang, self.probe)
         try:
             while True:
                 self.pump(self.interval)
@@ -184,6 +193,12 @@ class Supervisor(Group):
                     self._check_subset(busy, ranks, subset, procs)
                 finished = [t for ok, _, _, t in self._done.values() if ok]
                 stuck = [p for p in busy if p.returncode is None]
+                seqs = {r: s for r, (_, _, s, _) in self._done.items()}
+                hang = watchdog.look([p.rank for p in stuck], seqs, self.activity)
+                if hang is not None and hang.policy.action == "raise":
+                    self._hang(stuck, hang.reason, hang.stacks)
+                elif hang is not None:
+                    hang.report(self.forwarder, self.on_event)
                 if self.timeout and finished and stuck and now - min(finished) > self.timeout:
                     reason = (
                         f"rank(s) {sorted(self._done)} finished more than timeout="

@@ -112,6 +112,7 @@ def _setup(spec: WorkerSpec, channel: Channel) -> None:
     wos.redirect_output(spec.fds["stdout"], spec.fds["stderr"])
     faulthandler.enable(file=sys.stderr, all_threads=True)  # fatal errors: stack on stderr
     os.environ.update(spec.env)  # torch's own env:// rendezvous reads these
+    torchcompat.reread_debug_level()  # debug_collectives: forked after torch read it
     install_launch_config(spec.config)  # the process's state: the runtime reads these two
     install_process_facts(spec.facts())
     events.install_sink(lambda kind, data: channel.send(("event", kind, data, time.time())))
@@ -142,7 +143,9 @@ def _read(channel: Channel, rank: int) -> None:
         if message is None:  # the supervisor is gone (killed, or closed the channel)
             wos.die(1)
         elif message[0] == "probe":
-            channel.send(("probe", message[1], wos.main_thread_report(rank)))
+            report = wos.main_thread_report(rank)
+            report["collectives"] = _jobs.collective_count()  # the hang watchdog's progress
+            channel.send(("probe", message[1], report))
         else:
             _inbox.put(message)
 

@@ -69,6 +69,9 @@ def notebook_launcher(
     return_all_ranks: bool = False,
     block: bool = True,
     output: Any = None,
+    hang_after: float | None = None,
+    on_hang: str | None = None,
+    debug_collectives: bool | None = None,
 ) -> Any:
     """Run ``function(*args)`` once per device and return rank 0's result.
 
@@ -107,6 +110,20 @@ def notebook_launcher(
         block: ``False`` returns a :class:`LaunchHandle` at once while the workers run.
         output: where worker output goes: ``None`` (the cell's stdout/stderr), a
             file-like object, or a callable ``output(rank, stream, line)``.
+        hang_after: seconds without progress (no collective issued, nothing logged, no
+            rank finished) while a rank waits in torch.distributed before the job is
+            reported in the cell: which ranks, in which collective, which are not in one,
+            with their Python stacks. Default 300 (5 minutes: longer than a real step or
+            a checkpoint save keeps ranks waiting, shorter than torch's own collective
+            timeouts); ``0`` turns the watchdog off. Also ``NBACCEL_HANG_AFTER``, the
+            config file, ``LaunchConfig.hang_after``.
+        on_hang: ``"report"`` (the default: report, keep waiting, report again after 2x,
+            4x, ... longer without progress) or ``"raise"`` (end the job with
+            ``WorkerTimeoutError``).
+        debug_collectives: ``True`` runs torch's collective-mismatch check
+            (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, its wrapper process group): ranks calling
+            different collectives fail with torch's error instead of hanging. Slower
+            (every collective is checked first); for debugging.
 
     Returns:
         Rank 0's return value with tensors moved to the CPU (on another node: the value
@@ -120,8 +137,9 @@ def notebook_launcher(
         WorkerError: a worker failed. When its exception type can be re-created in
             the kernel, the error is also an instance of that type (``except ValueError``
             works); the message names the rank and carries the remote traceback.
-        WorkerTimeoutError: ranks stopped making progress (see ``timeout``); names the
-            stuck ranks (``err.stuck_ranks``) with every worker's stack (``err.stacks``).
+        WorkerTimeoutError: ranks stopped making progress (see ``timeout``, and
+            ``on_hang="raise"``); names the stuck ranks (``err.stuck_ranks``) with every
+            worker's stack (``err.stacks``).
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
     plan = plan_launch(**locals())  # first: locals() are exactly the arguments
@@ -293,6 +311,9 @@ def run_script(cfg: LaunchConfig, command: list[str]) -> int:
 def _exit_code(error: BaseException) -> int:
     if isinstance(error, KeyboardInterrupt):
         return 130
+    if isinstance(error, WorkerTimeoutError):  # every stuck rank's stack: only here
+        print(f"nbaccel launch: {error}", file=sys.stderr)
+        return 1
     if isinstance(error, WorkerError):
         code = error.exit_code or 1
         if error.exc_type in ("SystemExit", "ExitCode") or error.exc_type.startswith("SIG"):

@@ -89,6 +89,8 @@ class WorkerPool(PoolWorkers):
         return_all_ranks: bool = False,
         block: bool = True,
         output: Any = None,
+        hang_after: float | None = None,
+        on_hang: str | None = None,
     ) -> Any:
         """:meth:`run` with options.
 
@@ -98,6 +100,8 @@ class WorkerPool(PoolWorkers):
             return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).
             block: ``False`` returns a :class:`~nbaccel.LaunchHandle` at once.
             output: where the workers' lines go, as for ``notebook_launcher``.
+            hang_after, on_hang: the hang watchdog for this call (``None``: the pool's, from
+                ``start_workers``), as for ``notebook_launcher``.
 
         Example:
             >>> pool.call(train, (3e-4,), return_all_ranks=True)  # doctest: +SKIP
@@ -115,7 +119,8 @@ class WorkerPool(PoolWorkers):
         payload = dill_for_workers(
             (function, tuple(args), dict(kwargs or {})), "the function and its args"
         )
-        return self._submit("run", (payload,), None, return_all_ranks, block, output)
+        hang = self._hang_policy(hang_after, on_hang)
+        return self._submit("run", (payload,), None, return_all_ranks, block, output, hang=hang)
 
     def exec_cell(
         self,
@@ -233,7 +238,8 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
     """Start a :class:`WorkerPool`: one warm worker per device, kept across cells.
 
     ``options`` are :func:`~nbaccel.notebook_launcher`'s (``mixed_precision``,
-    ``start_method``, ``timeout``, ``config``, ``master_addr``/``node_rank``/``num_nodes``
+    ``start_method``, ``timeout``, ``hang_after``/``on_hang``/``debug_collectives``,
+    ``config``, ``master_addr``/``node_rank``/``num_nodes``
     /``use_port`` for several machines: run the same cells on each, ...), checked the
     same way before anything starts; a pool's calls have their own ``return_all_ranks``,
     ``block`` and ``output`` (:meth:`WorkerPool.call`). The process group forms at the
