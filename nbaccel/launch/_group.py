@@ -17,7 +17,7 @@ import os
 import selectors
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._output import LineForwarder
@@ -133,11 +133,12 @@ class Group:
                 with contextlib.suppress(Exception):
                     child.kill()
 
-    def terminate(self) -> None:
-        """SIGTERM every live worker (it ends its own children), SIGKILL after 1 s; reap."""
+    def terminate(self, spare: Iterable[int] = ()) -> None:
+        """SIGTERM every live worker but ``spare`` (it ends its own children), SIGKILL
+        after 1 s; reap."""
         if os.getpid() != self.owner:
             return
-        alive = [p for p in self.procs.values() if p.poll() is None]
+        alive = [p for p in self.procs.values() if p.poll() is None and p.rank not in spare]
         descendants = [d for p in alive for d in p.descendants()]
         for proc in alive:
             proc.killed_by_us = True

@@ -20,10 +20,12 @@ import linecache
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchError, Stopped, WorkerError
 from ..platform import environment
+from . import _kept
 from ._preflight import LaunchPlan
 from ._start import forwarder, start_group
 from ._status import Observed, RankStatus
@@ -103,6 +105,18 @@ class PoolWorkers(Observed):
             self._replace(f"{dead.summary()} while the pool was idle")
 
     # ------------------------------------------------------------------ internals
+    def _kept_workers(self, group: Supervisor) -> Callable[[], str | None]:
+        """For nbaccel.debug(): why ``group``'s workers are no longer this pool's."""
+        pool = weakref.ref(self)
+
+        def why() -> str | None:
+            owner = pool()
+            if owner is None or owner.closed:
+                return "the pool was closed"
+            return None if owner._group is group else "the pool restarted its workers"
+
+        return why
+
     def _event(self, rank: int, kind: str, data: dict) -> None:
         listeners = self._board.record(rank, kind, data)
         handle = self._handle
@@ -185,10 +199,13 @@ class PoolWorkers(Observed):
             job = group.new_job()
             for rank in handle.ranks:
                 self._event(rank, "state", {"state": "running", "pid": group.procs[rank].pid})
+            _kept.forget(group, "the pool ran another call since (a failed rank keeps its "
+                         "traceback until the pool's next call)")  # fmt: skip
             try:
                 group.send(handle.ranks, ("job", job, kind, want, *body))
                 return group.run_job(job, handle.ranks, want, handle.stop_requested)
             except JobFailed as failed:
+                _kept.after_pool_call(group, self._kept_workers(group))  # for nbaccel.debug()
                 for rank in handle.ranks:
                     if self._board.snapshot()[rank]["state"] == "running":
                         self._event(rank, "state", {"state": "failed"})

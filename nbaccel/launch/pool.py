@@ -246,6 +246,11 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
     config = options.get("config")
     if config.compute_device == "tpu" if config is not None else xla_requested():
         raise LaunchError(no_tpu)  # before the planner, whose TPU message is about block=False
+    if "debug_timeout" in options:
+        raise TypeError(
+            "start_workers() takes no debug_timeout: a pool's failed rank keeps its traceback "
+            "for nbaccel.debug() until the pool's next call."
+        )
     own = sorted(set(options) & {"max_restarts", "return_all_ranks", "block", "output"})
     if own:
         raise TypeError(f"start_workers() takes no {own}: they are options of pool.call().")

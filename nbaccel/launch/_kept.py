@@ -1,0 +1,210 @@
+"""Kernel side of post-mortem debugging: which failed job's ranks can still be debugged.
+
+The supervisor takes a :class:`FailedJob` snapshot when a job fails on workers that keep
+their traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s): the failed
+ranks, and where each other rank was at that moment (its stack, asked over its channel
+before it is interrupted or terminated). The pool or the launcher then :func:`remember`\\ s
+it, with the group of workers while one can still serve a session, and says when it is
+gone (the pool's next call, restart or close; a launch's lingering rank leaving). The last
+failure in this kernel is what :func:`nbaccel.debug` opens.
+
+Example:
+    >>> last() is None or isinstance(last(), FailedJob)
+    True
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ._failures import Failure, signal_name
+
+if TYPE_CHECKING:
+    from ._process import WorkerProcess
+    from ._supervisor import Supervisor
+
+LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
+
+
+@dataclass
+class FailedJob:
+    """One failed job as ``nbaccel.debug()`` sees it."""
+
+    failures: dict[int, Failure]  # every rank that failed, by rank
+    first: int  # the first real failure's rank: debug()'s default
+    others: dict[int, str]  # every other rank of the job when it failed: stack or what it did
+    origin: str = "pool"  # "pool" or "notebook_launcher"
+    group: Supervisor | None = None  # the workers, while a session is possible
+    gone: str | None = None  # why no session is possible any more
+    still_there: Callable[[], str | None] = lambda: None  # the owner's word (pool closed...)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one session at a time
+    deadline: float | None = None  # monotonic time a launch's failed ranks leave
+
+    @classmethod
+    def at_failure(
+        cls,
+        group: Supervisor,
+        problems: list[Failure],
+        chosen: Failure,
+        procs: list[WorkerProcess],
+        finished: set[int],
+    ) -> FailedJob:
+        """The snapshot, taken by the supervisor as the job fails."""
+        failed = {f.rank: f for f in problems}
+        running = [p.rank for p in procs if p.rank not in {*failed, *finished} and p.poll() is None]
+        stacks = group.stacks(running) if running else {}
+        others = {}
+        for proc in procs:
+            rank = proc.rank
+            if rank in failed and rank != chosen.rank:
+                others[rank] = f"failed too ({failed[rank].summary()})"
+            elif rank in stacks:
+                others[rank] = stacks[rank] or "(no Python frames of its own)"
+            elif rank in finished:
+                others[rank] = "had finished the job"
+        return cls(failed, chosen.rank, others)
+
+    def holding(self) -> list[int]:
+        """Ranks whose worker kept a traceback (failed with an exception)."""
+        return sorted(r for r, f in self.failures.items() if f.kind == "exception")
+
+    def unavailable(self, rank: int) -> str | None:
+        """Why no session on ``rank`` is possible (None: ask its worker)."""
+        failure = self.failures.get(rank)
+        if failure is not None and failure.kind == "signal":
+            hint = " (often the out-of-memory killer)" if failure.code == 9 else ""
+            return (
+                f"rank {rank} was killed by {signal_name(failure.code)}{hint}: a killed "
+                "process keeps nothing, so there is no traceback to debug. Its error message "
+                "(and stack, for a fatal error) is all there is."
+            )
+        if failure is not None and failure.kind == "exit":
+            return (
+                f"rank {rank} exited with code {failure.code} before its job ended: the "
+                "process is gone, so there is no traceback to debug."
+            )
+        if rank not in self.failures and rank not in self.others:
+            ranks = sorted({*self.failures, *self.others})
+            return f"rank {rank} did not run the failed job (its ranks: {ranks})."
+        gone = self.gone or self.still_there()
+        if gone:
+            return f"no post-mortem session on rank {rank}: {gone}."
+        group = self.group
+        if group is None or rank not in group.procs or group.procs[rank].poll() is not None:
+            if self.origin == "pool":
+                return f"rank {rank}'s worker is gone."
+            if rank not in self.failures:
+                return (
+                    f"rank {rank} did not fail: notebook_launcher ended it when rank "
+                    f"{self.first} failed (only failed ranks stay for debugging). Try "
+                    f"nbaccel.debug({self.first})."
+                )
+            return (
+                f"rank {rank}'s worker has left: its session was quit, or no debugger came "
+                "within debug_timeout seconds of the failure."
+            )
+        return None
+
+
+_last: list[FailedJob] = []
+_held: dict[int, FailedJob] = {}  # launches' failed jobs whose workers the kernel holds
+
+
+def last() -> FailedJob | None:
+    """The last failed job of this kernel (None: nothing failed yet)."""
+    return _last[0] if _last else None
+
+
+def remember(job: FailedJob) -> None:
+    if _last and _last[0] is not job and _last[0].gone is None:
+        _last[0].gone = "a later job failed since; debug that one"
+    _last[:] = [job]
+
+
+def forget(group: Supervisor, why: str) -> None:
+    """``group`` runs another job: its last failure's tracebacks are gone."""
+    job = last()
+    if job is not None and job.group is group and job.gone is None:
+        job.gone = why
+
+
+def after_launch(group: Supervisor, error: BaseException, timeout: float | None) -> bool:
+    """A launch failed for good (no restart follows). Remember it for ``nbaccel.debug()``;
+    True when the kernel keeps ``group`` (its failed ranks linger), which then ends it."""
+    job, group.post_mortem = group.post_mortem, None
+    if job is None:
+        rank = getattr(error, "rank", None)
+        if isinstance(rank, int) and not isinstance(error, KeyboardInterrupt):
+            why = (
+                "notebook_launcher ended every worker when the launch failed; run it with "
+                "debug=True to keep a failed rank for nbaccel.debug()"
+            )
+            remember(FailedJob({}, rank, {rank: ""}, "notebook_launcher", gone=why))
+        return False
+    job.origin = "notebook_launcher"
+    lingering = [group.procs[r] for r in job.holding() if group.procs[r].poll() is None]
+    remember(job)
+    if not lingering:
+        return False
+    job.group = group
+    job.deadline = time.monotonic() + (timeout or 0.0)
+    _held[id(job)] = job
+    if not _atexit_registered:
+        _register_atexit()
+    threading.Thread(
+        target=_watch, args=(job, group, lingering), name="nbaccel-postmortem", daemon=True
+    ).start()
+    return True
+
+
+def after_pool_call(group: Supervisor, still_there: Callable[[], str | None]) -> None:
+    """A pool call failed: remember its snapshot (if the supervisor took one)."""
+    job, group.post_mortem = group.post_mortem, None
+    if job is not None:
+        job.group, job.still_there = group, still_there
+        remember(job)
+
+
+def _watch(job: FailedJob, group: Supervisor, lingering: list[WorkerProcess]) -> None:
+    """End a launch's kept group once its failed ranks left (or overstayed)."""
+    while True:
+        time.sleep(0.2)
+        with job.lock:  # never while a session runs on the group
+            done = all(p.poll() is not None for p in lingering)
+            late = job.deadline is not None and time.monotonic() > job.deadline + LINGER_GRACE
+            if done or late:
+                _end(job, group)
+                return
+
+
+def _end(job: FailedJob, group: Supervisor) -> None:
+    with contextlib.suppress(Exception):
+        group.terminate()
+        group.close()
+    job.group = None
+    _held.pop(id(job), None)
+
+
+_atexit_registered = False
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    _atexit_registered = True
+    atexit.register(_end_all)
+
+
+def _end_all() -> None:
+    """Kernel exit: no lingering rank outlives it (they would also see their channel end)."""
+    for job in list(_held.values()):
+        if job.group is not None:
+            _end(job, job.group)
+
+
+__all__ = ["FailedJob", "after_launch", "after_pool_call", "forget", "last", "remember"]
