@@ -117,7 +117,7 @@ def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
         return
     out = _Out()
     stdin = _In(sid, channel, inbox, out)
-    debugger = pdb.Pdb(stdin=stdin, stdout=out, nosigint=True, readrc=False)  # type: ignore[arg-type]
+    debugger = _stdlib_pdb()(stdin=stdin, stdout=out, nosigint=True, readrc=False)  # type: ignore[arg-type]
     debugger.use_rawinput = False
     streams = (sys.stdin, sys.stdout, sys.stderr)
     sys.stdin, sys.stdout, sys.stderr = stdin, out, out
@@ -133,6 +133,12 @@ def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
     channel.send(("pdb", sid, "end", out.take()))
     for message in stdin.later:  # e.g. "exit": the worker's loop acts on it next
         inbox.put(message)
+
+
+def _stdlib_pdb() -> type[pdb.Pdb]:
+    """The standard library's class: a worker forked from ipykernel inherits ``pdb.Pdb``
+    replaced by IPython's (other prompt, colours); a spawned one has the stdlib's."""
+    return next(c for c in pdb.Pdb.__mro__ if c.__module__ == "pdb" and c.__name__ == "Pdb")
 
 
 def _target(exc: BaseException) -> Any:

@@ -35,6 +35,7 @@ from ._supervisor import JobFailed, Supervisor
 
 _sessions = itertools.count(1)
 WAIT_STEP = 0.05  # seconds per look at the worker while waiting for pdb's answer
+LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit after its session
 
 
 def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> None:
@@ -81,12 +82,13 @@ def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> 
         if why is not None or group is None:
             raise LaunchError(why or f"rank {target}'s worker is gone.")
         _print(_header(job, target, group))
-        _session(group, target, None if commands is None else list(commands))
+        try:
+            _session(group, target, None if commands is None else list(commands))
+        finally:
+            if job.origin == "notebook_launcher":  # the rank leaves now: reap it here
+                group.procs[target].wait(LEAVE_WAIT)
     finally:
         job.lock.release()
-    if job.origin == "notebook_launcher" and target in job.holding():
-        job.failures.pop(target, None)  # its worker leaves now
-        job.others[target] = "left after its debugging session"
 
 
 def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
