@@ -1,0 +1,136 @@
+"""Post-mortem debugging driven from this process with real workers (2 CPU workers, gloo):
+pdb served by a worker over its channel (scripted with ``commands=``), a debug=True launch's
+failed rank leaving after ``debug_timeout``, a worker that exits during a session, the
+messages when no session is possible, and bad arguments. The real-kernel flow (the
+kernel's own input requests answered) is in test_kernel_debug.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import nbaccel
+from nbaccel import notebook_launcher, start_workers
+from nbaccel.errors import ConfigError, LaunchError
+from nbaccel.launch import _kept
+
+pytestmark = pytest.mark.integration
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def nested(depth: int) -> None:
+    secret = depth * 10
+    if depth == 0:
+        raise KeyError(f"missing {secret}")
+    nested(depth - 1)
+
+
+def fails_on_one() -> int:
+    if _rank() == 1:
+        nested(2)
+    return 0
+
+
+def fails_everywhere() -> None:
+    local = f"rank {_rank()}"
+    raise ValueError(local)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_record():
+    _kept._last.clear()
+    yield
+    _kept._last.clear()
+
+
+def test_pdb_runs_in_the_worker_over_its_channel(capsys):
+    with start_workers(num_processes=2, start_method="fork") as pool:
+        with pytest.raises(KeyError):
+            pool.run(fails_on_one)
+        worker_pid = pool.pids[1]
+        commands = ["p secret, os.getpid()", "up", "p secret", "up", "up", "up", "down", "p depth"]
+        nbaccel.debug(commands=[*commands, "!print('printed', depth)", "where"])
+        out = capsys.readouterr().out
+        assert f"(0, {worker_pid})" in out  # evaluated in the worker, not in this process
+        assert "(Pdb) p secret\n10\n" in out  # `up` reached the caller's frame
+        assert "*** Oldest frame" in out  # the user's outermost frame is the top: no nbaccel
+        assert "(Pdb) p depth\n2\n" in out
+        assert "printed 2\n" in out  # the session's own stdout comes back too
+        where = out[out.rindex("(Pdb) where") :]  # then the commands ran out: end of input
+        assert "fails_on_one()" in where and "nbaccel" not in where, out
+        assert where.rstrip().endswith('-> raise KeyError(f"missing {secret}")'), out
+        # a second session on the same kept traceback, then the pool goes on
+        nbaccel.debug(1, commands=["p depth", "q"])
+        assert "(Pdb) p depth\n0\n" in capsys.readouterr().out
+        assert pool.call(_rank, return_all_ranks=True) == [0, 1]
+        assert pool.restarts == 0 and pool.pids[1] == worker_pid
+
+
+def test_every_failed_rank_can_be_debugged_and_the_first_is_the_default(capsys):
+    with start_workers(num_processes=2, start_method="spawn") as pool:
+        with pytest.raises(ValueError):
+            pool.run(fails_everywhere)
+        first = _kept.last()
+        assert first is not None and set(first.holding()) == {0, 1}
+        for rank in (first.first, 1 - first.first):
+            nbaccel.debug(rank, commands=["p local"])
+            assert f"'rank {rank}'" in capsys.readouterr().out
+
+
+def test_a_worker_that_exits_during_the_session_is_reported_and_replaced():
+    with start_workers(num_processes=2, start_method="fork") as pool:
+        with pytest.raises(KeyError):
+            pool.run(fails_on_one)
+        with pytest.raises(LaunchError, match=r"exited \(code 3\) during the debugging session"):
+            nbaccel.debug(commands=["!os._exit(3)"])
+        assert pool.call(_rank, return_all_ranks=True) == [0, 1]  # the pool restarted
+        assert pool.restarts == 1
+
+
+@pytest.mark.timeout(120)
+def test_launch_rank_leaves_after_debug_timeout():
+    me = psutil.Process()
+    with pytest.raises(KeyError):
+        notebook_launcher(fails_on_one, num_processes=2, debug=True, debug_timeout=2)
+    deadline = time.monotonic() + 30
+    while me.children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert me.children() == []  # it left and the kernel side reaped it
+    with pytest.raises(LaunchError, match=r"has left.*debug_timeout"):
+        nbaccel.debug()
+
+
+def test_launch_without_debug_says_how_to_keep_the_rank():
+    with pytest.raises(KeyError):
+        notebook_launcher(fails_on_one, num_processes=2)
+    with pytest.raises(LaunchError, match=r"run it with debug=True"):
+        nbaccel.debug()
+
+
+def test_nothing_failed_is_a_clear_message_in_a_fresh_process():
+    code = "import nbaccel\ntry:\n    nbaccel.debug()\nexcept Exception as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("nothing to debug: no job has failed"), out
+
+
+def test_bad_arguments_are_refused_before_anything_starts():
+    with pytest.raises(TypeError, match="rank='1' must be a rank number"):
+        nbaccel.debug("1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="commands='q' must be a list"):
+        nbaccel.debug(commands="q")
+    with pytest.raises(ConfigError, match="debug_timeout=0 must be seconds > 0"):
+        notebook_launcher(fails_on_one, num_processes=2, debug=True, debug_timeout=0)
+    with pytest.raises(TypeError, match="debug='yes' must be True or False"):
+        notebook_launcher(fails_on_one, num_processes=2, debug="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="start_workers\\(\\) takes no debug_timeout"):
+        start_workers(num_processes=2, debug_timeout=5)
+    assert psutil.Process().children() == []
