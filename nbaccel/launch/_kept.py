@@ -21,13 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ._failures import Failure, signal_name
 
-if TYPE_CHECKING:
-    from ._process import WorkerProcess
-    from ._supervisor import Supervisor
+# The supervisor imports this module, so its type is spelled here by name only.
+Supervisor = Any
+WorkerProcess = Any
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
 

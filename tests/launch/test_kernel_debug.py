@@ -147,6 +147,10 @@ def test_front_end_without_input_gets_a_message_and_the_rank_is_released(
     cell = kernel.collect(kernel.submit("nbaccel.debug()", allow_stdin=False), timeout=60)
     assert cell.error is not None and "cannot answer input requests" in cell.error.evalue
     assert "commands=" in cell.error.evalue
+    # rank 0's stack starts at the job's function: not the kernel's frames a fork inherits
+    header = cell.stdout
+    assert "in train_dist" in header and "dist.barrier()" in header, header
+    assert "site-packages/ipykernel" not in header and "IPython" not in header, header
     kernel.assert_no_descendants(timeout=10)
 
 
