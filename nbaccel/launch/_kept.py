@@ -30,6 +30,8 @@ Supervisor = Any
 WorkerProcess = Any
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
+LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session
+DEBUG_TIMEOUT = 600.0  # seconds a failed rank waits for nbaccel.debug() (see launcher)
 
 
 @dataclass
@@ -45,6 +47,8 @@ class FailedJob:
     still_there: Callable[[], str | None] = lambda: None  # the owner's word (pool closed...)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one session at a time
     deadline: float | None = None  # monotonic time a launch's failed ranks leave
+    owner: int | None = None  # id() of the pool whose call failed
+    gone_ranks: set[int] = field(default_factory=set)  # ranks let go after their session
 
     @classmethod
     def at_failure(
@@ -97,6 +101,11 @@ class FailedJob:
             return f"no post-mortem session on rank {rank}: {gone}."
         group = self.group
         if group is None or rank not in group.procs or group.procs[rank].poll() is not None:
+            if self.origin == "pool" and rank in self.gone_ranks:
+                return (
+                    f"rank {rank}'s session ended and its worker, kept only for debugging "
+                    "after the pool restarted, was let go."
+                )
             if self.origin == "pool":
                 return f"rank {rank}'s worker is gone."
             if rank not in self.failures:
@@ -113,7 +122,7 @@ class FailedJob:
 
 
 _last: list[FailedJob] = []
-_held: dict[int, FailedJob] = {}  # launches' failed jobs whose workers the kernel holds
+_held: dict[int, FailedJob] = {}  # failed jobs whose workers only the kernel's debug holds
 
 
 def last() -> FailedJob | None:
@@ -122,16 +131,20 @@ def last() -> FailedJob | None:
 
 
 def remember(job: FailedJob) -> None:
-    if _last and _last[0] is not job and _last[0].gone is None:
-        _last[0].gone = "a later job failed since; debug that one"
+    """``job`` is the one ``debug()`` opens from now on; an earlier one is let go."""
+    for old in [*_last, *_held.values()]:
+        if old is not job:
+            old.gone = old.gone or "a later job failed since; nbaccel.debug() opens that one"
+            _let_go(old)
     _last[:] = [job]
 
 
-def forget(group: Supervisor, why: str) -> None:
-    """``group`` runs another job: its last failure's tracebacks are gone."""
-    job = last()
-    if job is not None and job.group is group and job.gone is None:
-        job.gone = why
+def forget(owner: object, why: str) -> None:
+    """``owner`` (a pool) runs another call or closes: its failed job's tracebacks go."""
+    for job in [*_last, *_held.values()]:
+        if job.owner == id(owner):
+            job.gone = job.gone or why
+            _let_go(job)
 
 
 def after_launch(group: Supervisor, error: BaseException, timeout: float | None) -> bool:
@@ -142,45 +155,87 @@ def after_launch(group: Supervisor, error: BaseException, timeout: float | None)
         rank = getattr(error, "rank", None)
         if isinstance(rank, int) and not isinstance(error, KeyboardInterrupt):
             why = (
-                "notebook_launcher ended every worker when the launch failed; run it with "
-                "debug=True to keep a failed rank for nbaccel.debug()"
+                "no rank raised an exception that could be kept (a hang, an interrupt, a "
+                "stop), so the launch ended every worker"
+                if timeout is not None
+                else "notebook_launcher ended every worker when the launch failed; run it "
+                "with debug=True to keep a failed rank for nbaccel.debug()"
             )
             remember(FailedJob({}, rank, {rank: ""}, "notebook_launcher", gone=why))
         return False
     job.origin = "notebook_launcher"
-    lingering = [group.procs[r] for r in job.holding() if group.procs[r].poll() is None]
     remember(job)
-    if not lingering:
+    return _hold(job, group, set(job.holding()), timeout or 0.0)
+
+
+def after_pool_call(
+    owner: object,
+    group: Supervisor,
+    still_there: Callable[[], str | None],
+    *,
+    broken: bool,
+    port_fixed: bool,
+) -> set[int]:
+    """A pool call failed: remember its snapshot (if the supervisor took one). When the
+    pool replaces its workers (``broken``), return the failed ranks it must leave alive:
+    the kernel holds them (until the pool's next call or close, their session's end, or
+    ``DEBUG_TIMEOUT``). Not global rank 0 when the pool restarts on the same port: its
+    rendezvous store listens there."""
+    job, group.post_mortem = group.post_mortem, None
+    if job is None:
+        return set()
+    job.owner, job.group, job.still_there = id(owner), group, still_there
+    remember(job)
+    if not broken:
+        return set()
+    job.still_there = lambda: None  # the pool's next call or close lets it go (forget)
+    ranks = set(job.holding()) - ({0} if port_fixed else set())
+    return ranks if _hold(job, group, ranks, DEBUG_TIMEOUT) else set()
+
+
+def _hold(job: FailedJob, group: Supervisor, ranks: set[int], seconds: float) -> bool:
+    """Keep ``group`` for the live ones of ``ranks``; a thread ends it when they are gone."""
+    alive = [group.procs[r] for r in sorted(ranks) if group.procs[r].poll() is None]
+    if not alive:
         return False
-    job.group = group
-    job.deadline = time.monotonic() + (timeout or 0.0)
+    job.group, job.deadline = group, time.monotonic() + seconds
     _held[id(job)] = job
     if not _atexit_registered:
         _register_atexit()
     threading.Thread(
-        target=_watch, args=(job, group, lingering), name="nbaccel-postmortem", daemon=True
+        target=_watch, args=(job, group, alive), name="nbaccel-postmortem", daemon=True
     ).start()
     return True
 
 
-def after_pool_call(group: Supervisor, still_there: Callable[[], str | None]) -> None:
-    """A pool call failed: remember its snapshot (if the supervisor took one)."""
-    job, group.post_mortem = group.post_mortem, None
-    if job is not None:
-        job.group, job.still_there = group, still_there
-        remember(job)
+def release(job: FailedJob, rank: int) -> None:
+    """After ``rank``'s session (its debug() holds ``job.lock``): a held rank goes."""
+    group = job.group
+    if id(job) not in _held or group is None:
+        return
+    if job.origin == "notebook_launcher":
+        group.procs[rank].wait(LEAVE_WAIT)  # it leaves by itself once the session ended
+    group.terminate(spare=set(group.procs) - {rank})
+    job.gone_ranks.add(rank)
+    if all(group.procs[r].poll() is not None for r in job.holding() if r in group.procs):
+        _end(job, group)
+
+
+def _let_go(job: FailedJob) -> None:
+    if id(job) in _held and job.group is not None:
+        with job.lock:
+            _end(job, job.group)
 
 
 def _watch(job: FailedJob, group: Supervisor, lingering: list[WorkerProcess]) -> None:
-    """End a launch's kept group once its failed ranks left (or overstayed)."""
-    while True:
+    """End a kept group once its failed ranks left, overstayed, or were let go."""
+    while id(job) in _held:
         time.sleep(0.2)
         with job.lock:  # never while a session runs on the group
             done = all(p.poll() is not None for p in lingering)
             late = job.deadline is not None and time.monotonic() > job.deadline + LINGER_GRACE
-            if done or late:
+            if (done or late) and id(job) in _held:
                 _end(job, group)
-                return
 
 
 def _end(job: FailedJob, group: Supervisor) -> None:
@@ -207,4 +262,13 @@ def _end_all() -> None:
             _end(job, job.group)
 
 
-__all__ = ["FailedJob", "after_launch", "after_pool_call", "forget", "last", "remember"]
+__all__ = [
+    "DEBUG_TIMEOUT",
+    "FailedJob",
+    "after_launch",
+    "after_pool_call",
+    "forget",
+    "last",
+    "release",
+    "remember",
+]

@@ -32,6 +32,7 @@ from ..config import (
 from ..errors import ConfigError
 from ..platform import cudatrace, environment
 from ..platform.hardware import default_num_processes
+from ._kept import DEBUG_TIMEOUT
 from ._safety import (
     check_gpus_per_process,
     check_no_state_in_kernel,
@@ -189,7 +190,6 @@ OPTIONS: dict[str, Any] = dict.fromkeys(_NONE.split()) | {
     "debug": False,
     "debug_timeout": None,
 }
-DEBUG_TIMEOUT = 600.0  # seconds a failed rank of a debug=True launch waits for nbaccel.debug()
 # the options that are LaunchConfig fields (use_port is master_port there)
 _FIELDS = "num_processes mixed_precision master_addr node_rank num_nodes start_method "
 _FIELDS += "max_restarts timeout"

@@ -35,7 +35,6 @@ from ._supervisor import JobFailed, Supervisor
 
 _sessions = itertools.count(1)
 WAIT_STEP = 0.05  # seconds per look at the worker while waiting for pdb's answer
-LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit after its session
 
 
 def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> None:
@@ -85,8 +84,7 @@ def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> 
         try:
             _session(group, target, None if commands is None else list(commands))
         finally:
-            if job.origin == "notebook_launcher":  # the rank leaves now: reap it here
-                group.procs[target].wait(LEAVE_WAIT)
+            _kept.release(job, target)  # a rank kept only for debugging goes now
     finally:
         job.lock.release()
 

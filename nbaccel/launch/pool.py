@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LaunchError
+from . import _kept
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
 from ._preflight import plan_launch
@@ -178,6 +179,7 @@ class WorkerPool(PoolWorkers):
             return
         self.closed = True
         _LIVE.discard(self)
+        _kept.forget(self, "the pool was closed")  # failed ranks kept for nbaccel.debug() go
         handle = self._handle
         if handle is not None:
             with contextlib.suppress(Exception):

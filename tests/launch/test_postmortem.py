@@ -134,3 +134,54 @@ def test_bad_arguments_are_refused_before_anything_starts():
     with pytest.raises(TypeError, match="start_workers\\(\\) takes no debug_timeout"):
         start_workers(num_processes=2, debug_timeout=5)
     assert psutil.Process().children() == []
+
+
+def fails_while_peer_waits_in_a_collective() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    Accelerator()
+    if dist.get_rank() == 1:
+        grads = torch.ones(3)
+        raise RuntimeError(f"NaN in {grads.shape}")
+    dist.all_reduce(torch.ones(3))  # rank 0 waits here for ever: the pool must restart
+
+
+@pytest.mark.timeout(180)
+def test_failed_rank_stays_when_the_pool_restarts_its_workers(capsys):
+    with start_workers(num_processes=2, start_method="fork", timeout=5) as pool:
+        old = pool.pids
+        with pytest.raises(RuntimeError, match="NaN in"):
+            pool.run(fails_while_peer_waits_in_a_collective)
+        assert pool.restarts == 1 and "Failed rank(s) [1] stay" in capsys.readouterr().err
+        kept = psutil.Process(old[1])
+        assert kept.is_running() and _gone(old[0])  # only the failed rank stayed
+        nbaccel.debug(commands=["p grads", "q"])
+        out = capsys.readouterr().out
+        assert "tensor([1., 1., 1.])" in out, out
+        assert "(waiting in torch.distributed.all_reduce)" in out, out  # rank 0 at the failure
+        assert psutil.wait_procs([kept], timeout=10)[1] == []  # let go after its session
+        with pytest.raises(LaunchError, match="was let go"):
+            nbaccel.debug()
+        assert pool.call(_rank, return_all_ranks=True) == [0, 1]  # the new workers
+
+
+@pytest.mark.timeout(180)
+def test_closing_the_pool_ends_a_rank_kept_for_debugging():
+    pool = start_workers(num_processes=2, start_method="fork", timeout=5)
+    with pytest.raises(RuntimeError):
+        pool.run(fails_while_peer_waits_in_a_collective)
+    kept = psutil.Process(_kept.last().group.procs[1].pid)  # type: ignore[union-attr]
+    pool.close()
+    assert psutil.wait_procs([kept], timeout=10)[1] == []
+    with pytest.raises(LaunchError, match="the pool was closed"):
+        nbaccel.debug()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
