@@ -3,10 +3,12 @@
 The supervisor takes a :class:`FailedJob` snapshot when a job fails on workers that keep
 their traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s): the failed
 ranks, and where each other rank was at that moment (its stack, asked over its channel
-before it is interrupted or terminated). The pool or the launcher then :func:`remember`\\ s
-it, with the group of workers while one can still serve a session, and says when it is
-gone (the pool's next call, restart or close; a launch's lingering rank leaving). The last
-failure in this kernel is what :func:`nbaccel.debug` opens.
+before it is interrupted or terminated). The pool or the launcher then hands it to
+:func:`remember` with the group of workers while one can still serve a session, and says
+when it is gone (the pool's next call or close; a launch's lingering rank leaving). When
+only the kernel's debugging holds a failed rank (a debug=True launch, or a pool that
+replaced its workers), a thread ends it after its session, at ``debug_timeout``, or when
+the pool moves on. The last failure in this kernel is what :func:`nbaccel.debug` opens.
 
 Example:
     >>> last() is None or isinstance(last(), FailedJob)

@@ -8,14 +8,14 @@ and stdout (and, for the session, ``sys.stdin``/``sys.stdout``/``sys.stderr``: w
 
 * whatever pdb wrote is sent when it waits for a line, as ``("pdb", sid, "ask", text,
   prompt)`` (``prompt``: what follows the last newline, e.g. ``"(Pdb) "``); the kernel
-  answers ``("pdb-in", sid, line)``, the typed line with its ``"\\n"`` (``""``: end of
-  input, pdb quits);
+  answers ``("pdb-in", sid, line)``, the typed line with its newline (an empty string:
+  end of input, pdb quits);
 * when pdb returns (``q``, ``c``, end of input) the rest goes as ``("pdb", sid, "end",
   text)``; with nothing kept, ``("pdb", sid, "none", why)``.
 
-A one-shot worker of ``notebook_launcher(..., debug=True)`` :func:`linger`\\ s after its
-failed job: it waits up to ``debug_timeout`` seconds for a debugger, serves one session,
-then leaves as it would have.
+After its failed job, a one-shot worker of ``notebook_launcher(..., debug=True)`` waits
+(:func:`linger`) up to ``debug_timeout`` seconds for a debugger, serves one session, then
+leaves as it would have.
 
 Example:
     >>> keep(ValueError("x"), skip=())

@@ -15,7 +15,10 @@ for fatal-error stacks), channel messages are hello/ready/event/done/fatal/probe
 * a job on a subset of this node's ranks (``%%distributed --ranks 0``) whose rank enters
   a torch.distributed call that needs a rank not running the job: an error naming it;
 * an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
-  terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back.
+  terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back;
+* post-mortem (``keep_failed``: pools, debug=True launches): at a failure, where the other
+  ranks are (:class:`~nbaccel.launch._kept.FailedJob`); a one-shot group's failed ranks are
+  not terminated (they wait for ``nbaccel.debug()``); pdb's messages are queued for it.
 
 :class:`JobFailed` carries the error and, when the workers cannot go on (a rank died,
 hung, did not come back, or the ranks ran different numbers of collectives), the reason.
