@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import pdb
 import queue
+import signal
 import sys
 import time
 from types import TracebackType
@@ -100,10 +101,11 @@ class _In:
                 return line
             if message[0] == "pdb-in":
                 continue  # a line for an earlier session
+            # "exit", a job, another session: the kernel has moved on. End this session;
+            # the worker's loop acts on the message next.
             self.later.append(message)
-            if message[0] == "exit":  # the supervisor ends the worker: end the session
-                self.ended = True
-                return ""
+            self.ended = True
+            return ""
 
     def isatty(self) -> bool:
         return False
@@ -121,12 +123,16 @@ def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
     debugger.use_rawinput = False
     streams = (sys.stdin, sys.stdout, sys.stderr)
     sys.stdin, sys.stdout, sys.stderr = stdin, out, out
+    # The kernel's interrupt stops a long evaluation: pdb reports the KeyboardInterrupt and
+    # prompts again (the worker loop's own handler ignores SIGINT between jobs).
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         debugger.reset()
         debugger.interaction(None, _target(exc))
     except BaseException as err:  # never lose the worker over the debugger
         out.write(f"*** the debugger ended: {type(err).__name__}: {err}\n")
     finally:
+        signal.signal(signal.SIGINT, handler)
         sys.stdin, sys.stdout, sys.stderr = streams
         with contextlib.suppress(Exception):
             sys.settrace(None)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import itertools
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -154,7 +155,24 @@ def _ask(prompt: str, script: list[str] | None) -> str:
 
 
 def _next(group: Supervisor, rank: int, sid: int) -> tuple[Any, ...]:
-    """The worker's next pdb message of session ``sid``; LaunchError if it dies."""
+    """The worker's next pdb message of session ``sid``; LaunchError if it dies. The
+    interrupt button interrupts what pdb evaluates in the worker (it prompts again); a
+    second press while the worker does not answer ends the session."""
+    interrupted = False
+    while True:
+        try:
+            return _wait(group, rank, sid)
+        except KeyboardInterrupt:
+            if interrupted:
+                with contextlib.suppress(OSError, AttributeError):
+                    group.procs[rank].channel.send(("pdb-in", sid, ""))  # type: ignore[union-attr]
+                raise
+            interrupted = True
+            group.procs[rank].send_signal(signal.SIGINT)
+            _print(f"(interrupting rank {rank}; press again to leave the session)\n")
+
+
+def _wait(group: Supervisor, rank: int, sid: int) -> tuple[Any, ...]:
     proc = group.procs[rank]
     while True:
         for index, message in enumerate(group.pdb_messages):

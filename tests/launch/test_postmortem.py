@@ -185,3 +185,28 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+@pytest.mark.timeout(120)
+def test_interrupt_stops_a_long_evaluation_and_the_session_goes_on(capsys):
+    import signal
+    import threading
+
+    with start_workers(num_processes=2, start_method="fork") as pool:
+        with pytest.raises(KeyError):
+            pool.run(fails_on_one)
+        worker = psutil.Process(pool.pids[1])
+
+        def press_interrupt_once_the_worker_spins() -> None:
+            start = worker.cpu_times().user
+            while worker.cpu_times().user - start < 1.0:  # the endless loop runs
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)  # the interrupt button, in this "kernel"
+
+        threading.Thread(target=press_interrupt_once_the_worker_spins, daemon=True).start()
+        nbaccel.debug(commands=["!while True: pass", "p secret + 1", "q"])
+        out = capsys.readouterr().out
+        assert "(interrupting rank 1; press again to leave the session)" in out
+        assert "*** KeyboardInterrupt" in out and "(Pdb) p secret + 1\n1\n" in out, out
+        assert pool.call(_rank, return_all_ranks=True) == [0, 1]
+        assert pool.restarts == 0
