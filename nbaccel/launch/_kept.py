@@ -36,6 +36,9 @@ LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its ses
 DEBUG_TIMEOUT = 600.0  # seconds a failed rank waits for nbaccel.debug() (see launcher)
 
 
+FINISHED = "had finished the job"
+
+
 @dataclass
 class FailedJob:
     """One failed job as ``nbaccel.debug()`` sees it."""
@@ -73,7 +76,7 @@ class FailedJob:
             elif rank in stacks:
                 others[rank] = stacks[rank] or "(no Python frames of its own)"
             elif rank in finished:
-                others[rank] = "had finished the job"
+                others[rank] = FINISHED
         return cls(failed, chosen.rank, others)
 
     def holding(self) -> list[int]:
@@ -98,6 +101,11 @@ class FailedJob:
         if rank not in self.failures and rank not in self.others:
             ranks = sorted({*self.failures, *self.others})
             return f"rank {rank} did not run the failed job (its ranks: {ranks})."
+        if rank not in self.failures and self.others.get(rank) == FINISHED:
+            return (
+                f"rank {rank} did not fail (it had finished the job), so it holds no "
+                f"traceback; rank(s) {self.holding()} did: try nbaccel.debug({self.first})."
+            )
         gone = self.gone or self.still_there()
         if gone:
             return f"no post-mortem session on rank {rank}: {gone}."

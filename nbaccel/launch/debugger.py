@@ -96,6 +96,8 @@ def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
     what = failure.summary() if failure is not None else f"rank {rank}"
     lines = [f"nbaccel: post-mortem of {what} (pid {pid})"]
     others = {r: text for r, text in sorted(job.others.items()) if r != rank}
+    if rank != job.first and job.first in job.failures:
+        others[job.first] = f"failed first ({job.failures[job.first].summary()})"
     if others:
         lines.append(f"The other ranks when rank {job.first} failed:")
         for other, text in others.items():
