@@ -210,3 +210,17 @@ def test_interrupt_stops_a_long_evaluation_and_the_session_goes_on(capsys):
         assert "*** KeyboardInterrupt" in out and "(Pdb) p secret + 1\n1\n" in out, out
         assert pool.call(_rank, return_all_ranks=True) == [0, 1]
         assert pool.restarts == 0
+
+
+def exits_on_one() -> None:
+    if _rank() == 1:
+        os._exit(3)
+
+
+def test_a_rank_that_exited_says_why_no_session_is_possible():
+    with start_workers(num_processes=2, start_method="fork") as pool:
+        with pytest.raises(nbaccel.WorkerError):
+            pool.run(exits_on_one)
+        with pytest.raises(LaunchError, match=r"rank 1 exited with code 3 .*the process is gone"):
+            nbaccel.debug()
+        assert pool.call(_rank, return_all_ranks=True) == [0, 1]
