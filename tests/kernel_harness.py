@@ -10,6 +10,7 @@ installed nbaccel.
 API:
     :class:`KernelSession` -- start/stop one kernel (a context manager).
         ``execute(code, timeout)`` runs a cell and returns a :class:`CellResult`;
+        ``execute_answering(code, answers)`` answers the cell's input requests (pdb);
         ``submit(code)`` + ``collect(msg_id, timeout)`` split that in two so a
         test can ``wait_for_output(msg_id, regex)`` and ``interrupt()`` a
         running cell; ``run(code)`` fails unless the cell succeeded; ``evaluate(expr)`` /
@@ -344,11 +345,23 @@ class KernelSession:
         return self._km is not None and bool(self._km.is_alive())
 
     # ----------------------------------------------------------------- execution
-    def submit(self, code: str, *, user_expressions: Mapping[str, str] | None = None) -> str:
-        """Send ``code`` for execution without waiting; returns the request's msg_id."""
+    def submit(
+        self,
+        code: str,
+        *,
+        user_expressions: Mapping[str, str] | None = None,
+        allow_stdin: bool = True,
+    ) -> str:
+        """Send ``code`` for execution without waiting; returns the request's msg_id.
+
+        ``allow_stdin=False`` is a front end that cannot answer ``input()`` (nbclient's way).
+        """
         self._require()
         msg_id = self._kc.execute(
-            code, user_expressions=dict(user_expressions or {}), stop_on_error=False
+            code,
+            user_expressions=dict(user_expressions or {}),
+            stop_on_error=False,
+            allow_stdin=allow_stdin,
         )
         self._pending[msg_id] = self._cells[msg_id] = CellResult(code=code)
         self._started_at[msg_id] = time.monotonic()
@@ -453,6 +466,38 @@ class KernelSession:
     ) -> CellResult:
         """Run one cell and return its :class:`CellResult` (the cell may have failed)."""
         return self.collect(self.submit(code, user_expressions=user_expressions), timeout)
+
+    def execute_answering(
+        self, code: str, answers: list[str], timeout: float = 60.0
+    ) -> tuple[CellResult, list[str]]:
+        """Run a cell that asks for input (``input()``, a pdb prompt), answering the kernel's
+        input requests in order with ``answers``, as a person typing would.
+
+        Returns the cell and the prompts of the input requests. Raises ``AssertionError``
+        when the cell asks more often than there are answers (the cell is left waiting).
+        """
+        msg_id = self.submit(code)
+        result, prompts, left = self._pending[msg_id], [], list(answers)
+        deadline = time.monotonic() + timeout
+        while msg_id not in self._idle:
+            if time.monotonic() > deadline:
+                raise CellTimeout(timeout, result)
+            with contextlib.suppress(queue.Empty):
+                msg = self._kc.get_stdin_msg(timeout=0.02)
+                if msg["msg_type"] == "input_request":
+                    prompts.append(msg["content"]["prompt"])
+                    if not left:
+                        raise AssertionError(
+                            f"unexpected input request {prompts[-1]!r} after answering "
+                            f"{answers}\n{result.describe()}"
+                        )
+                    self._kc.input(left.pop(0))
+            with contextlib.suppress(queue.Empty):
+                msg = self._kc.get_iopub_msg(timeout=0.02)
+                parent = msg["parent_header"].get("msg_id")
+                if parent in self._pending and self._record(self._pending[parent], msg):
+                    self._idle.add(parent)
+        return self.collect(msg_id, max(deadline - time.monotonic(), 1.0)), prompts
 
     def run(self, code: str, timeout: float = 60.0) -> CellResult:
         """Like :meth:`execute` but raise ``AssertionError`` if the cell did not succeed."""

@@ -94,6 +94,9 @@ def _run_once(name: str, tmp_path: Path, run: int) -> None:
     assert re.search(claim, text), f"{name} (run {run}) did not print its claim {claim!r}:\n{text}"
     assert elapsed < bound, f"{name} (run {run}) took {elapsed:.1f}s (bound {bound}s)"
     assert "Traceback" not in text, text
+    if name == "checkpoint_resume.ipynb":  # pdb ran in the crashed rank, on its failing frame
+        assert re.search(r"\(Pdb\) p accelerator.step, accelerator.process_index\n\(25, 1\)", text)
+        assert "torch.Size([16, 10])" in text, text
     if name == "launch_panel.ipynb":
         assert WIDGET_MIME in result.mime_types()  # the panel is a live widget in the kernel
         assert "live charts: loss" in text  # the monitor's section (issue 28)

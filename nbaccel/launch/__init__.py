@@ -10,5 +10,7 @@
   ``run_script`` (``nbaccel launch``); :mod:`~nbaccel.launch.handle` -- ``LaunchHandle``;
 * :mod:`~nbaccel.launch.pool` -- ``start_workers``/``WorkerPool`` (many jobs; ``_pool``);
   :mod:`~nbaccel.launch.magic` -- ``%%distributed``;
+* :mod:`~nbaccel.launch.debugger` -- ``nbaccel.debug()``/``%nbaccel_debug``: pdb on a failed
+  rank (worker side ``_postmortem``, the kernel's record of failed jobs ``_kept``);
 * :mod:`~nbaccel.launch.testing` -- ``run_on_workers`` for tests, through this engine.
 """

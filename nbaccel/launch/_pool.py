@@ -20,10 +20,12 @@ import linecache
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchError, Stopped, WorkerError
 from ..platform import environment
+from . import _kept
 from ._cell_output import CellOutput
 from ._preflight import LaunchPlan
 from ._start import forwarder, start_group
@@ -78,20 +80,28 @@ class PoolWorkers(Observed):
             raise
         self._group = group
 
-    def _stop_workers(self, timeout: float) -> None:
+    def _stop_workers(self, timeout: float, spare: set[int] | None = None) -> None:
         group, self._group = self._group, None
         if group is not None:  # serve() returns, the group is destroyed, the store shuts down
-            group.shutdown(timeout)
+            group.shutdown(timeout, spare or ())
 
-    def _replace(self, reason: str | None, *, graceful: bool = False) -> None:
-        """End the current workers (children included) and start fresh ones."""
+    def _replace(
+        self, reason: str | None, *, graceful: bool = False, spare: set[int] | None = None
+    ) -> None:
+        """End the current workers (children included; not ``spare``, failed ranks kept for
+        nbaccel.debug()) and start fresh ones."""
         if reason:
+            kept = (
+                f" Failed rank(s) {sorted(spare)} stay for nbaccel.debug() until the next call."
+                if spare
+                else ""
+            )
             _say(
                 f"nbaccel: {reason}; the pool restarted its workers (restart "
                 f"{self.restarts + 1}). Names set with push or in %%distributed cells are "
-                "gone; the process group forms again at the next Accelerator()."
+                f"gone; the process group forms again at the next Accelerator().{kept}"
             )
-        self._stop_workers(5.0 if graceful else 0.0)
+        self._stop_workers(5.0 if graceful else 0.0, spare)
         self.restarts += 1
         self._start()
 
@@ -105,6 +115,18 @@ class PoolWorkers(Observed):
             self._replace(f"{dead.summary()} while the pool was idle")
 
     # ------------------------------------------------------------------ internals
+    def _kept_workers(self, group: Supervisor) -> Callable[[], str | None]:
+        """For nbaccel.debug(): why ``group``'s workers are no longer this pool's."""
+        pool = weakref.ref(self)
+
+        def why() -> str | None:
+            owner = pool()
+            if owner is None or owner.closed:
+                return "the pool was closed"
+            return None if owner._group is group else "the pool restarted its workers"
+
+        return why
+
     def _event(self, rank: int, kind: str, data: dict) -> None:
         listeners = self._board.record(rank, kind, data)
         handle = self._handle
@@ -205,6 +227,8 @@ class PoolWorkers(Observed):
             job = group.new_job()
             for rank in handle.ranks:
                 self._event(rank, "state", {"state": "running", "pid": group.procs[rank].pid})
+            _kept.forget(self, "the pool ran another call since (a failed rank keeps its "
+                         "traceback until the pool's next call)")  # fmt: skip
             try:
                 group.send(handle.ranks, ("job", job, kind, want, *body))
                 return group.run_job(job, handle.ranks, want, handle.stop_requested)
@@ -213,9 +237,14 @@ class PoolWorkers(Observed):
                     if self._board.snapshot()[rank]["state"] == "running":
                         self._event(rank, "state", {"state": "failed"})
                 error = failed.error
+                fixed_port = self._plan.config.master_port is not None
+                keep = _kept.after_pool_call(  # for nbaccel.debug()
+                    self, group, self._kept_workers(group), broken=bool(failed.broken),
+                    port_fixed=fixed_port,
+                )  # fmt: skip
                 if failed.broken:
                     self._handle = None
-                    self._replace(failed.broken)
+                    self._replace(failed.broken, spare=keep)
                     if isinstance(error, Stopped):
                         error = Stopped("the call was stopped; the pool restarted its workers")
                 elif isinstance(error, Stopped):

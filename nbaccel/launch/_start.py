@@ -157,6 +157,7 @@ def _specs(
             new_session=not plan.block,  # background runs and pools ignore the kernel's ^C
             die_with_parent=on_main,
             parent_pid=os.getpid(),
+            linger=plan.debug_timeout,  # debug=True: a failed rank waits for nbaccel.debug()
         )
         specs.append(spec)
     listen_fd = rdzv.listen_fd() if rdzv is not None else None

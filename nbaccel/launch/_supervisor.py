@@ -18,7 +18,10 @@ for fatal-error stacks), channel messages are hello/ready/event/done/fatal/probe
 * a job on a subset of this node's ranks (``%%distributed --ranks 0``) whose rank enters
   a torch.distributed call that needs a rank not running the job: an error naming it;
 * an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
-  terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back.
+  terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back;
+* post-mortem (``keep_failed``: pools, debug=True launches): at a failure, where the other
+  ranks are (:class:`~nbaccel.launch._kept.FailedJob`); a one-shot group's failed ranks are
+  not terminated (they wait for ``nbaccel.debug()``); pdb's messages are queued for it.
 
 :class:`JobFailed` carries the error and, when the workers cannot go on (a rank died,
 hung, did not come back, or the ranks ran different numbers of collectives), the reason.
@@ -41,6 +44,7 @@ from typing import Any
 from ..errors import LaunchError, Stopped, WorkerTimeoutError
 from ._failures import Failure, add_note, pick_failure, remote_exception, trim_stack
 from ._group import Group
+from ._kept import FailedJob
 from ._output import LineForwarder
 from ._preload import IMPORTED_EVENT, remember_worker_imports
 from ._process import WorkerProcess
@@ -88,6 +92,11 @@ class Supervisor(Group):
         self._fatal: dict[int, Failure] = {}
         self._answers: dict[int, dict[int, dict[str, Any]]] = {}
         self._reader: threading.Thread | None = None  # the thread in run_job, reading
+        # post-mortem (nbaccel.debug): a pool always keeps a failed rank's traceback, a
+        # launch with debug=True too; the failure's snapshot and the debugger's messages
+        self.keep_failed = not one_shot
+        self.post_mortem: FailedJob | None = None
+        self.pdb_messages: list[tuple[Any, ...]] = []
 
     def handle(self, proc: WorkerProcess, message: tuple[Any, ...]) -> None:
         kind, rank = message[0], proc.rank
@@ -115,6 +124,8 @@ class Supervisor(Group):
             self.on_event(rank, "state", {"state": "failed", "error": self._fatal[rank].summary()})
         elif kind == "probe" and message[1] in self._answers:
             self._answers[message[1]][rank] = message[2]
+        elif kind == "pdb":
+            self.pdb_messages.append((rank, *message[1:]))
 
     # ------------------------------------------------------------------ looking inside
     def probe(self, ranks: Iterable[int], wait: float = 1.0) -> dict[int, dict[str, Any]]:
@@ -265,6 +276,9 @@ class Supervisor(Group):
         if others:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
         dead = [f for f in problems if f.kind != "exception"]
+        if self.keep_failed:  # before the others are interrupted: where each one was
+            finished = {r for r, done in self._done.items() if done[0]}
+            self.post_mortem = FailedJob.at_failure(self, problems, chosen, procs, finished)
         self._end_early(procs, error, dead[0].summary() if dead else None)
 
     def _hang(self, stuck: list[WorkerProcess], reason: str, stacks: dict[int, str]) -> None:
@@ -301,7 +315,7 @@ class Supervisor(Group):
         """A one-shot group is terminated; a pool's busy ranks are interrupted and given
         time to come back. Raises JobFailed(error, why the workers cannot go on)."""
         if self.one_shot or broken:
-            self.terminate() if self.one_shot else None
+            self.terminate(spare=self._lingering()) if self.one_shot else None
             raise JobFailed(error, broken or "one-shot")
         busy = [p for p in procs if p.rank not in self._done and p.returncode is None]
         for proc in busy:
@@ -327,6 +341,13 @@ class Supervisor(Group):
                     "process group is out of step"
                 )
         raise JobFailed(error, broken)
+
+    def _lingering(self) -> set[int]:
+        """debug=True: the failed ranks that stay for nbaccel.debug() (see ``_postmortem``)."""
+        kept = self.post_mortem
+        return (
+            set() if kept is None else {r for r in kept.holding() if self.procs[r].poll() is None}
+        )
 
     def _values(self, want: set[int]) -> dict[int, Any]:
         values = {}

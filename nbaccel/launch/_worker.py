@@ -46,7 +46,7 @@ from ..config import LaunchConfig, install_launch_config
 from ..platform import forksafe, torchcompat
 from ..platform.process_env import EnvironmentSnapshot, install_process_facts
 from ..tracking import events, progress, steps  # progress (tqdm) here: workers inherit it imported
-from . import _agreement, _jobs, _preload, _rendezvous
+from . import _agreement, _jobs, _postmortem, _preload, _rendezvous
 from . import _worker_os as wos
 from ._wire import Channel, dumps
 
@@ -73,6 +73,7 @@ class WorkerSpec:
     close_fds: list[int] = field(default_factory=list)
     store_fd: int | None = None  # global rank 0: the rendezvous socket the kernel reserved
     store_host: str = ""
+    linger: float | None = None  # a failed one-shot worker waits this long for nbaccel.debug()
 
     def facts(self) -> EnvironmentSnapshot:
         cfg = self.config
@@ -180,6 +181,7 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: tuple[Any, ...]) -> in
     _kind, job_id, kind, want, *body = job
     code = 0
     steps.reset()  # the live monitor's step clock starts afresh with each job
+    _postmortem.forget()
     try:
         _busy = True
         try:
@@ -195,6 +197,7 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: tuple[Any, ...]) -> in
     except BaseException as exc:  # every failure is reported; a pool's loop goes on
         _busy = False
         ok, payload = False, error_info(exc, skip=(__file__, _jobs.__file__))
+        _postmortem.keep(exc, skip=(__file__, _jobs.__file__))  # for nbaccel.debug()
         if isinstance(exc, SystemExit) and isinstance(exc.code, int):
             code = payload["exit_code"] = exc.code
         else:
@@ -216,7 +219,7 @@ def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forke
     channel.send(("hello", os.getpid()))
     worker = _jobs.Worker(spec.rank)
     learn = _preload.Learner(forked)
-    code, store = 0, None
+    code, store, lingered = 0, None, False
     try:
         if spec.store_fd is not None:
             store = _rendezvous.host_store(
@@ -238,6 +241,10 @@ def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forke
             job = job if job is not None else _inbox.get()
             if job[0] == "exit":
                 break
+            if job[0] == "debug":  # nbaccel.debug(): pdb on the last failed job
+                _postmortem.session(job[1], channel, _inbox)
+                job = None
+                continue
             if job[0] != "job":  # a kind this worker does not know: not for it
                 job = None
                 continue
@@ -245,13 +252,19 @@ def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forke
             job = None
             learn.report(channel)
             if not spec.persistent:
+                if code and spec.linger and _postmortem.kept() is not None:
+                    _postmortem.linger(channel, _inbox, spec.linger)
+                    lingered = True  # its peers are gone: no exit barrier to wait at
                 break
     except BaseException as exc:  # set-up, rendezvous or agreement failed
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         with contextlib.suppress(Exception):
             channel.send(("fatal", error_info(exc, skip=(__file__,))))
     finally:
-        code = _leave(store, spec, forked, code)
+        if lingered:
+            torchcompat.skip_teardown_at_exit()  # os._exit closes the group's sockets
+        else:
+            code = _leave(store, spec, forked, code)
     return code
 
 

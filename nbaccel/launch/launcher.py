@@ -38,9 +38,10 @@ from typing import Any
 from ..config import LaunchConfig
 from ..errors import Stopped, WorkerError, WorkerTimeoutError
 from ..platform.process_env import EnvironmentSnapshot
+from . import _kept
 from ._cell_output import CellOutput
 from ._environ import installed, patched_environ
-from ._preflight import LaunchPlan, plan_launch, plan_script
+from ._preflight import DEBUG_TIMEOUT, LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
 from ._supervisor import JobFailed, Supervisor
 from .handle import LaunchHandle
@@ -72,6 +73,8 @@ def notebook_launcher(
     hang_after: float | None = None,
     on_hang: str | None = None,
     debug_collectives: bool | None = None,
+    debug: bool = False,
+    debug_timeout: float = DEBUG_TIMEOUT,
 ) -> Any:
     """Run ``function(*args)`` once per device and return rank 0's result.
 
@@ -124,6 +127,12 @@ def notebook_launcher(
             (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, its wrapper process group): ranks calling
             different collectives fail with torch's error instead of hanging. Slower
             (every collective is checked first); for debugging.
+        debug: when a rank raises, keep it alive holding its traceback for
+            ``nbaccel.debug()`` (pdb on the failing frame, from the next cell); the other
+            ranks end as usual and the error is raised as usual. Also sets
+            ``LaunchConfig.debug``.
+        debug_timeout: seconds a failed rank waits for ``nbaccel.debug()`` (default 600);
+            it then leaves, as it does when the session ends.
 
     Returns:
         Rank 0's return value with tensors moved to the CPU (on another node: the value
@@ -178,16 +187,21 @@ def _attempts(plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor])
     while True:
         group = started.pop() if started else _start(plan, handle)
         handle.supervisor = group
+        kept = last = False
         try:
             return group.run_job(1, plan.ranks, _wanted(plan), handle.stop_requested)
         except JobFailed as failed:
             err = failed.error
+            last = isinstance(err, (Stopped, KeyboardInterrupt)) or (
+                handle.attempt >= plan.config.max_restarts or handle.stop_requested.is_set()
+            )
+            if last:  # for nbaccel.debug(): with debug=True the failed ranks stay
+                kept = _kept.after_launch(group, err, plan.debug_timeout)
         finally:
-            group.terminate()
-            group.close()
-        if isinstance(err, (Stopped, KeyboardInterrupt)):
-            raise err
-        if handle.attempt >= plan.config.max_restarts or handle.stop_requested.is_set():
+            if not kept:
+                group.terminate()
+                group.close()
+        if last:
             raise err
         handle.attempt += 1
         _announce_restart(plan, handle.attempt, err, handle.cell_output)
@@ -203,13 +217,15 @@ def _start(plan: LaunchPlan, handle: LaunchHandle) -> Supervisor:
         job: tuple[Any, ...] = ("job", 1, "call", want, plan.function, plan.args, {})
     else:
         job = ("job", 1, "run", want, plan.payload)
-    return start_group(
+    group = start_group(
         plan,
         on_event=handle.on_event,
         round_=handle.attempt,
         first_job=job,
         output=handle.cell_output or plan.output,
     )
+    group.keep_failed = plan.debug_timeout is not None  # debug=True: see _postmortem
+    return group
 
 
 def _announce_restart(plan: LaunchPlan, attempt: int, err: BaseException, cell: Any) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LaunchError
+from . import _kept
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
 from ._preflight import plan_launch
@@ -183,6 +184,7 @@ class WorkerPool(PoolWorkers):
             return
         self.closed = True
         _LIVE.discard(self)
+        _kept.forget(self, "the pool was closed")  # failed ranks kept for nbaccel.debug() go
         handle = self._handle
         if handle is not None:
             with contextlib.suppress(Exception):
@@ -259,6 +261,11 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
     config = options.get("config")
     if config.compute_device == "tpu" if config is not None else xla_requested():
         raise LaunchError(no_tpu)  # before the planner, whose TPU message is about block=False
+    if "debug_timeout" in options:
+        raise TypeError(
+            "start_workers() takes no debug_timeout: a pool's failed rank keeps its traceback "
+            "for nbaccel.debug() until the pool's next call."
+        )
     own = sorted(set(options) & {"max_restarts", "return_all_ranks", "block", "output"})
     if own:
         raise TypeError(f"start_workers() takes no {own}: they are options of pool.call().")
