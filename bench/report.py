@@ -255,6 +255,75 @@ def fsdp_table(res: dict) -> list[str]:
     return lines
 
 
+def monitor_table(res: dict) -> list[str]:
+    """Issue 28: logging every step (and watching it live) against the same training without."""
+    if not any(k.startswith("monitor/") for k in res["samples"]):
+        return []
+    base = res["samples"].get("monitor/off", [])
+    lines = [
+        "",
+        "## Live monitor (issue 28: scenario 2's fp32 training through nbaccel, rank 0; "
+        f"{res.get('config', {}).get('monitor')} interleaved runs each)",
+        "",
+        "Ratio: each variant's median step time over the same run's without logging; per round: "
+        "the median (min–max) of the rounds' ratios, each against the run without logging of "
+        "the same round. Target: ≤ 1.01×.",
+        "",
+        "| | median step (ms) | CPU per step (ms) | log call, mean / median (µs) "
+        "| kernel CPU per step (ms) "
+        "| ratio of medians | per-round ratio | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, label in (
+        ("off", "no Accelerator.log"),
+        ("log", "Accelerator.log every step"),
+        ("log+watch", "log every step + watch(handle, system=True)"),
+    ):
+        name = f"monitor/{kind}"
+        r = ratio(med(res, name, "median_step_s"), med(res, "monitor/off", "median_step_s"))
+        pairs = [
+            a["median_step_s"] / b["median_step_s"]
+            for a, b in zip(res["samples"].get(name, []), base, strict=False)
+            if isinstance(a, dict) and isinstance(b, dict) and b.get("median_step_s")
+        ]
+        per_round = (
+            f"{statistics.median(pairs):.3f}× ({min(pairs):.3f}–{max(pairs):.3f})" if pairs else "–"
+        )
+        ok = None if kind == "off" or r is None else r <= 1.01
+        lines.append(
+            f"| {label} | {cell(res, name, 'median_step_s', 1e3, '{:.2f}')} | "
+            f"{cell(res, name, 'cpu_per_step_s', 1e3, '{:.2f}')} | "
+            f"{cell(res, name, 'log_us', 1, '{:.1f}')} / "
+            f"{cell(res, name, 'log_median_us', 1, '{:.1f}')} | "
+            f"{cell(res, name, 'kernel_cpu_per_step_s', 1e3, '{:.3f}')} | {_r(r, '{:.3f}×')} | "
+            f"{per_round if kind != 'off' else '–'} | {verdict(ok)} |"
+        )
+    step = med(res, "monitor/off", "median_step_s")
+    call = med(res, "monitor/log", "log_median_us")
+    kernel = {
+        k: med(res, f"monitor/{k}", "kernel_cpu_per_step_s") for k in ("off", "log", "log+watch")
+    }
+    if step and call is not None and None not in kernel.values():
+        lines += [
+            "",
+            "Load-independent view (wall-time ratios need a quiet machine): one `Accelerator.log` "
+            f"call (median) is {call * 1e-6 / step:.2%} of the median step; the kernel's CPU per "
+            f"step is {kernel['off'] * 1e3:.3f} ms without logging, {kernel['log'] * 1e3:.3f} ms "
+            f"with it and {kernel['log+watch'] * 1e3:.3f} ms with the monitor watching "
+            f"({(kernel['log+watch'] - kernel['off']) / step:.1%} of a step on one core).",
+        ]
+    render = (res["samples"].get("monitorrender/render") or [{}])[0]
+    if isinstance(render, dict) and render.get("svg_ms") is not None:
+        mpl = render.get("matplotlib_ms")
+        lines += [
+            "",
+            f"One chart redraw (3 metrics × 2 ranks × 1000 points): SVG {render['svg_ms']:.1f} ms "
+            f"({render.get('svg_bytes', 0) / 1024:.0f} KiB)"
+            + (f", a matplotlib figure rendered to PNG {mpl:.0f} ms." if mpl else "."),
+        ]
+    return lines
+
+
 def render_markdown(res: dict) -> str:
     m, systems = res.get("machine", {}), res.get("systems", list(SYSTEMS))
     cfg = res.get("config", {})
@@ -392,6 +461,7 @@ def render_markdown(res: dict) -> str:
         )
     lines += pool_rows(res)
     lines += fsdp_table(res)
+    lines += monitor_table(res)
     if res.get("errors"):
         lines += ["", "## Failed measurements", ""] + [f"- {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n"

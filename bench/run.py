@@ -36,8 +36,11 @@ sys.path.insert(0, str(BENCH))
 from kernel_harness import KernelSession, isolated_env  # noqa: E402
 from report import machine_info, render_markdown  # noqa: E402
 
-SCENARIOS = ("launch", "train", "gather", "spawn", "checkpoint", "pool", "memory", "fsdp")
-CELLS = ("common", "launch", "train", "gather", "spawn", "checkpoint", "pool", "memory", "fsdp")
+SCENARIOS = (
+    "launch", "train", "gather", "spawn", "checkpoint", "pool", "memory", "fsdp", "monitor"
+)  # fmt: skip
+CELLS = ("common", "launch", "train", "gather", "spawn", "checkpoint", "pool", "memory", "fsdp",
+         "monitor")  # fmt: skip
 IMPORTS = {  # what a notebook using each system imports in its first cell
     "raw": "import torch.multiprocessing",
     "nbaccel": "from nbaccel import Accelerator, notebook_launcher",
@@ -189,6 +192,14 @@ def bench_main(
         kinds = ("ddp", "fsdp", "ddp+mmap", "fsdp+mmap")
         variants = [(k, f"bench_fsdp_once({k!r})") for k in kinds]
         rounds("fsdp", cfg["fsdp"], variants, 600)
+    if "monitor" in scenarios and "nbaccel" in systems:  # issue 28: the live monitor's cost
+        kinds = ("off", "log", "log+watch")
+        rounds("monitorwarmup", 1, [(k, f"bench_monitor_once({k!r})") for k in kinds], 600)
+        for kind in kinds:
+            samples.pop(f"monitorwarmup/{kind}", None)
+        variants = [(k, f"bench_monitor_once({k!r})") for k in kinds]
+        rounds("monitor", cfg["monitor"], variants, 600)
+        rounds("monitorrender", 1, [("render", "bench_monitor_render()")], 300)
     if "memory" in scenarios:  # last: the 1 GiB array stays out of the other scenarios
         bench.run("mem_alloc()")
         rounds("memory", cfg["memory"], [(s, f"bench_memory_once({s!r})") for s in systems], 300)
@@ -217,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.update(gather=1 if q else 3, spawn=1 if q else 3, checkpoint=1 if q else 2)
     cfg["memory"] = 1 if q else 3
     cfg["fsdp"] = 1 if q else 3
+    cfg["monitor"] = 1 if q else 7
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = tempfile.mkdtemp(prefix="nbaccel-bench-cache-")
@@ -232,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             parser.error(f"system(s) {missing} not installed in {python}; run bench/setup_peers.sh")
         imports = "\n".join(IMPORTS[s] for s in systems)
-        if {"train", "gather", "checkpoint", "fsdp"} & set(scenarios):
+        if {"train", "gather", "checkpoint", "fsdp", "monitor"} & set(scenarios):
             # DDP's constructor imports torch._dynamo (seconds); do it once here rather
             # than in every worker of every launch (same for every system, see README).
             imports += "\nimport torch._dynamo"

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "prepare_data_loader": "runtime.compat",
     "notebook_launcher": "launch.launcher",
     "debug_launcher": "launch.launcher",
+    "debug": "launch.debugger",
     "LaunchHandle": "launch.launcher",
     "start_workers": "launch.pool",
     "WorkerPool": "launch.pool",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .errors import NbaccelError as NbaccelError
     from .errors import WorkerError as WorkerError
     from .errors import WorkerTimeoutError as WorkerTimeoutError
+    from .launch.debugger import debug as debug
     from .launch.launcher import LaunchHandle as LaunchHandle
     from .launch.launcher import debug_launcher as debug_launcher
     from .launch.launcher import notebook_launcher as notebook_launcher

@@ -10,13 +10,16 @@ installed nbaccel.
 API:
     :class:`KernelSession` -- start/stop one kernel (a context manager).
         ``execute(code, timeout)`` runs a cell and returns a :class:`CellResult`;
+        ``execute_answering(code, answers)`` answers the cell's input requests (pdb);
         ``submit(code)`` + ``collect(msg_id, timeout)`` split that in two so a
         test can ``wait_for_output(msg_id, regex)`` and ``interrupt()`` a
         running cell; ``run(code)`` fails unless the cell succeeded; ``evaluate(expr)`` /
         ``evaluate_json(expr)`` read a value back; ``descendants()``,
         ``wait_for_no_descendants()``, ``assert_no_descendants()``,
         ``watch_descendants()`` (every child seen during a block) and
-        ``listening_sockets()`` inspect the kernel's live child processes.
+        ``listening_sockets()`` inspect the kernel's live child processes; ``drain(seconds)``
+        reads output that arrives after its cell finished (a background run's) into that
+        cell's :class:`CellResult`, by parent header, as a notebook front end routes it.
         ``stop()`` shuts the kernel down and kills anything it left behind;
         ``restart()`` gives a fresh kernel (e.g. after a :class:`CellTimeout`, see ``busy``).
     :class:`CellResult` -- status, per-name stream text, MIME bundles of
@@ -239,6 +242,7 @@ class KernelSession:
         self._started_at: dict[str, float] = {}
         self._idle: set[str] = set()
         self._replies: dict[str, dict[str, Any]] = {}
+        self._cells: dict[str, CellResult] = {}  # every cell submitted, for late output
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> KernelSession:
@@ -314,6 +318,7 @@ class KernelSession:
         self._started_at.clear()
         self._idle.clear()
         self._replies.clear()
+        self._cells.clear()
         return leftovers
 
     def restart(self) -> list[str]:
@@ -340,13 +345,25 @@ class KernelSession:
         return self._km is not None and bool(self._km.is_alive())
 
     # ----------------------------------------------------------------- execution
-    def submit(self, code: str, *, user_expressions: Mapping[str, str] | None = None) -> str:
-        """Send ``code`` for execution without waiting; returns the request's msg_id."""
+    def submit(
+        self,
+        code: str,
+        *,
+        user_expressions: Mapping[str, str] | None = None,
+        allow_stdin: bool = True,
+    ) -> str:
+        """Send ``code`` for execution without waiting; returns the request's msg_id.
+
+        ``allow_stdin=False`` is a front end that cannot answer ``input()`` (nbclient's way).
+        """
         self._require()
         msg_id = self._kc.execute(
-            code, user_expressions=dict(user_expressions or {}), stop_on_error=False
+            code,
+            user_expressions=dict(user_expressions or {}),
+            stop_on_error=False,
+            allow_stdin=allow_stdin,
         )
-        self._pending[msg_id] = CellResult(code=code)
+        self._pending[msg_id] = self._cells[msg_id] = CellResult(code=code)
         self._started_at[msg_id] = time.monotonic()
         return str(msg_id)
 
@@ -367,9 +384,26 @@ class KernelSession:
                 if not self.is_alive():
                     raise AssertionError(f"kernel died\n{waiting_for.describe()}") from None
                 continue
-            parent = msg["parent_header"].get("msg_id")
-            if parent in self._pending and self._record(self._pending[parent], msg):
+            self._route(msg)
+
+    def _route(self, msg: dict[str, Any]) -> None:
+        parent = msg["parent_header"].get("msg_id")
+        if parent in self._pending:
+            if self._record(self._pending[parent], msg):
                 self._idle.add(parent)
+        elif parent in self._cells:  # output of a cell that finished already (a background run)
+            self._record(self._cells[parent], msg)
+
+    def drain(self, seconds: float) -> None:
+        """Read output for ``seconds`` while no cell runs: late output lands in its own cell's
+        :class:`CellResult` (the object ``execute``/``collect`` returned), by parent header."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = self._kc.get_iopub_msg(timeout=min(remaining, 0.2))
+            except queue.Empty:
+                continue
+            self._route(msg)
 
     def wait_for_output(
         self, msg_id: str, pattern: str, *, count: int = 1, timeout: float = 30.0
@@ -432,6 +466,38 @@ class KernelSession:
     ) -> CellResult:
         """Run one cell and return its :class:`CellResult` (the cell may have failed)."""
         return self.collect(self.submit(code, user_expressions=user_expressions), timeout)
+
+    def execute_answering(
+        self, code: str, answers: list[str], timeout: float = 60.0
+    ) -> tuple[CellResult, list[str]]:
+        """Run a cell that asks for input (``input()``, a pdb prompt), answering the kernel's
+        input requests in order with ``answers``, as a person typing would.
+
+        Returns the cell and the prompts of the input requests. Raises ``AssertionError``
+        when the cell asks more often than there are answers (the cell is left waiting).
+        """
+        msg_id = self.submit(code)
+        result, prompts, left = self._pending[msg_id], [], list(answers)
+        deadline = time.monotonic() + timeout
+        while msg_id not in self._idle:
+            if time.monotonic() > deadline:
+                raise CellTimeout(timeout, result)
+            with contextlib.suppress(queue.Empty):
+                msg = self._kc.get_stdin_msg(timeout=0.02)
+                if msg["msg_type"] == "input_request":
+                    prompts.append(msg["content"]["prompt"])
+                    if not left:
+                        raise AssertionError(
+                            f"unexpected input request {prompts[-1]!r} after answering "
+                            f"{answers}\n{result.describe()}"
+                        )
+                    self._kc.input(left.pop(0))
+            with contextlib.suppress(queue.Empty):
+                msg = self._kc.get_iopub_msg(timeout=0.02)
+                parent = msg["parent_header"].get("msg_id")
+                if parent in self._pending and self._record(self._pending[parent], msg):
+                    self._idle.add(parent)
+        return self.collect(msg_id, max(deadline - time.monotonic(), 1.0)), prompts
 
     def run(self, code: str, timeout: float = 60.0) -> CellResult:
         """Like :meth:`execute` but raise ``AssertionError`` if the cell did not succeed."""

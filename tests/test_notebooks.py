@@ -2,7 +2,7 @@
 
 Each notebook is executed twice in a row in the same temporary working directory
 (a fresh IPython kernel each time, 2 CPU workers launched from it), each run
-within a time bound: a notebook must survive "Restart & Run All" any number of
+under a timeout that only stops a stuck run (no wall-clock claim: a loaded machine is slower): a notebook must survive "Restart & Run All" any number of
 times, over the files its previous run left; the quickstart runs through ``scripts/demo.py``, the README's demo. The notebooks end with ``assert`` cells for the numbers they print, so a
 run that completes has met them; the tests also check the printed summary.
 """
@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nbformat
@@ -23,7 +22,7 @@ from notebook_runner import WIDGET_MIME, execute_notebook
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
-# notebook -> (seconds allowed for the whole run, regex its output must contain)
+# notebook -> (a typical run in seconds: 3x that stops a stuck run, regex its output must contain)
 EXPECTED = {
     "quickstart.ipynb": (60, r"final accuracy 0\.9\d+ on 500 samples, trained on 2 processes"),
     "nlp_example.ipynb": (90, r"final eval accuracy 0\.[89]\d+, F1 0\.[89]\d+ on 600 pairs"),
@@ -78,24 +77,27 @@ def test_notebook_runs_top_to_bottom(name, tmp_path):
 def _run_once(name: str, tmp_path: Path, run: int) -> None:
     bound, claim = EXPECTED[name]
     if name == "quickstart.ipynb":  # through the README's demo script, which runs exactly this
-        start = time.monotonic()
         proc = subprocess.run(
             [sys.executable, str(ROOT / "scripts" / "demo.py")],
             cwd=tmp_path,
             capture_output=True,
             text=True,
-            timeout=bound + 60,
+            timeout=3 * bound + 60,  # stops a stuck run; a loaded machine may be slow
         )
-        elapsed, text = time.monotonic() - start, proc.stdout
+        text = proc.stdout
         assert proc.returncode == 0, f"demo.py failed (run {run}):\n{proc.stdout}\n{proc.stderr}"
     else:
-        result = execute_notebook(NOTEBOOKS / name, cwd=tmp_path, timeout=bound)
-        elapsed, text = result.elapsed, result.text()
+        result = execute_notebook(NOTEBOOKS / name, cwd=tmp_path, timeout=3 * bound)
+        text = result.text()
     assert re.search(claim, text), f"{name} (run {run}) did not print its claim {claim!r}:\n{text}"
-    assert elapsed < bound, f"{name} (run {run}) took {elapsed:.1f}s (bound {bound}s)"
     assert "Traceback" not in text, text
+    if name == "checkpoint_resume.ipynb":  # pdb ran in the crashed rank, on its failing frame
+        assert re.search(r"\(Pdb\) p accelerator.step, accelerator.process_index\n\(25, 1\)", text)
+        assert "torch.Size([16, 10])" in text, text
     if name == "launch_panel.ipynb":
         assert WIDGET_MIME in result.mime_types()  # the panel is a live widget in the kernel
+        assert "live charts: loss" in text  # the monitor's section (issue 28)
+        assert "image/svg+xml" in result.mime_types()  # its final charts, kept as an image
     if name == "nlp_example.ipynb":  # the JSONL tracker wrote one row per epoch, this run only
         metrics = tmp_path / "runs" / "nlp" / "pairs" / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]

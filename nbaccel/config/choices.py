@@ -1,6 +1,7 @@
 """Every choice of the launch configuration, defined once.
 
-Precision modes, start methods, compute devices, strategies and FSDP options are ``Literal`` types here; the
+Precision modes, start methods, compute devices, strategies, FSDP options and what a
+hang does are ``Literal`` types here; the
 launcher, the runtime, the CLI and the widget panel derive their options from these
 tuples so they can never drift apart.
 
@@ -23,6 +24,7 @@ ComputeDeviceType = Literal["auto", "cpu", "gpu", "tpu"]
 StrategyType = Literal["ddp", "fsdp"]
 FsdpWrapPolicyType = Literal["transformer_based_wrap", "size_based_wrap", "no_wrap"]
 FsdpStateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
+OnHangType = Literal["report", "raise"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionType)
 START_METHODS: tuple[str, ...] = get_args(StartMethodType)
@@ -30,6 +32,7 @@ COMPUTE_DEVICES: tuple[str, ...] = get_args(ComputeDeviceType)
 STRATEGIES: tuple[str, ...] = get_args(StrategyType)
 FSDP_WRAP_POLICIES: tuple[str, ...] = get_args(FsdpWrapPolicyType)
 FSDP_STATE_DICT_TYPES: tuple[str, ...] = get_args(FsdpStateDictType)
+ON_HANG: tuple[str, ...] = get_args(OnHangType)
 
 
 def normalize_precision(value: object, *, argument: str = "mixed_precision") -> str:
@@ -59,12 +62,14 @@ __all__ = [
     "COMPUTE_DEVICES",
     "FSDP_STATE_DICT_TYPES",
     "FSDP_WRAP_POLICIES",
+    "ON_HANG",
     "PRECISIONS",
     "START_METHODS",
     "STRATEGIES",
     "ComputeDeviceType",
     "FsdpStateDictType",
     "FsdpWrapPolicyType",
+    "OnHangType",
     "PrecisionType",
     "StartMethodType",
     "StrategyType",

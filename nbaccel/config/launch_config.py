@@ -26,12 +26,14 @@ from .choices import (
     COMPUTE_DEVICES,
     FSDP_STATE_DICT_TYPES,
     FSDP_WRAP_POLICIES,
+    ON_HANG,
     PRECISIONS,
     START_METHODS,
     STRATEGIES,
     ComputeDeviceType,
     FsdpStateDictType,
     FsdpWrapPolicyType,
+    OnHangType,
     PrecisionType,
     StartMethodType,
     StrategyType,
@@ -129,6 +131,22 @@ class LaunchConfig:
         default=False,
         metadata={"help": "record CUDA-initialisation stacks and worker stacks on hangs."},
     )
+    # -- hangs: nbaccel.launch._watchdog ------------------------------------------------
+    hang_after: float = field(
+        default=300.0,
+        metadata={
+            "help": "seconds without progress (no collective issued, nothing logged) while "
+            "ranks wait on each other before they are reported with stacks; 0: never."
+        },
+    )
+    on_hang: OnHangType = field(
+        default="report",
+        metadata={"help": '"report" (and keep waiting) or "raise" (WorkerTimeoutError).'},
+    )
+    debug_collectives: bool = field(
+        default=False,
+        metadata={"help": "torch's collective-mismatch check (TORCH_DISTRIBUTED_DEBUG=DETAIL)."},
+    )
     # -- strategy (the fsdp_* fields matter only with strategy="fsdp") --------------------
     strategy: StrategyType = field(
         default="ddp",
@@ -219,8 +237,13 @@ class LaunchConfig:
             or self.timeout <= 0
         ):
             raise ConfigError(f"timeout={self.timeout!r} must be a number of seconds > 0.")
-        if not isinstance(self.debug, bool):
-            raise ConfigError(f"debug={self.debug!r} must be True or False.")
+        for name in ("debug", "debug_collectives"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
+        after = self.hang_after
+        if isinstance(after, bool) or not isinstance(after, int | float) or not after >= 0:
+            raise ConfigError(f"hang_after={after!r} must be seconds >= 0 (0: no watchdog).")
+        _check_choice("on_hang", self.on_hang, ON_HANG)
         self._check_strategy()
 
     def _check_strategy(self) -> None:

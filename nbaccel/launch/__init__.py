@@ -4,10 +4,13 @@
   ``_start`` starts a group (``_rendezvous``, ``_process``: fork or spawn, ``_preload``);
   each worker runs ``_worker``'s loop (``_jobs``, ``_worker_os``, ``_agreement``); one
   channel per worker (``_wire``); one supervisor (``_supervisor`` over ``_group``, with
-  ``_failures``, ``_output``, ``_status``); TPUs start through ``_xla``;
+  ``_failures``, ``_output``, ``_status``, and ``_watchdog``: ranks waiting on each other
+  without progress are reported); TPUs start through ``_xla``;
 * :mod:`~nbaccel.launch.launcher` -- ``notebook_launcher`` (one job), ``debug_launcher``,
   ``run_script`` (``nbaccel launch``); :mod:`~nbaccel.launch.handle` -- ``LaunchHandle``;
 * :mod:`~nbaccel.launch.pool` -- ``start_workers``/``WorkerPool`` (many jobs; ``_pool``);
   :mod:`~nbaccel.launch.magic` -- ``%%distributed``;
+* :mod:`~nbaccel.launch.debugger` -- ``nbaccel.debug()``/``%nbaccel_debug``: pdb on a failed
+  rank (worker side ``_postmortem``, the kernel's record of failed jobs ``_kept``);
 * :mod:`~nbaccel.launch.testing` -- ``run_on_workers`` for tests, through this engine.
 """

@@ -17,7 +17,7 @@ import os
 import selectors
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._output import LineForwarder
@@ -112,32 +112,35 @@ class Group:
             for stream in ("stdout", "stderr"):
                 self.forwarder.close(rank, stream)
 
-    def shutdown(self, timeout: float) -> None:
-        """Ask every worker to leave (the exit barrier, the group torn down), then end it."""
+    def shutdown(self, timeout: float, spare: Iterable[int] = ()) -> None:
+        """Ask every worker to leave (the exit barrier, the group torn down), then end it.
+        ``spare``: ranks left running (and the group open) for whoever holds them."""
         if os.getpid() != self.owner:
             return
-        children = [d for p in self.procs.values() for d in p.descendants()]
+        spare = set(spare)
+        leaving = [p for p in self.procs.values() if p.rank not in spare]
+        children = [d for p in leaving for d in p.descendants()]
         try:
             with contextlib.suppress(OSError, AttributeError):
-                for proc in self.procs.values():
+                for proc in leaving:
                     proc.channel.send(("exit",))  # type: ignore[union-attr]
             deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and any(
-                p.poll() is None for p in self.procs.values()
-            ):
+            while time.monotonic() < deadline and any(p.poll() is None for p in leaving):
                 self.pump(0.05)
         finally:  # also when interrupted while waiting: nothing may stay behind
-            self.terminate()
-            self.close()
+            self.terminate(spare)
+            if not spare:
+                self.close()
             for child in children:
                 with contextlib.suppress(Exception):
                     child.kill()
 
-    def terminate(self) -> None:
-        """SIGTERM every live worker (it ends its own children), SIGKILL after 1 s; reap."""
+    def terminate(self, spare: Iterable[int] = ()) -> None:
+        """SIGTERM every live worker but ``spare`` (it ends its own children), SIGKILL
+        after 1 s; reap."""
         if os.getpid() != self.owner:
             return
-        alive = [p for p in self.procs.values() if p.poll() is None]
+        alive = [p for p in self.procs.values() if p.poll() is None and p.rank not in spare]
         descendants = [d for p in alive for d in p.descendants()]
         for proc in alive:
             proc.killed_by_us = True

@@ -110,6 +110,7 @@ class LineForwarder:
         self._buffers: dict[tuple[int, str], str] = {}
         self._decoders: dict[tuple[int, str], Any] = {}
         self._unflushed: set[str] = set()  # streams written to since their last flush
+        self._redrawing: set[tuple[int, str]] = set()  # (rank, stream) drawing a bar in place
         self._lock = threading.Lock()
 
     def _prefix(self, rank: int) -> str:
@@ -124,13 +125,22 @@ class LineForwarder:
             world_size=world_size,
         )
 
-    def _emit(self, rank: int, stream: str, text: str, end: str) -> None:
+    def _emit(self, rank: int, stream: str, text: str, end: str, redrawn: bool = False) -> None:
         if self._callback is not None:
             with contextlib.suppress(Exception):  # a broken display must not break the run
                 self._callback(rank, stream, text)
             return
         target = self._streams.get(stream)
         if target is None:
+            return
+        redraw = getattr(target, "redraw", None)  # a cell stream draws progress bars in place
+        if redraw is not None and (redrawn or end == "\r" or (rank, stream) in self._redrawing):
+            if end == "\r":  # the next whole line is the bar's last state
+                self._redrawing.add((rank, stream))
+            else:
+                self._redrawing.discard((rank, stream))
+            with contextlib.suppress(Exception):
+                redraw(rank, f"{self._prefix(rank)}{text}", end != "\r")
             return
         try:
             target.write(f"{self._prefix(rank)}{text}{end}")
@@ -151,7 +161,7 @@ class LineForwarder:
             buffer = self._buffers.get(key, "") + decoder.decode(data)
             *lines, rest = buffer.split("\n")
             for line in lines:
-                self._emit(rank, stream, _visible(line), "\n")
+                self._emit(rank, stream, _visible(line), "\n", "\r" in line)
             if "\r" in rest:  # progress bars redraw the line with "\r": show them live
                 done, rest = rest.rsplit("\r", 1)
                 for piece in done.split("\r"):
@@ -161,6 +171,20 @@ class LineForwarder:
                 self._emit(rank, stream, rest[:MAX_LINE], "\n")
                 rest = rest[MAX_LINE:]
             self._buffers[key] = rest
+
+    def note(self, rank: int, text: str) -> None:
+        """A message of the launcher's own (a hang report), on the stderr side: written
+        whole and unprefixed, or handed to the callback line by line as ``rank``'s."""
+        with self._lock:
+            if self._callback is not None:
+                for line in text.rstrip("\n").split("\n"):
+                    self._emit(rank, "stderr", line, "\n")
+                return
+            target = self._streams.get("stderr")
+            if target is not None:
+                with contextlib.suppress(Exception):
+                    target.write(text if text.endswith("\n") else text + "\n")
+                    target.flush()
 
     def close(self, rank: int, stream: str) -> None:
         """End of ``rank``'s ``stream``: write any unterminated last line."""

@@ -19,14 +19,18 @@ import itertools
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchError, Stopped, WorkerError
 from ..platform import environment
+from . import _kept
+from ._cell_output import CellOutput
 from ._preflight import LaunchPlan
 from ._start import forwarder, start_group
 from ._status import Observed, RankStatus
 from ._supervisor import JobFailed, Supervisor
+from ._watchdog import HangPolicy
 from .handle import LaunchHandle
 
 _SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for the next call
@@ -75,20 +79,28 @@ class PoolWorkers(Observed):
             raise
         self._group = group
 
-    def _stop_workers(self, timeout: float) -> None:
+    def _stop_workers(self, timeout: float, spare: set[int] | None = None) -> None:
         group, self._group = self._group, None
         if group is not None:  # serve() returns, the group is destroyed, the store shuts down
-            group.shutdown(timeout)
+            group.shutdown(timeout, spare or ())
 
-    def _replace(self, reason: str | None, *, graceful: bool = False) -> None:
-        """End the current workers (children included) and start fresh ones."""
+    def _replace(
+        self, reason: str | None, *, graceful: bool = False, spare: set[int] | None = None
+    ) -> None:
+        """End the current workers (children included; not ``spare``, failed ranks kept for
+        nbaccel.debug()) and start fresh ones."""
         if reason:
+            kept = (
+                f" Failed rank(s) {sorted(spare)} stay for nbaccel.debug() until the next call."
+                if spare
+                else ""
+            )
             _say(
                 f"nbaccel: {reason}; the pool restarted its workers (restart "
                 f"{self.restarts + 1}). Names set with push or in %%distributed cells are "
-                "gone; the process group forms again at the next Accelerator()."
+                f"gone; the process group forms again at the next Accelerator().{kept}"
             )
-        self._stop_workers(5.0 if graceful else 0.0)
+        self._stop_workers(5.0 if graceful else 0.0, spare)
         self.restarts += 1
         self._start()
 
@@ -102,6 +114,18 @@ class PoolWorkers(Observed):
             self._replace(f"{dead.summary()} while the pool was idle")
 
     # ------------------------------------------------------------------ internals
+    def _kept_workers(self, group: Supervisor) -> Callable[[], str | None]:
+        """For nbaccel.debug(): why ``group``'s workers are no longer this pool's."""
+        pool = weakref.ref(self)
+
+        def why() -> str | None:
+            owner = pool()
+            if owner is None or owner.closed:
+                return "the pool was closed"
+            return None if owner._group is group else "the pool restarted its workers"
+
+        return why
+
     def _event(self, rank: int, kind: str, data: dict) -> None:
         listeners = self._board.record(rank, kind, data)
         handle = self._handle
@@ -112,6 +136,11 @@ class PoolWorkers(Observed):
     def _check_open(self) -> None:
         if self.closed:
             raise LaunchError("this pool is closed; start a new one with start_workers(...).")
+
+    def _hang_policy(self, after: float | None, action: str | None) -> HangPolicy | None:
+        """A call's own watchdog settings (checked as LaunchConfig fields), or None."""
+        given = {k: v for k, v in (("hang_after", after), ("on_hang", action)) if v is not None}
+        return HangPolicy.of(self._plan.config.replace(**given)) if given else None
 
     def _ranks(self, ranks: list[int] | None) -> list[int]:
         if ranks is None:
@@ -140,6 +169,7 @@ class PoolWorkers(Observed):
         output: Any,
         *,
         want: list[int] | None = None,
+        hang: HangPolicy | None = None,
     ) -> Any:
         self._check_open()
         if output is not None and not (callable(output) or hasattr(output, "write")):
@@ -155,8 +185,12 @@ class PoolWorkers(Observed):
             self._ensure_healthy()
             if kind == "run":
                 body = (*body, self._new_sources())
-            handle = LaunchHandle(targets, lambda h: self._call(h, kind, body, wanted, output),
-                                  all_ranks=all_ranks)  # fmt: skip
+            cell = CellOutput.here() if output is None else None  # in the cell's thread
+            route = output if cell is None else cell
+            policy = hang or HangPolicy.of(self._plan.config)
+            handle = LaunchHandle(targets, lambda h: self._call(h, kind, body, wanted, route,
+                                  policy), all_ranks=all_ranks)  # fmt: skip
+            handle.cell_output = cell
         except BaseException:
             self._busy.release()
             raise
@@ -171,16 +205,26 @@ class PoolWorkers(Observed):
             raise err.with_traceback(None) from None
 
     def _call(
-        self, handle: LaunchHandle, kind: str, body: tuple[Any, ...], want: set[int], output: Any
+        self,
+        handle: LaunchHandle,
+        kind: str,
+        body: tuple[Any, ...],
+        want: set[int],
+        output: Any,
+        hang: HangPolicy,
     ) -> dict[int, Any]:
         """One call on the workers; replaces them when they cannot go on."""
         try:
             group = self._group
             assert group is not None
             group.forwarder = forwarder(self._plan, self.ranks, output)
+            handle.supervisor = group
+            group.hang = hang
             job = group.new_job()
             for rank in handle.ranks:
                 self._event(rank, "state", {"state": "running", "pid": group.procs[rank].pid})
+            _kept.forget(self, "the pool ran another call since (a failed rank keeps its "
+                         "traceback until the pool's next call)")  # fmt: skip
             try:
                 group.send(handle.ranks, ("job", job, kind, want, *body))
                 return group.run_job(job, handle.ranks, want, handle.stop_requested)
@@ -189,9 +233,14 @@ class PoolWorkers(Observed):
                     if self._board.snapshot()[rank]["state"] == "running":
                         self._event(rank, "state", {"state": "failed"})
                 error = failed.error
+                fixed_port = self._plan.config.master_port is not None
+                keep = _kept.after_pool_call(  # for nbaccel.debug()
+                    self, group, self._kept_workers(group), broken=bool(failed.broken),
+                    port_fixed=fixed_port,
+                )  # fmt: skip
                 if failed.broken:
                     self._handle = None
-                    self._replace(failed.broken)
+                    self._replace(failed.broken, spare=keep)
                     if isinstance(error, Stopped):
                         error = Stopped("the call was stopped; the pool restarted its workers")
                 elif isinstance(error, Stopped):

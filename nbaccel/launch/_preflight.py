@@ -32,6 +32,7 @@ from ..config import (
 from ..errors import ConfigError
 from ..platform import cudatrace, environment, hardware
 from ..platform.hardware import default_num_processes
+from ._kept import DEBUG_TIMEOUT
 from ._safety import (
     check_gpus_per_process,
     check_no_state_in_kernel,
@@ -62,6 +63,7 @@ class LaunchPlan:
     return_all_ranks: bool = False
     block: bool = True
     monitor_interval: float = 0.1
+    debug_timeout: float | None = None  # debug=True: a failed rank waits this long for debug()
 
     @property
     def world_size(self) -> int:
@@ -164,19 +166,23 @@ def _spawn_payload(function: Any, args: tuple[Any, ...]) -> bytes:
 
 def process_env(cfg: LaunchConfig, threads: int | None) -> dict[str, str]:
     """What the operating system and libraries of every worker read from the environment
-    (visible GPUs, compute threads); rank and rendezvous variables are added per worker."""
+    (visible GPUs, compute threads, torch's distributed debug level); rank and rendezvous
+    variables are added per worker."""
     env = {}
     if cfg.gpu_ids and cfg.gpu_ids.strip().lower() != "all":
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids.replace(" ", "")
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
+    if cfg.debug_collectives:  # torch wraps each process group in its checking wrapper
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     return env
 
 
 #: the options of a launch (notebook_launcher's arguments after ``args``) and their defaults;
 #: None means "not given": the environment, the config file or the default decides
 _NONE = "num_processes mixed_precision use_port master_addr node_rank num_nodes rdzv_conf "
-_NONE += "max_restarts log_line_prefix_template start_method timeout config output"
+_NONE += "max_restarts log_line_prefix_template start_method timeout config output "
+_NONE += "hang_after on_hang debug_collectives"
 OPTIONS: dict[str, Any] = dict.fromkeys(_NONE.split()) | {
     "rdzv_backend": "static",
     "rdzv_endpoint": "",
@@ -185,10 +191,12 @@ OPTIONS: dict[str, Any] = dict.fromkeys(_NONE.split()) | {
     "return_all_ranks": False,
     "block": True,
     "kernel_state_ok": False,  # a test's own Accelerator in this process (run_on_workers)
+    "debug": False,
+    "debug_timeout": None,
 }
 # the options that are LaunchConfig fields (use_port is master_port there)
 _FIELDS = "num_processes mixed_precision master_addr node_rank num_nodes start_method "
-_FIELDS += "max_restarts timeout"
+_FIELDS += "max_restarts timeout hang_after on_hang debug_collectives"
 
 
 def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
@@ -238,7 +246,10 @@ def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
         raise TypeError(f"output={output!r} must be a file-like object or a callable.")
     if o["config"] is not None and not isinstance(o["config"], LaunchConfig):
         raise TypeError(f"config={o['config']!r} must be a nbaccel.LaunchConfig (or None).")
+    linger = _check_debug(o["debug"], o["debug_timeout"])
     given = {k: o[k] for k in _FIELDS.split() if o[k] is not None}
+    if linger is not None:
+        given["debug"] = True
     if o["use_port"] is not None:
         given["master_port"] = o["use_port"]
     cfg = o["config"].replace(**given) if o["config"] is not None else resolve_launch_config(given)
@@ -248,8 +259,25 @@ def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
         "return_all_ranks": bool(o["return_all_ranks"]),
         "block": bool(o["block"]),
         "monitor_interval": float(interval),
+        "debug_timeout": linger,
     }
     return _decide(cfg, function, tuple(args), common, o["kernel_state_ok"])
+
+
+def _check_debug(debug: Any, timeout: Any) -> float | None:
+    """debug=True: the seconds a failed rank waits for nbaccel.debug(); else None."""
+    if not isinstance(debug, bool):
+        raise TypeError(f"debug={debug!r} must be True or False.")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+    ):
+        raise ConfigError(
+            f"debug_timeout={timeout!r} must be seconds > 0 (how long a failed rank waits for "
+            f"nbaccel.debug(); default {DEBUG_TIMEOUT:g})."
+        )
+    if not debug:
+        return None
+    return float(DEBUG_TIMEOUT if timeout is None else timeout)
 
 
 def _decide(
@@ -309,4 +337,11 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     return LaunchPlan(print, (), cfg, nproc, method, env, threads, template="")
 
 
-__all__ = ["LaunchPlan", "cuda_fork_error", "plan_launch", "plan_script", "process_env"]
+__all__ = [
+    "DEBUG_TIMEOUT",
+    "LaunchPlan",
+    "cuda_fork_error",
+    "plan_launch",
+    "plan_script",
+    "process_env",
+]

@@ -20,11 +20,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ._cell_output import CellOutput
 from ._output import LineForwarder
 from ._preflight import LaunchPlan
 from ._process import start_processes
 from ._rendezvous import Rendezvous
 from ._supervisor import Supervisor
+from ._watchdog import HangPolicy
 from ._worker import WorkerSpec
 
 
@@ -45,9 +47,14 @@ def rank_environment(
 
 def forwarder(plan: LaunchPlan, ranks: list[int], output: Any) -> LineForwarder:
     """Where the workers' lines go: ``output`` (None: the cell's streams, a file-like
-    object, or a callable ``output(rank, stream, line)``), with the plan's prefixes."""
-    if output is None:
-        streams: tuple[Any, Any] = (sys.stdout, sys.stderr)
+    object, or a callable ``output(rank, stream, line)``; a
+    :class:`~nbaccel.launch._cell_output.CellOutput`: the launching cell, also for a
+    background run), with the plan's prefixes."""
+    if isinstance(output, CellOutput):  # progress bars redrawn in place, not line by line
+        streams: tuple[Any, Any] = output.streams()
+        output = None
+    elif output is None:
+        streams = (sys.stdout, sys.stderr)
     else:
         streams = (None, None) if callable(output) else (output, output)
     cfg = plan.config
@@ -103,6 +110,7 @@ def start_group(
             interval=plan.monitor_interval,
             on_event=on_event,
             one_shot=not persistent,
+            hang=HangPolicy.of(cfg),
         )
         if plan.method != "fork" and first_job is not None:
             supervisor.send(ranks, first_job)
@@ -149,6 +157,7 @@ def _specs(
             new_session=not plan.block,  # background runs and pools ignore the kernel's ^C
             die_with_parent=on_main,
             parent_pid=os.getpid(),
+            linger=plan.debug_timeout,  # debug=True: a failed rank waits for nbaccel.debug()
         )
         specs.append(spec)
     listen_fd = rdzv.listen_fd() if rdzv is not None else None

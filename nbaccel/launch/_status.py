@@ -4,7 +4,8 @@ Workers publish events (``state`` changes with a pid, logged ``step``/``values``
 a :class:`RankStatus` keeps the latest per rank for ``status()`` and ``pids``, and hands
 each event to the listeners (``nbaccel.monitor.watch``, the panel). A
 :class:`~nbaccel.launch.handle.LaunchHandle` and a
-:class:`~nbaccel.launch._pool_engine.PoolEngine` each own one.
+:class:`~nbaccel.launch._pool.PoolWorkers` each own one. Logged values (``log``/``system``
+events) are also kept, bounded, for a listener added late (``add_listener(replay=True)``).
 
 Example:
     >>> board = RankStatus([0, 1], "starting")
@@ -18,10 +19,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 Listener = Callable[[int, str, dict], Any]
+#: Logged-value events a board keeps for listeners that come late.
+REPLAY = 20_000
 
 
 def _entry(state: str) -> dict[str, Any]:
@@ -46,6 +50,9 @@ class RankStatus:
         self._renamed = dict(renamed or {})
         self._table: dict[int, dict[str, Any]] = {r: _entry(state) for r in ranks}
         self._listeners: list[Listener] = []
+        # logged values, for a live view attached after the run started (its charts start
+        # at the first step; issue 28); bounded: a long run replays its last REPLAY events
+        self._replay: deque[tuple[int, str, dict]] = deque(maxlen=REPLAY)
 
     def record(self, rank: int, kind: str, data: dict) -> list[Listener]:
         """Apply one event; return the listeners to call with it (outside any lock)."""
@@ -53,10 +60,14 @@ class RankStatus:
             entry = self._table.setdefault(rank, _entry(self._initial))
             if kind == "state":
                 state = data.get("state", entry["state"])
+                if state == "running" and entry["state"] != "running":  # a new call or attempt
+                    self._replay = deque((e for e in self._replay if e[0] != rank), REPLAY)
                 entry["state"] = self._renamed.get(state, state)
                 if data.get("pid"):
                     entry["pid"] = data["pid"]
             else:
+                if kind in ("log", "system"):
+                    self._replay.append((rank, kind, data))
                 entry["last_event"] = kind
                 step = data.get("step")
                 if isinstance(step, int) and not isinstance(step, bool):
@@ -95,9 +106,14 @@ class RankStatus:
         with self._lock:
             self._table = {r: s for r, s in self._table.items() if r in wanted}
 
-    def add_listener(self, callback: Listener) -> Listener:
+    def add_listener(self, callback: Listener, *, replay: bool = False) -> Listener:
+        """Call ``callback`` with every event from now on (``replay``: first with the logged
+        values so far, on this thread; the caller keeps newer events waiting meanwhile)."""
         with self._lock:
             self._listeners.append(callback)
+            past = list(self._replay) if replay else []
+        for rank, kind, data in past:
+            self.notify([callback], rank, kind, data)
         return callback
 
     def remove_listener(self, callback: Listener) -> None:
@@ -114,9 +130,14 @@ class Observed:
         """A snapshot of every rank's state, step, latest scalars and pid."""
         return self._board.snapshot()
 
-    def add_listener(self, callback: Listener) -> Listener:
-        """Call ``callback(rank, kind, data)`` for every event; returns ``callback``."""
-        return self._board.add_listener(callback)
+    def add_listener(self, callback: Listener, *, replay: bool = False) -> Listener:
+        """Call ``callback(rank, kind, data)`` for every event; returns ``callback``.
+
+        ``replay=True`` first calls it with the values logged so far in the current call
+        or attempt (the last 20,000 ``log``/``system`` events), so a live view opened late
+        draws them all.
+        """
+        return self._board.add_listener(callback, replay=replay)
 
     def remove_listener(self, callback: Listener) -> None:
         """Undo :meth:`add_listener`."""

@@ -12,10 +12,16 @@ for fatal-error stacks), channel messages are hello/ready/event/done/fatal/probe
 * only secondary failures while other ranks still run, or ranks still busy ``timeout``
   seconds after a peer finished: those ranks hang; their stacks (:meth:`probe`) go into
   a :class:`~nbaccel.errors.WorkerTimeoutError`;
+* ranks that wait on each other with no progress for ``hang_after`` seconds: the
+  :mod:`~nbaccel.launch._watchdog` reports them where the output goes and the job goes on
+  (``on_hang="raise"``: ``_hang`` as above);
 * a job on a subset of this node's ranks (``%%distributed --ranks 0``) whose rank enters
   a torch.distributed call that needs a rank not running the job: an error naming it;
 * an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
-  terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back.
+  terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back;
+* post-mortem (``keep_failed``: pools, debug=True launches): at a failure, where the other
+  ranks are (:class:`~nbaccel.launch._kept.FailedJob`); a one-shot group's failed ranks are
+  not terminated (they wait for ``nbaccel.debug()``); pdb's messages are queued for it.
 
 :class:`JobFailed` carries the error and, when the workers cannot go on (a rank died,
 hung, did not come back, or the ranks ran different numbers of collectives), the reason.
@@ -38,9 +44,11 @@ from typing import Any
 from ..errors import LaunchError, Stopped, WorkerTimeoutError
 from ._failures import Failure, add_note, pick_failure, remote_exception, trim_stack
 from ._group import Group
+from ._kept import FailedJob
 from ._output import LineForwarder
 from ._preload import IMPORTED_EVENT, remember_worker_imports
 from ._process import WorkerProcess
+from ._watchdog import HangPolicy, Watchdog
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
@@ -71,18 +79,28 @@ class Supervisor(Group):
         interval: float,
         on_event: EventCallback,
         one_shot: bool,
+        hang: HangPolicy | None = None,
     ) -> None:
         super().__init__(procs, forwarder, on_event)
         self.timeout, self.interval, self.one_shot = timeout, interval, one_shot
+        self.hang = hang or HangPolicy()  # the watchdog's (a pool call may set its own)
+        self.activity = 0  # events and answers received: progress, for the watchdog
         self.ready: set[int] = set()
         self._ids = itertools.count(2)  # 1 is the first job, made before the group started
         self._job: int | None = None
         self._done: dict[int, tuple[bool, Any, int | None, float]] = {}
         self._fatal: dict[int, Failure] = {}
         self._answers: dict[int, dict[int, dict[str, Any]]] = {}
+        self._reader: threading.Thread | None = None  # the thread in run_job, reading
+        # post-mortem (nbaccel.debug): a pool always keeps a failed rank's traceback, a
+        # launch with debug=True too; the failure's snapshot and the debugger's messages
+        self.keep_failed = not one_shot
+        self.post_mortem: FailedJob | None = None
+        self.pdb_messages: list[tuple[Any, ...]] = []
 
     def handle(self, proc: WorkerProcess, message: tuple[Any, ...]) -> None:
         kind, rank = message[0], proc.rank
+        self.activity += kind in ("event", "done")
         if kind == "hello":
             state = "running" if self.one_shot else "idle"
             self.on_event(rank, "state", {"state": state, "pid": message[1]})
@@ -106,12 +124,16 @@ class Supervisor(Group):
             self.on_event(rank, "state", {"state": "failed", "error": self._fatal[rank].summary()})
         elif kind == "probe" and message[1] in self._answers:
             self._answers[message[1]][rank] = message[2]
+        elif kind == "pdb":
+            self.pdb_messages.append((rank, *message[1:]))
 
     # ------------------------------------------------------------------ looking inside
     def probe(self, ranks: Iterable[int], wait: float = 1.0) -> dict[int, dict[str, Any]]:
         """What each rank's main thread is doing now: ``{"stack", "waiting"}`` (see
         :func:`nbaccel.launch._worker_os.main_thread_report`); answered by the worker's
-        channel thread, so also while the main thread is blocked in C++."""
+        channel thread, so also while the main thread is blocked in C++. From another
+        thread than the one running a job (a live monitor's button) it only asks: that
+        thread reads the answers."""
         asked = [self.procs[r] for r in ranks if self.procs[r].returncode is None]
         request = next(self._ids)
         answers = self._answers[request] = {}
@@ -120,7 +142,11 @@ class Supervisor(Group):
                 proc.channel.send(("probe", request))  # type: ignore[union-attr]
         deadline = time.monotonic() + wait
         while len(answers) < len(asked) and time.monotonic() < deadline:
-            self.pump(0.05)
+            reader = self._reader
+            if reader is None or reader is threading.current_thread():
+                self.pump(0.05)
+            else:
+                time.sleep(0.05)
         return self._answers.pop(request)
 
     def stacks(self, ranks: Iterable[int]) -> dict[int, str]:
@@ -150,10 +176,12 @@ class Supervisor(Group):
         """Wait until every rank in ``ranks`` finished ``job`` (one-shot: and exited);
         return the values of ``want``. Raises :class:`JobFailed`."""
         self._job, self._done = job, {}
+        self._reader = threading.current_thread()
         procs = [self.procs[r] for r in ranks]
         subset = [r for r in self.procs if r not in ranks]
         first_problem: float | None = None
         last_look = time.monotonic()
+        watchdog = Watchdog(self.hang, self.probe)
         try:
             while True:
                 self.pump(self.interval)
@@ -176,6 +204,12 @@ class Supervisor(Group):
                     self._check_subset(busy, ranks, subset, procs)
                 finished = [t for ok, _, _, t in self._done.values() if ok]
                 stuck = [p for p in busy if p.returncode is None]
+                seqs = {r: s for r, (_, _, s, _) in self._done.items()}
+                hang = watchdog.look([p.rank for p in stuck], seqs, self.activity)
+                if hang is not None and hang.policy.action == "raise":
+                    self._hang(stuck, hang.reason, hang.stacks)
+                elif hang is not None:
+                    hang.report(self.forwarder, self.on_event)
                 if self.timeout and finished and stuck and now - min(finished) > self.timeout:
                     reason = (
                         f"rank(s) {sorted(self._done)} finished more than timeout="
@@ -185,6 +219,8 @@ class Supervisor(Group):
                     self._hang(stuck, reason, {})
         except KeyboardInterrupt:
             self._end_early(procs, KeyboardInterrupt())
+        finally:
+            self._reader = None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _job_failure(self, rank: int) -> Failure:
@@ -240,6 +276,9 @@ class Supervisor(Group):
         if others:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
         dead = [f for f in problems if f.kind != "exception"]
+        if self.keep_failed:  # before the others are interrupted: where each one was
+            finished = {r for r, done in self._done.items() if done[0]}
+            self.post_mortem = FailedJob.at_failure(self, problems, chosen, procs, finished)
         self._end_early(procs, error, dead[0].summary() if dead else None)
 
     def _hang(self, stuck: list[WorkerProcess], reason: str, stacks: dict[int, str]) -> None:
@@ -276,7 +315,7 @@ class Supervisor(Group):
         """A one-shot group is terminated; a pool's busy ranks are interrupted and given
         time to come back. Raises JobFailed(error, why the workers cannot go on)."""
         if self.one_shot or broken:
-            self.terminate() if self.one_shot else None
+            self.terminate(spare=self._lingering()) if self.one_shot else None
             raise JobFailed(error, broken or "one-shot")
         busy = [p for p in procs if p.rank not in self._done and p.returncode is None]
         for proc in busy:
@@ -302,6 +341,13 @@ class Supervisor(Group):
                     "process group is out of step"
                 )
         raise JobFailed(error, broken)
+
+    def _lingering(self) -> set[int]:
+        """debug=True: the failed ranks that stay for nbaccel.debug() (see ``_postmortem``)."""
+        kept = self.post_mortem
+        return (
+            set() if kept is None else {r for r in kept.holding() if self.procs[r].poll() is None}
+        )
 
     def _values(self, want: set[int]) -> dict[int, Any]:
         values = {}

@@ -45,8 +45,8 @@ from typing import Any
 from ..config import LaunchConfig, install_launch_config
 from ..platform import forksafe, torchcompat
 from ..platform.process_env import EnvironmentSnapshot, install_process_facts
-from ..tracking import events, progress  # progress (tqdm) here: workers inherit it imported
-from . import _agreement, _jobs, _preload, _rendezvous
+from ..tracking import events, progress, steps  # progress (tqdm) here: workers inherit it imported
+from . import _agreement, _jobs, _postmortem, _preload, _rendezvous
 from . import _worker_os as wos
 from ._wire import Channel, dumps
 
@@ -73,6 +73,7 @@ class WorkerSpec:
     close_fds: list[int] = field(default_factory=list)
     store_fd: int | None = None  # global rank 0: the rendezvous socket the kernel reserved
     store_host: str = ""
+    linger: float | None = None  # a failed one-shot worker waits this long for nbaccel.debug()
 
     def facts(self) -> EnvironmentSnapshot:
         cfg = self.config
@@ -112,6 +113,7 @@ def _setup(spec: WorkerSpec, channel: Channel) -> None:
     wos.redirect_output(spec.fds["stdout"], spec.fds["stderr"])
     faulthandler.enable(file=sys.stderr, all_threads=True)  # fatal errors: stack on stderr
     os.environ.update(spec.env)  # torch's own env:// rendezvous reads these
+    torchcompat.reread_debug_level()  # debug_collectives: forked after torch read it
     install_launch_config(spec.config)  # the process's state: the runtime reads these two
     install_process_facts(spec.facts())
     events.install_sink(lambda kind, data: channel.send(("event", kind, data, time.time())))
@@ -142,7 +144,9 @@ def _read(channel: Channel, rank: int) -> None:
         if message is None:  # the supervisor is gone (killed, or closed the channel)
             wos.die(1)
         elif message[0] == "probe":
-            channel.send(("probe", message[1], wos.main_thread_report(rank)))
+            report = wos.main_thread_report(rank)
+            report["collectives"] = _jobs.collective_count()  # the hang watchdog's progress
+            channel.send(("probe", message[1], report))
         else:
             _inbox.put(message)
 
@@ -176,6 +180,8 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: tuple[Any, ...]) -> in
     global _busy
     _kind, job_id, kind, want, *body = job
     code = 0
+    steps.reset()  # the live monitor's step clock starts afresh with each job
+    _postmortem.forget()
     try:
         _busy = True
         try:
@@ -191,6 +197,7 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: tuple[Any, ...]) -> in
     except BaseException as exc:  # every failure is reported; a pool's loop goes on
         _busy = False
         ok, payload = False, error_info(exc, skip=(__file__, _jobs.__file__))
+        _postmortem.keep(exc, skip=(__file__, _jobs.__file__))  # for nbaccel.debug()
         if isinstance(exc, SystemExit) and isinstance(exc.code, int):
             code = payload["exit_code"] = exc.code
         else:
@@ -199,6 +206,7 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: tuple[Any, ...]) -> in
         with contextlib.suppress(Exception):
             stream.flush()
     wos.flush_c_stdio()
+    events.flush()  # events are batched (tracking.events): the job's all arrive before it ends
     channel.send(("done", job_id, ok, payload, _jobs.collective_count()))
     return code
 
@@ -211,7 +219,7 @@ def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forke
     channel.send(("hello", os.getpid()))
     worker = _jobs.Worker(spec.rank)
     learn = _preload.Learner(forked)
-    code, store = 0, None
+    code, store, lingered = 0, None, False
     try:
         if spec.store_fd is not None:
             store = _rendezvous.host_store(
@@ -233,6 +241,10 @@ def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forke
             job = job if job is not None else _inbox.get()
             if job[0] == "exit":
                 break
+            if job[0] == "debug":  # nbaccel.debug(): pdb on the last failed job
+                _postmortem.session(job[1], channel, _inbox)
+                job = None
+                continue
             if job[0] != "job":  # a kind this worker does not know: not for it
                 job = None
                 continue
@@ -240,13 +252,19 @@ def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forke
             job = None
             learn.report(channel)
             if not spec.persistent:
+                if code and spec.linger and _postmortem.kept() is not None:
+                    _postmortem.linger(channel, _inbox, spec.linger)
+                    lingered = True  # its peers are gone: no exit barrier to wait at
                 break
     except BaseException as exc:  # set-up, rendezvous or agreement failed
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         with contextlib.suppress(Exception):
             channel.send(("fatal", error_info(exc, skip=(__file__,))))
     finally:
-        code = _leave(store, spec, forked, code)
+        if lingered:
+            torchcompat.skip_teardown_at_exit()  # os._exit closes the group's sockets
+        else:
+            code = _leave(store, spec, forked, code)
     return code
 
 

@@ -174,7 +174,10 @@ def main_thread_report(rank: int) -> dict[str, Any]:
             waiting = {"call": _qualname(inner), "ranks": _ranks_of(inner, rank)}
         inner = inner.f_back
     summary = traceback.extract_stack(frame) if frame is not None else []
-    user = [entry for entry in summary if _MACHINERY not in entry.filename]
+    # The user's frames are those below the worker's own (the job's call); above them, a
+    # forked worker's stack goes on into the kernel's frames it inherited (the launching cell).
+    last = max((i for i, entry in enumerate(summary) if _MACHINERY in entry.filename), default=-1)
+    user = [entry for entry in summary[last + 1 :] if _MACHINERY not in entry.filename]
     stack = "".join(traceback.format_list(user)).rstrip()
     if waiting is not None:
         stack += f"\n  (waiting in {waiting['call']})"

@@ -59,6 +59,11 @@ class LaunchHandle(Observed):
         self._done = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
         self._thread: threading.Thread | None = None
+        #: In a notebook kernel, the launching cell (a ``CellOutput``): the run's output
+        #: stays there whatever cell runs later, and a live monitor may take it over.
+        self.cell_output: Any = None
+        #: The workers' supervisor while the job runs (set by the runner): for :meth:`stacks`.
+        self.supervisor: Any = None
 
     # ------------------------------------------------------------------ public API
     def wait(self, timeout: float | None = None) -> bool:
@@ -97,6 +102,18 @@ class LaunchHandle(Observed):
         self.stop_requested.set()
         if threading.current_thread() is not self._thread:  # not from a listener callback
             self.wait(timeout)
+
+    def stacks(self, ranks: list[int] | None = None) -> dict[int, str]:
+        """Where each running rank is now: its main thread's Python stack, by rank.
+
+        For a live view during a background run (the monitor's "where are the ranks?"
+        button); the workers' channel threads answer, also while a rank waits in C++.
+        """
+        wanted = list(self.ranks if ranks is None else ranks)
+        supervisor = self.supervisor
+        if supervisor is None or self.done():
+            return {rank: "(not running)" for rank in wanted}
+        return dict(supervisor.stacks(wanted))
 
     @property
     def pids(self) -> dict[int, int | None]:

@@ -38,8 +38,10 @@ from typing import Any
 from ..config import LaunchConfig
 from ..errors import Stopped, WorkerError, WorkerTimeoutError
 from ..platform.process_env import EnvironmentSnapshot
+from . import _kept
+from ._cell_output import CellOutput
 from ._environ import installed, patched_environ
-from ._preflight import LaunchPlan, plan_launch, plan_script
+from ._preflight import DEBUG_TIMEOUT, LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
 from ._supervisor import JobFailed, Supervisor
 from .handle import LaunchHandle
@@ -68,6 +70,11 @@ def notebook_launcher(
     return_all_ranks: bool = False,
     block: bool = True,
     output: Any = None,
+    hang_after: float | None = None,
+    on_hang: str | None = None,
+    debug_collectives: bool | None = None,
+    debug: bool = False,
+    debug_timeout: float = DEBUG_TIMEOUT,
 ) -> Any:
     """Run ``function(*args)`` once per device and return rank 0's result.
 
@@ -106,6 +113,26 @@ def notebook_launcher(
         block: ``False`` returns a :class:`LaunchHandle` at once while the workers run.
         output: where worker output goes: ``None`` (the cell's stdout/stderr), a
             file-like object, or a callable ``output(rank, stream, line)``.
+        hang_after: seconds without progress (no collective issued, nothing logged, no
+            rank finished) while a rank waits in torch.distributed before the job is
+            reported in the cell: which ranks, in which collective, which are not in one,
+            with their Python stacks. Default 300 (5 minutes: longer than a real step or
+            a checkpoint save keeps ranks waiting, shorter than torch's own collective
+            timeouts); ``0`` turns the watchdog off. Also ``NBACCEL_HANG_AFTER``, the
+            config file, ``LaunchConfig.hang_after``.
+        on_hang: ``"report"`` (the default: report, keep waiting, report again after 2x,
+            4x, ... longer without progress) or ``"raise"`` (end the job with
+            ``WorkerTimeoutError``).
+        debug_collectives: ``True`` runs torch's collective-mismatch check
+            (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, its wrapper process group): ranks calling
+            different collectives fail with torch's error instead of hanging. Slower
+            (every collective is checked first); for debugging.
+        debug: when a rank raises, keep it alive holding its traceback for
+            ``nbaccel.debug()`` (pdb on the failing frame, from the next cell); the other
+            ranks end as usual and the error is raised as usual. Also sets
+            ``LaunchConfig.debug``.
+        debug_timeout: seconds a failed rank waits for ``nbaccel.debug()`` (default 600);
+            it then leaves, as it does when the session ends.
 
     Returns:
         Rank 0's return value with tensors moved to the CPU (on another node: the value
@@ -119,8 +146,9 @@ def notebook_launcher(
         WorkerError: a worker failed. When its exception type can be re-created in
             the kernel, the error is also an instance of that type (``except ValueError``
             works); the message names the rank and carries the remote traceback.
-        WorkerTimeoutError: ranks stopped making progress (see ``timeout``); names the
-            stuck ranks (``err.stuck_ranks``) with every worker's stack (``err.stacks``).
+        WorkerTimeoutError: ranks stopped making progress (see ``timeout``, and
+            ``on_hang="raise"``); names the stuck ranks (``err.stuck_ranks``) with every
+            worker's stack (``err.stacks``).
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
     plan = plan_launch(**locals())  # first: locals() are exactly the arguments
@@ -138,6 +166,8 @@ def launch(plan: LaunchPlan) -> Any:
     handle = LaunchHandle(
         plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.return_all_ranks
     )
+    if plan.output is None:  # captured here, in the cell's thread (see _cell_output)
+        handle.cell_output = CellOutput.here()
     try:  # the first group starts in the calling thread (the kernel's main thread)
         started.append(_start(plan, handle))
         if not plan.block:
@@ -156,19 +186,25 @@ def _attempts(plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor])
     """One group of workers per attempt, ``max_restarts`` more after a failure."""
     while True:
         group = started.pop() if started else _start(plan, handle)
+        handle.supervisor = group
+        kept = last = False
         try:
             return group.run_job(1, plan.ranks, _wanted(plan), handle.stop_requested)
         except JobFailed as failed:
             err = failed.error
+            last = isinstance(err, (Stopped, KeyboardInterrupt)) or (
+                handle.attempt >= plan.config.max_restarts or handle.stop_requested.is_set()
+            )
+            if last:  # for nbaccel.debug(): with debug=True the failed ranks stay
+                kept = _kept.after_launch(group, err, plan.debug_timeout)
         finally:
-            group.terminate()
-            group.close()
-        if isinstance(err, (Stopped, KeyboardInterrupt)):
-            raise err
-        if handle.attempt >= plan.config.max_restarts or handle.stop_requested.is_set():
+            if not kept:
+                group.terminate()
+                group.close()
+        if last:
             raise err
         handle.attempt += 1
-        _announce_restart(plan, handle.attempt, err)
+        _announce_restart(plan, handle.attempt, err, handle.cell_output)
 
 
 def _wanted(plan: LaunchPlan) -> set[int]:
@@ -181,18 +217,26 @@ def _start(plan: LaunchPlan, handle: LaunchHandle) -> Supervisor:
         job: tuple[Any, ...] = ("job", 1, "call", want, plan.function, plan.args, {})
     else:
         job = ("job", 1, "run", want, plan.payload)
-    return start_group(
-        plan, on_event=handle.on_event, round_=handle.attempt, first_job=job, output=plan.output
+    group = start_group(
+        plan,
+        on_event=handle.on_event,
+        round_=handle.attempt,
+        first_job=job,
+        output=handle.cell_output or plan.output,
     )
+    group.keep_failed = plan.debug_timeout is not None  # debug=True: see _postmortem
+    return group
 
 
-def _announce_restart(plan: LaunchPlan, attempt: int, err: BaseException) -> None:
+def _announce_restart(plan: LaunchPlan, attempt: int, err: BaseException, cell: Any) -> None:
     first = str(err).splitlines()[0] if str(err) else type(err).__name__
     text = (
         f"nbaccel: workers failed ({first}); restarting, attempt {attempt} of "
         f"{plan.config.max_restarts}\n"
     )
-    output: Any = sys.stderr if plan.output is None else plan.output
+    output: Any = plan.output
+    if output is None:  # the launching cell's, from this background thread too
+        output = cell.streams()[1] if cell is not None else sys.stderr
     with contextlib.suppress(Exception):
         if hasattr(output, "write"):
             output.write(text)
@@ -283,6 +327,9 @@ def run_script(cfg: LaunchConfig, command: list[str]) -> int:
 def _exit_code(error: BaseException) -> int:
     if isinstance(error, KeyboardInterrupt):
         return 130
+    if isinstance(error, WorkerTimeoutError):  # every stuck rank's stack: only here
+        print(f"nbaccel launch: {error}", file=sys.stderr)
+        return 1
     if isinstance(error, WorkerError):
         code = error.exit_code or 1
         if error.exc_type in ("SystemExit", "ExitCode") or error.exc_type.startswith("SIG"):

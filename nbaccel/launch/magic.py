@@ -34,6 +34,7 @@ import symtable
 from collections.abc import Mapping
 from typing import Any
 
+from .debugger import register_magic
 from .pool import WorkerPool, current_pool
 
 USAGE = "%%distributed [--ranks 0,1] [--pool NAME]"
@@ -150,6 +151,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
     magic.__doc__ = __doc__
     ipython.register_magic_function(magic, "cell", "distributed")
+    register_magic(ipython)  # %nbaccel_debug [rank]: pdb on a failed rank
 
 
 __all__ = ["distributed", "load_ipython_extension"]

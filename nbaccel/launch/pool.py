@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LaunchError
+from . import _kept
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
 from ._preflight import plan_launch
@@ -89,6 +90,8 @@ class WorkerPool(PoolWorkers):
         return_all_ranks: bool = False,
         block: bool = True,
         output: Any = None,
+        hang_after: float | None = None,
+        on_hang: str | None = None,
     ) -> Any:
         """:meth:`run` with options.
 
@@ -98,6 +101,8 @@ class WorkerPool(PoolWorkers):
             return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).
             block: ``False`` returns a :class:`~nbaccel.LaunchHandle` at once.
             output: where the workers' lines go, as for ``notebook_launcher``.
+            hang_after, on_hang: the hang watchdog for this call (``None``: the pool's, from
+                ``start_workers``), as for ``notebook_launcher``.
 
         Example:
             >>> pool.call(train, (3e-4,), return_all_ranks=True)  # doctest: +SKIP
@@ -115,7 +120,8 @@ class WorkerPool(PoolWorkers):
         payload = dill_for_workers(
             (function, tuple(args), dict(kwargs or {})), "the function and its args"
         )
-        return self._submit("run", (payload,), None, return_all_ranks, block, output)
+        hang = self._hang_policy(hang_after, on_hang)
+        return self._submit("run", (payload,), None, return_all_ranks, block, output, hang=hang)
 
     def exec_cell(
         self,
@@ -178,6 +184,7 @@ class WorkerPool(PoolWorkers):
             return
         self.closed = True
         _LIVE.discard(self)
+        _kept.forget(self, "the pool was closed")  # failed ranks kept for nbaccel.debug() go
         handle = self._handle
         if handle is not None:
             with contextlib.suppress(Exception):
@@ -208,6 +215,13 @@ class WorkerPool(PoolWorkers):
         group = self._group
         return {r: p.pid for r, p in group.procs.items()} if group is not None else {}
 
+    def stacks(self, ranks: list[int] | None = None) -> dict[int, str]:
+        """Where each rank of the call running now is: its Python stack, by rank."""
+        handle = self._handle
+        if handle is None:
+            return {rank: "(idle)" for rank in (self.ranks if ranks is None else ranks)}
+        return handle.stacks(ranks)
+
     @property
     def start_method(self) -> str:
         """How the current workers were started: "fork" or "spawn"."""
@@ -226,7 +240,8 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
     """Start a :class:`WorkerPool`: one warm worker per device, kept across cells.
 
     ``options`` are :func:`~nbaccel.notebook_launcher`'s (``mixed_precision``,
-    ``start_method``, ``timeout``, ``config``, ``master_addr``/``node_rank``/``num_nodes``
+    ``start_method``, ``timeout``, ``hang_after``/``on_hang``/``debug_collectives``,
+    ``config``, ``master_addr``/``node_rank``/``num_nodes``
     /``use_port`` for several machines: run the same cells on each, ...), checked the
     same way before anything starts; a pool's calls have their own ``return_all_ranks``,
     ``block`` and ``output`` (:meth:`WorkerPool.call`). The process group forms at the
@@ -246,6 +261,11 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
     config = options.get("config")
     if config.compute_device == "tpu" if config is not None else xla_requested():
         raise LaunchError(no_tpu)  # before the planner, whose TPU message is about block=False
+    if "debug_timeout" in options:
+        raise TypeError(
+            "start_workers() takes no debug_timeout: a pool's failed rank keeps its traceback "
+            "for nbaccel.debug() until the pool's next call."
+        )
     own = sorted(set(options) & {"max_restarts", "return_all_ranks", "block", "output"})
     if own:
         raise TypeError(f"start_workers() takes no {own}: they are options of pool.call().")

@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from typing import Any
 
@@ -113,13 +115,50 @@ def destroy_process_group_at_exit() -> None:
         destroy_process_group()
 
 
+def reread_debug_level() -> None:
+    """Apply ``TORCH_DISTRIBUTED_DEBUG`` from this process's environment now.
+
+    torch.distributed reads it once, when it is imported; a worker forked from a kernel
+    that imported it already would keep the kernel's level (``debug_collectives=True``
+    sets the variable in the workers' environment, before any process group exists).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and os.environ.get("TORCH_DISTRIBUTED_DEBUG"):
+        with contextlib.suppress(Exception):
+            dist.set_debug_level_from_env()
+
+
+def check_ddp_debug_level() -> None:
+    """A clear error where torch's ``DistributedDataParallel`` would crash the process.
+
+    Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``debug_collectives=True``) a gloo group is
+    torch's checking wrapper, and DDP's constructor logs the gloo backend's thread count
+    through a cast that assumes the plain gloo backend: a segmentation fault (seen on torch
+    2.13; NCCL groups are not affected).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.get_backend() == "gloo":
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            "debug_collectives=True (TORCH_DISTRIBUTED_DEBUG=DETAIL) with a gloo process group: "
+            "torch's DistributedDataParallel crashes the process (SIGSEGV) when built under "
+            "it. Use debug_collectives to find mismatched collectives in code that calls "
+            "them directly, or on GPUs (NCCL); turn it off to train with DDP on the CPU."
+        )
+
+
 __all__ = [
     "FSDP_MIN_TORCH",
+    "check_ddp_debug_level",
     "destroy_process_group",
     "destroy_process_group_at_exit",
     "dtensor_module",
     "fsdp_supported",
     "libuv_store_adopts_socket",
+    "reread_debug_level",
     "skip_teardown_at_exit",
     "torch_at_least",
 ]

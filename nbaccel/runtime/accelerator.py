@@ -37,7 +37,7 @@ import torch
 
 from ..config import launch_config, normalize_precision
 from ..errors import ConfigError
-from ..tracking import events
+from ..tracking import events, steps
 from . import checkpointing, dynamo, join, model_io
 from ._collective_api import CollectiveAPI
 from ._process_api import ProcessAPI
@@ -379,7 +379,9 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         """``loss.backward()`` scaled for accumulation and (fp16) loss scaling."""
         if self.gradient_state.num_steps > 1:
             loss = loss / self.gradient_state.num_steps
+        steps.backward_started()  # the live monitor's step timing (no-op outside a launch)
         self.precision.backward(loss, **kwargs)
+        steps.backward_finished()
 
     def accumulate(self, *models: Any) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-step of gradient accumulation (all prepared models if none)."""

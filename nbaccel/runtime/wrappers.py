@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..tracking import steps
 from .accumulation import GradientState
 from .tree import recursively_apply
 
@@ -213,6 +214,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = not taken
         if taken and self.counts_updates:
             self.gradient_state.updates += 1
+            steps.optimizer_stepped(self.gradient_state.updates)  # the live monitor's timing
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

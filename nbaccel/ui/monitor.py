@@ -1,67 +1,63 @@
-"""The live view of a run: per-rank state, step, latest logged scalars and rank 0's progress.
+"""The live view of a run: per-rank state and scalars, live charts, stragglers, log.
 
-:class:`RunMonitor` follows a :class:`~nbaccel.launcher.LaunchHandle` through its
-``status()`` snapshot and ``add_listener`` events (``Accelerator.log`` and
-``nbaccel.tqdm`` in the workers publish them). In a notebook kernel it is an
-ipywidgets component (a table and a progress bar) that updates while the workers
-train; elsewhere it renders as a plain-text table, printed at most every
-``text_interval`` seconds and once when the run ends. The widget panel's output
-area reuses the same component.
+:class:`RunMonitor` follows a :class:`~nbaccel.launcher.LaunchHandle` (or a warm
+pool) through its ``status()`` snapshot and ``add_listener`` events. It shows:
+
+* a table: each rank's state, step and latest logged scalars; a straggler is marked
+  (the rule: :mod:`nbaccel.ui._stragglers`), and "where are the ranks?" shows every
+  running rank's current Python stack (``handle.stacks()``);
+* rank 0's progress bar (``nbaccel.tqdm`` or a ``tqdm.auto`` bar in the function);
+* live charts of every value passed to ``Accelerator.log`` -- one per metric, step on
+  the x axis, a line per rank (or the ranks' mean and spread for many ranks) -- and,
+  with ``system=True``, of each rank's step time and memory; redrawn at most every
+  ``chart_interval`` seconds whatever the logging rate, from bounded memory
+  (:mod:`nbaccel.ui._history`). When the run ends the final charts are also left in
+  the cell as a static ``image/svg+xml`` output, which saved notebooks, nbviewer and
+  GitHub show;
+* the run's output: a bounded, scrollable log (the last ``log_lines`` lines) that
+  takes over the lines a background launch would write into its cell.
+
+In a kernel with ipywidgets it is a widget; in a kernel without, one output updated
+in place; elsewhere a plain-text table printed at most every ``text_interval`` seconds
+and once when the run ends. The widget panel's output area reuses the same component.
 
 Example:
     >>> from nbaccel import notebook_launcher  # doctest: +SKIP
     >>> from nbaccel.monitor import watch  # doctest: +SKIP
     >>> handle = notebook_launcher(train, num_processes=2, block=False)  # doctest: +SKIP
-    >>> monitor = watch(handle)  # the table appears in this cell and keeps updating  # doctest: +SKIP
+    >>> monitor = watch(handle)  # table, charts and log appear in this cell  # doctest: +SKIP
     >>> handle.result()  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import html
 import importlib.util
 import sys
 import threading
 import time
-from collections.abc import Mapping
+import uuid
+from collections import deque
 from typing import Any, Protocol, TextIO
 
+from ..launch._cell_output import CellOutput
+from . import _monitor_view as view
+from ._chart import render_svg
+from ._deferred import DeferredCall
+from ._history import History
+from ._stragglers import find_stragglers
 from ._widgets_compat import widget_mimebundle
 
-_TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
-_COLORS = {
-    "running": "#1565c0",
-    "finished": "#2e7d32",
-    "failed": "#c62828",
-    "killed": "#c62828",
-    "stopped": "#ef6c00",
-    "terminated": "#ef6c00",
-}
+_ENDED = ("finished", "failed", "killed", "stopped", "terminated", "idle")
 
 
 class _Handle(Protocol):
-    """What the monitor needs from a ``LaunchHandle``."""
+    """What the monitor needs from a ``LaunchHandle`` (or a ``WorkerPool``)."""
 
     def status(self) -> dict[int, dict[str, Any]]: ...
 
-    def add_listener(self, callback: Any) -> Any: ...
+    def add_listener(self, callback: Any, *, replay: bool = False) -> Any: ...
 
     def remove_listener(self, callback: Any) -> None: ...
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "" if value is None else str(value)
-
-
-def _progress_text(progress: Mapping[str, Any]) -> str:
-    n, total = progress.get("n", 0), progress.get("total")
-    desc = f"{progress['desc']}: " if progress.get("desc") else ""
-    count = f"{n}/{total}" if total else f"{n}"
-    rate = progress.get("rate")
-    speed = f" ({rate:.3g} {progress.get('unit') or 'it'}/s)" if rate else ""
-    return f"{desc}{count}{speed}"
 
 
 def _widgets_here() -> bool:
@@ -71,18 +67,24 @@ def _widgets_here() -> bool:
 
 
 class RunMonitor:
-    """Live per-rank status of a launch, as a widget (kernel) or a text table.
+    """Live per-rank status, charts and log of a launch (see the module docstring).
 
     Args:
-        handle: the ``LaunchHandle`` to follow (or call :meth:`attach` later).
-        widget: build the ipywidgets view (default: when running in a kernel with ipywidgets).
-        interval: minimum seconds between two redraws (events in between are merged).
-        stream: where the text view is printed (default: ``sys.stdout`` at creation);
-            ``None`` disables printing. Not used when the widget view is active.
+        handle: the ``LaunchHandle`` or ``WorkerPool`` to follow (or :meth:`attach` later).
+        widget: build the ipywidgets view (default: in a kernel with ipywidgets).
+        interval: minimum seconds between two redraws of the table (events are merged).
+        stream: where the text view prints (default ``sys.stdout``); ``None``: nowhere.
         text_interval: minimum seconds between two printed tables while the run goes on.
+        charts: draw charts of the logged values.
+        chart_interval: minimum seconds between two chart redraws.
+        lines: ``"ranks"`` (a line per rank), ``"mean"`` (mean and min-max band) or
+            ``"auto"`` (per rank up to 8 ranks).
+        system: also chart each rank's step time, RSS and CUDA memory.
+        log_lines: how many output lines the log keeps.
 
     Attributes:
         widget: the ``ipywidgets.VBox`` (None without the widget view).
+        final_svg: the charts left in the cell when the run ended (None before).
     """
 
     def __init__(
@@ -93,21 +95,40 @@ class RunMonitor:
         interval: float = 0.25,
         stream: TextIO | bool | None = True,
         text_interval: float = 10.0,
+        charts: bool = True,
+        chart_interval: float = 1.0,
+        lines: str = "auto",
+        system: bool = False,
+        log_lines: int = 500,
     ) -> None:
-        self.interval = interval
-        self.text_interval = text_interval
+        if lines not in ("auto", "ranks", "mean"):
+            raise ValueError(f"lines={lines!r}: choose 'auto', 'ranks' or 'mean'.")
+        self.interval, self.text_interval = interval, text_interval
+        self.charts, self.chart_interval, self.lines, self.system = (
+            charts, chart_interval, lines, system)  # fmt: skip
         self._stream: TextIO | None = sys.stdout if stream is True else (stream or None)
+        self._cell = CellOutput.here()  # the cell this monitor shows in: the final charts go there
         self._lock = threading.RLock()
         self._handle: _Handle | None = None
+        self._diverted: Any = None
         self._status: dict[int, dict[str, Any]] = {}
+        self._history = History()
+        self._log: deque[tuple[str, str]] = deque(maxlen=max(int(log_lines), 1))
+        self._live_line: str | None = None
         self._progress: dict[str, Any] = {}
-        self._last_draw = float("-inf")
-        self._last_print = float("-inf")
-        self._timer: threading.Timer | None = None
-        self._finished_printed = False
+        self._last_draw = self._last_print = self._last_chart = float("-inf")
+        self._redraw = DeferredCall(self._deferred, "nbaccel-monitor")
+        self._charts_dirty = self._ended = self._log_dirty = False
+        self._display_id: str | None = None
+        self.final_svg: str | None = None
         self.widget: Any = None
+        self._view: view.MonitorWidgets | None = None
         if _widgets_here() if widget is None else widget:
-            self._build_widget()
+            self._view = view.MonitorWidgets(self._stacks_html)
+            self.widget = self._view.box
+        elif stream is True and self._cell is not None:  # a kernel without ipywidgets
+            self._display_id = uuid.uuid4().hex
+            self._stream = None
         if handle is not None:
             self.attach(handle)
 
@@ -117,10 +138,17 @@ class RunMonitor:
         self.detach()
         with self._lock:
             self._handle = handle
-            self._progress = {}
-            self._finished_printed = False
-            handle.add_listener(self._on_event)
+            self._new_run()
+            # the values logged so far in this run (or pool call) too, under our lock
+            handle.add_listener(self._on_event, replay=True)
             self._status = handle.status()  # after add_listener: no event falls in between
+            self._ended = self._all_ended()
+            cell = getattr(handle, "cell_output", None)
+            if self._view is not None and cell is not None:  # the log takes the cell's lines
+                cell.set_listener(self._on_output)
+                self._diverted = cell
+            if self._display_id is not None and self._cell is not None:
+                self._cell.display(self._bundle(), display_id=self._display_id)
             self.refresh()
         return self
 
@@ -128,78 +156,108 @@ class RunMonitor:
         """Stop following the current handle (the view keeps its last state)."""
         with self._lock:
             handle, self._handle = self._handle, None
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            diverted, self._diverted = self._diverted, None
+            self._redraw.cancel()
+        if diverted is not None:
+            diverted.set_listener(None)
         if handle is not None:
             handle.remove_listener(self._on_event)
 
+    def _new_run(self) -> None:
+        self._history = History()
+        self._log.clear()
+        self._live_line, self._progress, self.final_svg = None, {}, None
+        self._charts_dirty, self._log_dirty = False, True
+
+    def _all_ended(self) -> bool:
+        return bool(self._status) and all(s.get("state") in _ENDED for s in self._status.values())
+
     def _on_event(self, rank: int, kind: str, data: dict[str, Any]) -> None:
-        """Listener (runs on the launcher's supervising thread): merge, then redraw if due."""
+        """Listener (on the launcher's supervising thread): record, redraw when due."""
         with self._lock:
-            handle = self._handle
-            if handle is None:
+            if self._handle is None:
                 return
-            self._status = handle.status()
+            if kind == "state" and data.get("state") == "running" and self._ended:
+                self._new_run()  # a pool's next call
+                self._ended = False
+            if self._history.record(rank, kind, data):
+                self._charts_dirty = True
             if kind == "progress":
                 self._progress = dict(data, rank=rank)
-            wait = self.interval - (time.monotonic() - self._last_draw)
-            if kind == "state" or wait <= 0:
-                self.refresh()
-            elif self._timer is None:  # redraw once at the end of the quiet period
-                self._timer = threading.Timer(wait, self._deferred)
-                self._timer.daemon = True
-                self._timer.start()
+            self._schedule(now=kind == "state")
+
+    def _on_output(self, kind: str, stream: str, text: str) -> None:
+        """Lines and progress redraws of the run (instead of the cell's output)."""
+        with self._lock:
+            if kind == "line":
+                self._log.extend((stream, line) for line in text.splitlines(keepends=True))
+            elif kind == "redraw":
+                self._live_line = text
+            else:  # the bar's last state stays in the log
+                self._live_line = None
+                self._log.append((stream, text + "\n"))
+            self._log_dirty = True
+            self._schedule(now=False)
+
+    def _schedule(self, *, now: bool) -> None:
+        wait = self.interval - (time.monotonic() - self._last_draw)
+        if now or wait <= 0:
+            self.refresh()
+        elif not self._redraw.pending:  # redraw once at the end of the quiet period
+            self._redraw.later(wait)
 
     def _deferred(self) -> None:
         with self._lock:
-            self._timer = None
-            self.refresh()
+            if self._handle is not None:
+                self.refresh()
 
     # ------------------------------------------------------------------ reading
     @property
     def finished(self) -> bool:
         """True when every rank reached a final state."""
-        return bool(self._status) and all(
-            s.get("state") in _TERMINAL for s in self._status.values()
-        )
+        return self._all_ended()
 
-    def _scalar_names(self) -> list[str]:
-        names: list[str] = []
-        for entry in self._status.values():
-            names.extend(k for k in entry.get("scalars", {}) if k not in names)
-        return names
+    def chart_data(self) -> dict[str, dict[int, list[tuple[float, float]]]]:
+        """``{metric: {rank: [(step, value), ...]}}``: what the charts draw."""
+        with self._lock:
+            return self._history.data(system=self.system)
+
+    def chart_svg(self) -> str:
+        """The charts as an SVG string (empty when nothing was logged)."""
+        data = self.chart_data()
+        return render_svg(data, lines=self.lines) if data else ""
+
+    def stragglers(self) -> dict[int, str]:
+        """``{rank: why}`` for each running rank the straggler rule marks now."""
+        with self._lock:
+            kind, recent = self._history.step_times()
+            running = {r for r, s in self._status.items() if s.get("state") == "running"}
+        marked = find_stragglers({r: v for r, v in recent.items() if r in running})
+        return {
+            rank: f"{kind} {mine:.3g} s/step vs {others:.3g} s on the other ranks"
+            for rank, (mine, others) in marked.items()
+        }
+
+    def stacks(self, ranks: list[int] | None = None) -> dict[int, str]:
+        """Each running rank's current Python stack (``handle.stacks()``), by rank."""
+        handle = self._handle
+        ask = getattr(handle, "stacks", None)
+        return dict(ask(ranks)) if callable(ask) else {}
+
+    def log(self) -> str:
+        """The lines the monitor's log holds (the run's output it took over)."""
+        with self._lock:
+            return "".join(line for _, line in self._log)
 
     def rows(self) -> list[list[str]]:
         """The table: a header row, then one row per rank."""
-        names = self._scalar_names()
-        table = [["rank", "state", "step", *names]]
-        for rank in sorted(self._status):
-            entry = self._status[rank]
-            scalars = entry.get("scalars", {})
-            table.append(
-                [
-                    str(rank),
-                    str(entry.get("state", "")),
-                    _fmt(entry.get("step")),
-                    *(_fmt(scalars.get(n)) for n in names),
-                ]
-            )
-        return table
+        return view.rows(self._status)
 
     def text(self) -> str:
-        """The plain-text view: an aligned table plus rank 0's progress line."""
+        """The plain-text view: an aligned table, stragglers and rank 0's progress line."""
         with self._lock:
-            table = self.rows()
-            progress = dict(self._progress)
-        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-        lines = [
-            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in table
-        ]
-        if progress:
-            lines.append(f"progress (rank {progress['rank']}): {_progress_text(progress)}")
-        return "\n".join(lines)
+            table, progress = self.rows(), dict(self._progress)
+        return view.text_table(table, self.stragglers(), progress)
 
     def __str__(self) -> str:
         return self.text()
@@ -208,64 +266,79 @@ class RunMonitor:
         return f"<RunMonitor\n{self.text()}\n>"
 
     # ------------------------------------------------------------------ drawing
-    def _build_widget(self) -> None:
-        import ipywidgets as widgets
-
-        self._table = widgets.HTML()
-        self._bar = widgets.FloatProgress(
-            value=0.0, min=0.0, max=1.0, layout=widgets.Layout(width="320px", display="none")
-        )
-        self._bar_label = widgets.HTML()
-        self.widget = widgets.VBox(
-            [self._table, widgets.HBox([self._bar, self._bar_label])],
-            layout=widgets.Layout(padding="2px"),
-        )
-        self.widget.add_class("nbaccel-run-monitor")
-
-    def _html(self) -> str:
-        table = self.rows()
-        head = "".join(
-            f"<th style='text-align:left;padding:0 10px 0 0'>{html.escape(c)}</th>"
-            for c in table[0]
-        )
-        body = []
-        for row in table[1:]:
-            cells = []
-            for i, cell in enumerate(row):
-                style = "padding:0 10px 0 0"
-                if i == 1:
-                    style += f";color:{_COLORS.get(cell, '#555')}"
-                cells.append(f"<td style='{style}'>{html.escape(cell)}</td>")
-            body.append(f"<tr>{''.join(cells)}</tr>")
-        return (
-            "<table style='border-collapse:collapse;font-family:monospace'>"
-            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-        )
-
     def refresh(self) -> None:
-        """Redraw now (the widget, or the text view when it is due)."""
+        """Redraw now (charts when due), and leave the final charts in the cell at the end."""
         with self._lock:
-            self._last_draw = time.monotonic()
-            if self.widget is not None:
-                self._table.value = self._html()
-                progress = self._progress
-                if progress:
-                    total = progress.get("total") or 0
-                    self._bar.layout.display = None
-                    self._bar.max = float(total or max(progress.get("n", 0), 1))
-                    self._bar.value = float(progress.get("n", 0))
-                    self._bar.bar_style = "success" if progress.get("closed") else ""
-                    self._bar_label.value = html.escape(_progress_text(progress))
-                return
-            self._print_if_due()
+            handle = self._handle
+            if handle is not None:
+                self._status = handle.status()
+            self._last_draw = now = time.monotonic()
+            ending = self._all_ended() and not self._ended
+            self._ended = self._ended or ending
+            charts_due = self.charts and self._charts_dirty
+            if charts_due and not ending and now - self._last_chart < self.chart_interval:
+                charts_due = False
+                self._redraw.later(self.chart_interval - (now - self._last_chart))
+            svg = None
+            if charts_due:
+                svg = self.chart_svg()
+                self._last_chart, self._charts_dirty = now, False
+            if self._view is not None:
+                self._draw_widget(svg)
+            elif self._display_id is not None:
+                if charts_due or ending or not self.charts:
+                    self._draw_display(svg)
+            else:
+                self._print_if_due(ending)
+            if ending:
+                self._leave_final_charts()
 
-    def _print_if_due(self) -> None:
-        if self._stream is None or self._finished_printed:
+    def _draw_widget(self, svg: str | None) -> None:
+        assert self._view is not None
+        self._view.table.value = view.table_html(self.rows(), self.stragglers())
+        self._view.stacks_button.layout.display = "none" if self._ended else None
+        if self._progress:
+            self._view.show_progress(self._progress, view.progress_text(self._progress))
+        if svg is not None:
+            self._view.charts.value = svg
+        if self._log_dirty:  # up to log_lines lines: only rebuilt when they changed
+            self._view.log.value = view.log_html(self._log, self._live_line)
+            self._log_dirty = False
+
+    def _bundle(self, svg: str | None = None) -> dict[str, Any]:
+        progress = view.progress_text(self._progress) if self._progress else ""
+        table = view.table_html(self.rows(), self.stragglers())
+        return view.display_bundle(self.text(), table, progress, svg)
+
+    def _draw_display(self, svg: str | None) -> None:
+        if self._cell is not None and self._display_id is not None:
+            self._cell.update(self._display_id, self._bundle(svg or self.chart_svg()))
+
+    def _leave_final_charts(self) -> None:
+        """The run ended: its charts stay in the cell as a static image."""
+        if not self.charts:
+            return
+        svg = self.chart_svg()
+        if not svg:
+            return
+        self.final_svg = svg
+        if self._cell is not None:  # the image below shows them from now on, once
+            if self._view is not None:
+                self._view.charts.value = ""
+            elif self._display_id is not None:
+                self._cell.update(self._display_id, self._bundle())
+            names = ", ".join(self.chart_data())
+            self._cell.display({"image/svg+xml": svg, "text/plain": f"<nbaccel charts: {names}>"})
+
+    def _stacks_html(self) -> str:
+        """What "where are the ranks?" shows (asked on a thread by the widget)."""
+        return view.stacks_html(self.stacks(), self.stragglers())
+
+    def _print_if_due(self, ending: bool) -> None:
+        if self._stream is None or (self._ended and not ending):
             return
         now = time.monotonic()
-        if self.finished:
-            self._finished_printed = True
-        elif now - self._last_print < self.text_interval:
+        if not ending and now - self._last_print < self.text_interval:
             return
         self._last_print = now
         try:
@@ -288,9 +361,12 @@ def watch(handle: _Handle, **kwargs: Any) -> RunMonitor:
     ``handle`` is a ``LaunchHandle`` or a warm ``WorkerPool`` (``watch(pool)`` follows
     every call made on the pool; its ranks show "idle" between calls).
 
-    In a kernel the widget is displayed at once; elsewhere the text table is
-    printed as the run goes (see ``text_interval``). Keyword arguments go to
-    :class:`RunMonitor`.
+    In a kernel the view is displayed at once; elsewhere the text table is printed as
+    the run goes (see ``text_interval``). Keyword arguments go to :class:`RunMonitor`
+    (e.g. ``system=True`` for step-time and memory charts, ``lines="mean"``).
+
+    Example:
+        >>> monitor = watch(handle, system=True)  # doctest: +SKIP
     """
     monitor = RunMonitor(handle, **kwargs)
     if monitor.widget is not None:

@@ -5,6 +5,12 @@ The controls are derived from :class:`nbaccel.config.LaunchConfig` (its fields,
 :func:`nbaccel.config.resolve_launch_config` (environment and config file), so the
 panel, the YAML file and the ``nbaccel`` command always agree.
 
+Launch runs in the background by default (the "in the background" box): the kernel
+is free at once and the live monitor under the buttons follows the run (charts of the
+logged values, stragglers, each rank's stack on request). A setting that works but
+costs speed -- more processes than the cores (or TPU cores) seen here -- is pointed
+out next to its field without blocking Launch; an impossible one blocks it.
+
 Multi-node: run the same cell on every machine and give each its own node rank.
 
 Example:
@@ -30,12 +36,8 @@ from typing import Any
 import ipywidgets as widgets
 
 from ..config import (
-    INT_MINIMUMS,
-    MAX_PORT,
     LaunchConfig,
     default_config_path,
-    field_help,
-    field_kind,
     field_names,
     resolve_launch_config,
     save_config,
@@ -48,68 +50,11 @@ from ..platform.hardware import (
     detect_hardware,
     hardware_precision_problem,
     notebook_host,
-    precision_choices,
 )
-from ._widgets_compat import tooltip_kwargs
+from ._panel_parts import OutputSink, make_control
 from .monitor import RunMonitor
 
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
-_INT_MAXIMUMS = {
-    "master_port": MAX_PORT,
-    "fsdp_min_num_params": 10**15,
-}  # others: effectively unbounded, kept sane for typing
-_SANE_MAX = 4096
-_STYLE = {"description_width": "190px"}
-_ROW_WIDTH = "360px"  # a fresh Layout per control: no widget may be created at import time
-
-
-def _label(name: str) -> str:
-    return name.replace("_", " ")
-
-
-class OutputSink:
-    """A file-like object that shows what is written to it in an ``Output`` widget.
-
-    The launcher writes the workers' lines here (``output=`` of ``notebook_launcher``),
-    from its forwarding thread. Carriage returns redraw the last line, so text
-    progress bars update in place; only the last ``max_lines`` lines are kept.
-    """
-
-    def __init__(self, output: widgets.Output, max_lines: int = 1000) -> None:
-        self.output = output
-        self.max_lines = max_lines
-        self._lines: list[str] = [""]
-        self._return = False
-        self._lock = threading.Lock()
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            for piece in re.split(r"(\r\n|\r|\n)", text):
-                if piece in ("\n", "\r\n"):
-                    self._lines.append("")
-                    self._return = False
-                elif piece == "\r":
-                    self._return = True  # the next text overwrites this line (a redraw)
-                elif piece:
-                    if self._return:
-                        self._lines[-1], self._return = "", False
-                    self._lines[-1] += piece
-            del self._lines[: -self.max_lines]
-            self.output.outputs = (
-                {"output_type": "stream", "name": "stdout", "text": "\n".join(self._lines)},
-            )
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def clear(self) -> None:
-        with self._lock:
-            self._lines, self._return = [""], False
-            self.output.outputs = ()
-
-    def getvalue(self) -> str:
-        return "\n".join(self._lines)
 
 
 class LaunchPanel(widgets.VBox):
@@ -122,12 +67,15 @@ class LaunchPanel(widgets.VBox):
         launcher_kwargs: extra keyword arguments for ``notebook_launcher`` (e.g. ``output``,
             ``return_all_ranks``); the seam the live view plugs into.
         pool: a warm :class:`~nbaccel.WorkerPool`: Launch runs the function on its
-            workers (``pool.run``) instead of starting new ones; the pool's own settings
+            workers (``pool.call``) instead of starting new ones; the pool's own settings
             apply, the controls are not used for the run.
 
     Attributes:
         controls: ``{field: widget}`` for every LaunchConfig field.
-        messages: ``{field: HTML}`` where a field's problem is shown.
+        messages: ``{field: HTML}`` where a field's problem (red) or advice (orange) is shown.
+        background: the "in the background" checkbox the Launch button follows.
+        handle: the last launch's ``LaunchHandle`` (None before the first).
+        result: the last run's value (after a background run: once it ended).
         output: the ``Output`` area where the run's per-rank output appears.
         sink: the :class:`OutputSink` that writes the workers' lines into ``output``
             (passed as ``output=`` to the launcher unless ``launcher_kwargs`` has one).
@@ -151,6 +99,8 @@ class LaunchPanel(widgets.VBox):
         self.pool = pool
         self.hardware = hardware or detect_hardware()
         self.result: Any = None
+        self.handle: Any = None  # the last launch's LaunchHandle
+        self._running = False  # a background launch from the button is going on
         note = ""
         if config is None:
             try:
@@ -168,7 +118,7 @@ class LaunchPanel(widgets.VBox):
         self.messages: dict[str, widgets.HTML] = {}
         self.rows: dict[str, widgets.HBox] = {}
         for name in field_names():
-            self.controls[name] = self._make_control(name, getattr(config, name))
+            self.controls[name] = make_control(name, getattr(config, name), hardware=self.hardware)
             self.messages[name] = widgets.HTML(layout=widgets.Layout(margin="0 0 0 12px"))
             self.rows[name] = widgets.HBox([self.controls[name], self.messages[name]])
         self.launch_button = widgets.Button(
@@ -179,6 +129,12 @@ class LaunchPanel(widgets.VBox):
         )
         self.save_button = widgets.Button(
             description="Save as default", icon="save", tooltip=str(default_config_path())
+        )
+        self.background = widgets.Checkbox(
+            value=True,
+            description="in the background",
+            indent=False,  # no tooltip: a Checkbox has none in ipywidgets 7.7 (Colab)
+            layout=widgets.Layout(width="auto"),
         )
         self.status = widgets.HTML(html.escape(note))
         self.output = widgets.Output(
@@ -200,7 +156,7 @@ class LaunchPanel(widgets.VBox):
                     f" &middot; {html.escape(self.host.label)}"
                 ),
                 *self.rows.values(),
-                widgets.HBox([self.launch_button, self.save_button, self.status]),
+                widgets.HBox([self.launch_button, self.background, self.save_button, self.status]),
                 self.monitor.widget,
                 self.output,
             ]
@@ -209,32 +165,6 @@ class LaunchPanel(widgets.VBox):
         self._refresh()
 
     # ------------------------------------------------------------------ building
-    def _make_control(self, name: str, value: Any) -> widgets.ValueWidget:
-        kind, choices = field_kind(name)
-        common: dict[str, Any] = {
-            "description": _label(name),
-            **tooltip_kwargs(field_help().get(name, "")),
-            "style": _STYLE,
-            "layout": widgets.Layout(width=_ROW_WIDTH),
-        }
-        if name == "mixed_precision" and choices:  # what the GPUs run natively (T4: no bf16)
-            choices = precision_choices(self.hardware, choices, value)
-        if choices:
-            return widgets.Dropdown(options=list(choices), value=value, **common)
-        if kind is bool:
-            return widgets.Checkbox(value=bool(value), indent=True, **common)
-        if kind is int:
-            minimum = INT_MINIMUMS.get(name, 0)
-            maximum = _INT_MAXIMUMS.get(name, _SANE_MAX)
-            if value is None:  # master_port: shown only for several nodes, where it is required
-                value = 29500
-            return widgets.BoundedIntText(value=value, min=minimum, max=maximum, **common)
-        if kind is float:  # timeout; 0 means "no timeout"
-            common["description"] = f"{_label(name)} (s, 0 = none)"
-            return widgets.BoundedFloatText(value=value or 0.0, min=0.0, max=1e7, **common)
-        placeholder = "all" if name == "gpu_ids" else "none"
-        return widgets.Text(value=value or "", placeholder=placeholder, **common)
-
     # ------------------------------------------------------------------ state
     def _values(self) -> dict[str, Any]:
         values = {name: control.value for name, control in self.controls.items()}
@@ -276,6 +206,27 @@ class LaunchPanel(widgets.VBox):
             found["strategy"] = "fsdp shards across processes: use 2 or more processes."
         return found
 
+    def warnings(self) -> dict[str, str]:
+        """``{field: advice}`` for settings that work but cost speed (shown, not blocking)."""
+        try:
+            cfg = self.config
+        except ConfigError:
+            return {}
+        processes, hw = cfg.num_processes or 1, self.hardware
+        on_cpu = cfg.compute_device == "cpu" or (cfg.compute_device == "auto" and hw.kind == "cpu")
+        if on_cpu and processes > hw.cpu_count:
+            return {
+                "num_processes": f"{processes} processes on {hw.cpu_count} CPU core(s) here: "
+                f"they share cores and train slower than {hw.cpu_count} would."
+            }
+        on_tpu = cfg.compute_device == "tpu" or (cfg.compute_device == "auto" and hw.kind == "tpu")
+        if on_tpu and processes > hw.device_count:
+            return {
+                "num_processes": f"{processes} processes for {hw.device_count} TPU core(s) "
+                f"seen here: use at most {hw.device_count}."
+            }
+        return {}
+
     def _refresh(self) -> None:
         nodes = self.controls["num_nodes"].value
         rank = self.controls["node_rank"]
@@ -290,13 +241,15 @@ class LaunchPanel(widgets.VBox):
         for name in self.rows:
             if name.startswith("fsdp_"):
                 self.rows[name].layout.display = None if fsdp else "none"
-        found = self.problems()
+        found, advice = self.problems(), self.warnings()
         for name, message in self.messages.items():
-            text = found.get(name, "")
-            message.value = (
-                f"<span style='color:#c62828'>{html.escape(text)}</span>" if text else ""
+            text, color = (
+                (found[name], "#c62828") if name in found else (advice.get(name), "#e65100")
             )
-        self.launch_button.disabled = bool(found)
+            message.value = (
+                f"<span style='color:{color}'>{html.escape(text)}</span>" if text else ""
+            )
+        self.launch_button.disabled = bool(found) or self._running
         self.launch_button.tooltip = "; ".join(found.values()) or "Run on all processes"
         if "" in found:
             self.status.value = f"<span style='color:#c62828'>{html.escape(found[''])}</span>"
@@ -345,9 +298,10 @@ class LaunchPanel(widgets.VBox):
                         self.training_function, self.args, config=cfg, block=False, **options
                     )
             self.monitor.attach(handle)
+            self.handle = handle
             if not block:
                 self.result = handle
-                self.status.value = "Started; running in the background."
+                self.status.value = "Started; running in the background (the kernel is free)."
                 return handle
             try:
                 self.result = handle.result()
@@ -366,9 +320,33 @@ class LaunchPanel(widgets.VBox):
 
     def _on_launch_click(self) -> None:
         try:
-            self.launch()
+            if not self.background.value:
+                self.launch()
+                return
+            handle = self.launch(block=False)  # the kernel is free again at once
         except Exception as err:  # show it; an exception in a callback is lost in the browser
             self.sink.write("".join(traceback.format_exception_only(type(err), err)))
+            return
+        self._running = True
+        self._refresh()  # Launch stays disabled until the run ends
+        waiter = threading.Thread(
+            target=self._await, args=(handle,), name="nbaccel-panel-run", daemon=True
+        )
+        waiter.start()
+
+    def _await(self, handle: Any) -> None:
+        """A background run from the button: its outcome in the status, its error in the output."""
+        try:
+            self.result = handle.result()
+            self.status.value = "Finished."
+        except BaseException as err:
+            self.status.value = (
+                f"<span style='color:#c62828'>Failed: {html.escape(type(err).__name__)}</span>"
+            )
+            self.sink.write("".join(traceback.format_exception_only(type(err), err)))
+        finally:
+            self._running = False
+            self._refresh()
 
     def _on_save_click(self) -> None:
         try:

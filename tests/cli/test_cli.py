@@ -141,6 +141,11 @@ def test_questionnaire_through_a_pseudo_terminal(cli_env):
         rejected()
         answer("timeout", "60")
         answer("debug", "yes")
+        answer("hang_after", "-1")
+        rejected()
+        answer("hang_after", "600")
+        answer("on_hang", "")
+        answer("debug_collectives", "")
         answer("strategy", "fsdp")  # the FSDP options are asked only after choosing fsdp
         answer("fsdp_auto_wrap_policy", "size_wrap")
         rejected()
@@ -168,6 +173,7 @@ def test_questionnaire_through_a_pseudo_terminal(cli_env):
         start_method="spawn",
         timeout=60.0,
         debug=True,
+        hang_after=600.0,
         strategy="fsdp",
         fsdp_auto_wrap_policy="size_based_wrap",
         fsdp_min_num_params=1_000_000,

@@ -321,3 +321,29 @@ def test_a_cell_on_some_ranks_that_enters_a_collective_fails_naming_it(capsys):
         assert "restarted" in capsys.readouterr().err  # rank 0 could not leave the collective
         assert pool.exec_cell("1 + 1", ranks=[0]) == 2  # no collective: fine on a subset
         assert pool.call(_rank, return_all_ranks=True) == [0, 1]
+
+
+def nap_on_rank_one(seconds: float) -> int:
+    if _rank() == 1:
+        time.sleep(seconds)
+    return _rank()
+
+
+@pytest.mark.timeout(120)
+def test_stacks_of_a_background_call_from_another_thread(pool):
+    """pool.stacks() (the live monitor's "where are the ranks?") asks the workers over their
+    channels while the call's own thread reads them; idle workers have no call to show."""
+    assert pool.stacks() == {0: "(idle)", 1: "(idle)"}
+    handle = pool.call(nap_on_rank_one, (30.0,), block=False)
+    try:
+        deadline = time.monotonic() + 60
+        stacks: dict[int, str] = {}
+        while "time.sleep(seconds)" not in stacks.get(1, "") and time.monotonic() < deadline:
+            stacks = pool.stacks()
+            time.sleep(0.2)
+        assert "in nap_on_rank_one" in stacks[1] and "time.sleep(seconds)" in stacks[1], stacks
+        assert os.path.join("nbaccel", "launch") not in stacks[1], stacks  # the user's frames
+    finally:
+        handle.stop()
+    assert pool.run(_rank) == 0  # the pool goes on
+    assert pool.stacks([1]) == {1: "(idle)"}

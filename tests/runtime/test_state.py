@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 
 import pytest
 import torch
@@ -108,7 +107,6 @@ def test_failed_rendezvous_raises_launch_error_naming_address_and_fix(monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")  # the second process never comes
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    started = time.monotonic()
     with pytest.raises(LaunchError) as info:
         if timeout_from == "NBACCEL_TIMEOUT":
             monkeypatch.setenv("NBACCEL_TIMEOUT", "1")
@@ -116,7 +114,6 @@ def test_failed_rendezvous_raises_launch_error_naming_address_and_fix(monkeypatc
         else:
             one_second = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=1))
             Accelerator(kwargs_handlers=[one_second])
-    assert time.monotonic() - started < 30
     message = str(info.value)
     assert f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}" in message and "timeout 1s" in message
     assert "Fix:" in message and "NBACCEL_TIMEOUT" in message

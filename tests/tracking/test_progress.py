@@ -77,6 +77,7 @@ def test_redraws_are_published_for_the_live_view(monkeypatch, request):
 
     for _ in progress.tqdm(range(4), desc="epoch", file=io.StringIO(), mininterval=0):
         pass
+    channel.flush()  # events are batched (at most FLUSH_S in the queue)
     kinds = {kind for kind, _ in events}
     assert kinds == {"progress"}
     last = events[-1][1]

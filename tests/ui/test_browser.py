@@ -32,6 +32,7 @@ import psutil
 import pytest
 
 from nbaccel.launch.testing import find_free_port
+from nbaccel.platform.environment import cpu_count
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -71,13 +72,69 @@ def train(greeting):
     from nbaccel import Accelerator, tqdm
     accelerator = Accelerator()
     for _ in tqdm(range(20), desc="steps"):
-        time.sleep(0.02)
+        time.sleep(0.1)
     print(f"{greeting} from rank {accelerator.process_index} of {accelerator.num_processes}")
     return accelerator.process_index
 
 panel = LaunchPanel(train, args=("hello",))
 panel
 """
+
+
+MONITOR_SETUP = """\
+import time
+import torch
+from tqdm.auto import tqdm
+from nbaccel import Accelerator, notebook_launcher
+from nbaccel.monitor import watch
+
+def train(steps):
+    accelerator = Accelerator()
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for step in tqdm(range(steps), desc="train"):
+        loss = (model(torch.randn(16, 8)) - 1).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.log({"loss": loss.item()}, step=step)
+        if step % 10 == 0:
+            print(f"step {step} loss {loss.item():.3f}", flush=True)
+        time.sleep(0.1)
+    print("training done", flush=True)
+"""
+MONITOR_CELLS = (
+    MONITOR_SETUP,
+    "handle = notebook_launcher(train, args=(80,), num_processes=2, block=False)\n"
+    "monitor = watch(handle)",
+    "x = 1 + 1\nx",  # run while the first launch trains
+    "handle2 = notebook_launcher(train, args=(30,), num_processes=2, block=False)",  # no monitor
+    "y = 40 + 2\ny",  # run while the second launch trains
+)
+
+
+# Visible labels whose text overflows their box, and dropdown choices wider than their
+# select (text width + padding + the arrow): what a user sees cut off ("fsdp reshard
+# after f...", "SHARDED_STATE_DI").
+CUT_OFF_JS = """(root) => {
+  const cut = [];
+  for (const el of root.querySelectorAll('.widget-label, label')) {
+    if (el.offsetParent === null || !el.textContent.trim()) continue;
+    if (el.scrollWidth > el.clientWidth + 1) cut.push(el.textContent);
+  }
+  const ctx = document.createElement('canvas').getContext('2d');
+  for (const sel of root.querySelectorAll('select')) {
+    if (sel.offsetParent === null) continue;
+    const style = getComputedStyle(sel);
+    ctx.font = `${style.fontWeight} ${style.fontSize} ${style.fontFamily}`;
+    const room = sel.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    for (const opt of sel.options) {
+      if (ctx.measureText(opt.text).width > room) cut.push(opt.text);
+    }
+  }
+  return cut;
+}"""
 
 
 def _require_browser(ui: str) -> None:
@@ -91,7 +148,7 @@ def _require_browser(ui: str) -> None:
         pytest.skip(f"{UIS[ui].module} is not installed: run `bash scripts/setup_browser.sh`")
 
 
-def _write_notebook(path: Path) -> None:
+def _write_notebook(path: Path, *cells: str) -> None:
     import nbformat
 
     nb = nbformat.v4.new_notebook()
@@ -100,7 +157,7 @@ def _write_notebook(path: Path) -> None:
         "display_name": "Python 3",
         "language": "python",
     }
-    nb.cells.append(nbformat.v4.new_code_cell(PANEL_CELL))
+    nb.cells.extend(nbformat.v4.new_code_cell(cell) for cell in cells or (PANEL_CELL,))
     nbformat.write(nb, path)
 
 
@@ -153,6 +210,7 @@ def lab(tmp_path, ui):
     root = tmp_path / "root"
     root.mkdir()
     _write_notebook(root / "panel.ipynb")
+    _write_notebook(root / "monitor.ipynb", *MONITOR_CELLS)
     config_dir = tmp_path / "jupyter-config"
     (config_dir / "labconfig").mkdir(parents=True)
     # No "get Jupyter news?" toast over the notebook.
@@ -248,6 +306,17 @@ def test_launch_panel_in_browser(lab, tmp_path, ui):
                 "input"
             )
             expect(processes).to_have_value("1")
+            # more processes than cores: a warning next to the field, Launch stays possible
+            cores = cpu_count()
+            processes.fill(str(cores + 1))
+            processes.press("Enter")
+            expect(panel).to_contain_text(f"{cores + 1} processes on {cores} CPU core(s)")
+            # every label and choice shows whole, FSDP's too (they were cut off)
+            strategy = panel.locator(".widget-inline-hbox", has_text="strategy").locator("select")
+            strategy.first.select_option("fsdp")
+            expect(panel).to_contain_text("fsdp reshard after forward")
+            assert panel.evaluate(CUT_OFF_JS) == []
+            strategy.first.select_option("ddp")
             processes.fill("2")
             processes.press("Enter")
             launch = panel.get_by_role("button", name="Launch")
@@ -255,6 +324,10 @@ def test_launch_panel_in_browser(lab, tmp_path, ui):
             expect(panel.get_by_role("button", name="Save as default")).to_be_visible()
             expect(launch).to_be_enabled()
             launch.click()
+            # in the background: the kernel is free while the workers train
+            expect(panel).to_contain_text("running in the background", timeout=120_000)
+            expect(panel.locator(".nbaccel-run-monitor table")).to_contain_text("running")
+            assert _idle_kernels(base, token) == 1
 
             output = panel.locator(".widget-output")
             expect(output).to_contain_text("[rank0] hello from rank 0 of 2", timeout=120_000)
@@ -280,3 +353,77 @@ def test_launch_panel_in_browser(lab, tmp_path, ui):
     assert not leftovers, f"processes left after JupyterLab stopped: {leftovers}"
     assert server.returncode is not None
     print(f"browser test body ({ui}) took {time.monotonic() - started:.1f}s")
+
+
+def _run_cell(page, index: int) -> None:
+    page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def _outputs(page, index: int):
+    return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea-output")
+
+
+@pytest.mark.parametrize("ui", ["jupyterlab"])
+def test_monitor_charts_live_and_output_stays_in_its_cell(lab, tmp_path, ui):
+    """Issue 28 in JupyterLab: the live chart draws and updates; the final chart stays as an
+    image; a cell run during a background launch shows none of the launch's output; the
+    progress bar is never a stderr line."""
+    from playwright.sync_api import expect, sync_playwright
+
+    base, token, server = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            user_data_dir=str(tmp_path / "chromium-profile"),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1200, "height": 1400},
+        )
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.goto(f"{base}/lab/tree/monitor.ipynb?token={token}")
+            page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+            _wait_for_idle_kernel(page, base, token)
+            _run_cell(page, 0)
+            _run_cell(page, 1)
+            monitor = page.locator(".jp-OutputArea-output .nbaccel-run-monitor")
+            line = monitor.locator("svg.nbaccel-charts polyline[data-rank='1']")
+            line.wait_for(timeout=120_000)  # drawn live, from the widget
+            before = line.get_attribute("points")
+            page.wait_for_function(  # and redrawn as the workers log
+                "before => { const p = document.querySelector("
+                "\".nbaccel-run-monitor svg.nbaccel-charts polyline[data-rank='1']\");"
+                " return p && p.getAttribute('points') !== before; }",
+                arg=before,
+                timeout=30_000,
+            )
+            assert monitor.locator("svg [data-metric='loss']").count() == 1
+            _run_cell(page, 2)  # while the workers train
+            expect(_outputs(page, 2)).to_have_text("2", timeout=30_000)
+            expect(monitor.locator("table")).to_contain_text("running")  # still going
+            # the end: the final chart stays in the launching cell as an image
+            image = _outputs(page, 1).locator("img")
+            expect(image).to_have_count(1, timeout=120_000)
+            expect(monitor.locator("table")).to_contain_text("finished")
+            expect(monitor.locator(".nbaccel-log")).to_contain_text("[rank1] training done")
+            page.screenshot(path=str(ARTIFACTS / "monitor_jupyterlab.png"), full_page=True)
+
+            _run_cell(page, 3)  # a background launch without a monitor
+            _run_cell(page, 4)
+            expect(_outputs(page, 4)).to_have_text("42", timeout=30_000)
+            expect(_outputs(page, 3)).to_contain_text(["[rank0] training done"], timeout=120_000)
+            expect(_outputs(page, 3).filter(has_text="train: 100%")).to_have_count(1)
+
+            for index in (2, 4):  # none of the runs' output in the cells run meanwhile
+                expect(_outputs(page, index)).to_have_count(1)
+                assert "rank" not in _outputs(page, index).first.inner_text()
+            stderr = page.locator(
+                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+            )
+            assert stderr.filter(has_text="train:").count() == 0  # bars are not stderr lines
+            page.screenshot(path=str(ARTIFACTS / "monitor_jupyterlab_end.png"), full_page=True)
+        finally:
+            context.close()
+    _stop_server(base, token, server)

@@ -190,7 +190,7 @@ class FakeHandle:
         self.listeners: list = []
         self.ranks = {0: {"state": "running", "step": 0, "scalars": {}}}
 
-    def add_listener(self, callback):
+    def add_listener(self, callback, *, replay=False):
         self.listeners.append(callback)
         return callback
 
@@ -225,6 +225,7 @@ def test_launch_button_calls_the_launcher_with_the_panels_config(monkeypatch):
     panel = LaunchPanel(train, args=(7,), hardware=CPU, launcher_kwargs={"return_all_ranks": True})
     panel.controls["num_processes"].value = 2
     panel.controls["compute_device"].value = "cpu"
+    panel.background.value = False  # the button waits for the result (the kernel is busy)
     panel.launch_button.click()
     (function, args, kwargs) = calls[0]
     assert function is train and args == (7,)
@@ -240,6 +241,87 @@ def test_launch_button_calls_the_launcher_with_the_panels_config(monkeypatch):
     assert panel.launch() == "result" and len(calls) == 2
     handle = panel.launch(block=False)  # returns the LaunchHandle at once
     assert isinstance(handle, FakeHandle) and "background" in panel.status.value
+
+
+class SlowHandle(FakeHandle):
+    """A run that goes on until the test lets it finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.release = threading.Event()
+
+    def result(self, timeout=None):
+        assert self.release.wait(30)
+        if self.ranks.get("fail"):
+            raise ValueError("rank 1 failed")
+        return super().result(timeout)
+
+
+def test_launch_button_runs_in_the_background_by_default(monkeypatch):
+    import time
+
+    import nbaccel.launch.launcher
+
+    handles = []
+
+    def fake_launcher(function, args=(), **kwargs):
+        handles.append(SlowHandle())
+        return handles[-1]
+
+    monkeypatch.setattr(nbaccel.launch.launcher, "notebook_launcher", fake_launcher)
+    panel = LaunchPanel(train, hardware=CPU)
+    assert panel.background.value is True
+    start = time.monotonic()
+    panel.launch_button.click()  # returns at once: the kernel stays free
+    assert time.monotonic() - start < 10 and panel.handle is handles[0]
+    assert "background" in panel.status.value and panel.launch_button.disabled
+    handles[0].release.set()
+    deadline = time.monotonic() + 10
+    while panel.result != "result" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert panel.result == "result" and "Finished" in panel.status.value
+    assert not panel.launch_button.disabled
+    assert "finished" in panel.monitor.text()
+    panel.launch_button.click()  # a failing run: its error in the output area
+    handles[1].ranks["fail"] = True
+    handles[1].release.set()
+    deadline = time.monotonic() + 10
+    while "Failed" not in panel.status.value and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "ValueError" in panel.status.value and "rank 1 failed" in panel.sink.getvalue()
+    assert not panel.launch_button.disabled
+
+
+def test_more_processes_than_cores_or_tpu_cores_is_a_warning():
+    two_cores = Hardware("cpu", 0, (), 2)
+    panel = LaunchPanel(train, hardware=two_cores, config=LaunchConfig(num_processes=2))
+    assert panel.warnings() == {} and panel.messages["num_processes"].value == ""
+    panel.controls["num_processes"].value = 3
+    assert "3 processes on 2 CPU core(s)" in panel.messages["num_processes"].value
+    assert "#e65100" in panel.messages["num_processes"].value  # advice, not an error
+    assert not panel.launch_button.disabled
+    tpu = LaunchPanel(
+        train, hardware=Hardware("tpu", 4, (), 96), config=LaunchConfig(num_processes=8)
+    )
+    assert "8 processes for 4 TPU core(s)" in tpu.warnings()["num_processes"]
+    gpus = LaunchPanel(train, hardware=GPUS, config=LaunchConfig(num_processes=3))
+    assert "only 2 GPU(s)" in gpus.messages["num_processes"].value  # an error there
+    assert gpus.launch_button.disabled
+
+
+def test_every_label_and_choice_fits_its_control():
+    from nbaccel.ui._panel_parts import LABEL_CH, VALUE_CH, label
+
+    panel = LaunchPanel(train, hardware=CPU)
+    for name, control in panel.controls.items():
+        assert control.description == label(name)
+        assert len(control.description) + 2 <= LABEL_CH
+        assert control.style.description_width == f"{LABEL_CH}ch"
+        assert control.layout.width == f"{LABEL_CH + VALUE_CH}ch"
+        for choice in getattr(control, "options", ()):
+            assert len(str(choice)) + 4 <= VALUE_CH  # room for the dropdown's arrow
 
 
 def test_launch_failure_is_shown_in_the_output_area(monkeypatch):

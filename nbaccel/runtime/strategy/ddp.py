@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ...platform import torchcompat
 from .base import SingleProcess
 
 
@@ -30,6 +31,7 @@ class DDP(SingleProcess):
             return model
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (a frozen teacher, a metric module)
+        torchcompat.check_ddp_debug_level()  # an error, not torch's crash
         kwargs = dict(ddp_kwargs or {})
         device = self.state.device
         if device.type == "cuda":

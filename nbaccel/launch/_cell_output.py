@@ -1,0 +1,203 @@
+"""Keep a run's output in the notebook cell that started it, whatever cell runs later.
+
+ipykernel sends ``sys.stdout`` writes with the parent header of the request it is
+executing *now* (ipykernel 7: a per-thread value falling back to the global one, which
+is the current cell's; 6.x: the global one), so the output of a background run moved
+into whichever cell ran next. Front ends route output by its parent header, and keep
+routing late messages of a finished cell to that cell (JupyterLab, Notebook 7, VS Code,
+Colab). So :meth:`CellOutput.here` captures the launching request's parent header, and
+everything the run shows later is sent on the kernel's IOPub socket with that parent:
+
+* ``stream`` messages (the workers' lines, through :meth:`CellOutput.streams`, two
+  file-like objects the line forwarder writes to), batched every :data:`FLUSH_S`;
+* a carriage-return redraw (a worker's text progress bar) is not a stream line: it is a
+  ``display_data`` output updated in place (``update_display_data``), one per bar;
+* any other display (the live monitor's final chart) with :meth:`CellOutput.display`.
+
+A listener (:meth:`CellOutput.set_listener`, used by the live monitor) takes the lines
+and redraws instead of the cell. ``kernel.iopub_socket`` is ipykernel's thread-safe
+background socket (every send is queued to its IO thread), in ipykernel 6 and 7 alike.
+
+Example:
+    >>> CellOutput.here() is None  # not in a notebook kernel: nothing to capture
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+#: Seconds between two stream messages (a busy run's lines are batched, as ipykernel does).
+FLUSH_S = 0.1
+
+#: ``callback(kind, stream, text)``: kind is "line" (whole lines, prefixed and ending in a
+#: newline), "redraw" (a progress bar's new state) or "redraw-end" (its last state).
+OutputListener = Callable[[str, str, str], Any]
+
+
+def _kernel() -> Any:
+    """The running ipykernel kernel object, if this process is one (not a forked child)."""
+    if "IPython" not in sys.modules:
+        return None
+    from ..platform.environment import in_kernel_process
+
+    if not in_kernel_process():
+        return None
+    shell = sys.modules["IPython"].get_ipython()
+    kernel = getattr(shell, "kernel", None)
+    if getattr(kernel, "session", None) is None or getattr(kernel, "iopub_socket", None) is None:
+        return None
+    return kernel
+
+
+def _parent(kernel: Any) -> dict[str, Any] | None:
+    get_parent = getattr(kernel, "get_parent", None)  # ipykernel >= 6
+    parent = (
+        get_parent("shell") if callable(get_parent) else getattr(kernel, "_parent_header", None)
+    )
+    if not parent or not parent.get("header"):
+        return None
+    return dict(parent)
+
+
+class CellOutput:
+    """Where one run's output goes: the cell that started it (see the module docstring).
+
+    Args:
+        kernel: the ipykernel kernel (its ``session`` and ``iopub_socket`` are used).
+        parent: the launching request's message (its header becomes the parent header).
+    """
+
+    def __init__(self, kernel: Any, parent: dict[str, Any]) -> None:
+        self._session = kernel.session
+        self._socket = kernel.iopub_socket
+        self.parent = parent
+        self._lock = threading.RLock()
+        self._pending: dict[str, list[str]] = {}
+        self._timer: threading.Timer | None = None
+        self._bars: dict[tuple[str, int], str] = {}  # (stream, rank) -> display id
+        self._listener: OutputListener | None = None
+
+    @classmethod
+    def here(cls) -> CellOutput | None:
+        """The cell being executed now, or None outside a notebook kernel's request."""
+        kernel = _kernel()
+        parent = _parent(kernel) if kernel is not None else None
+        if parent is None:
+            return None
+        for stream in (sys.stdout, sys.stderr):  # what the cell printed so far comes first
+            with contextlib.suppress(Exception):
+                stream.flush()
+        return cls(kernel, parent)
+
+    # ------------------------------------------------------------------ sending
+    def send(self, msg_type: str, content: dict[str, Any]) -> None:
+        """Send one IOPub message as output of the captured cell (never raises)."""
+        topic = f"stream.{content.get('name')}" if msg_type == "stream" else msg_type
+        with contextlib.suppress(Exception):  # a closed kernel must not break the run
+            self._session.send(
+                self._socket, msg_type, content, parent=self.parent, ident=topic.encode()
+            )
+
+    def display(
+        self,
+        data: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        *,
+        display_id: str | None = None,
+    ) -> None:
+        """Add a ``display_data`` output to the cell (``display_id``: update it later)."""
+        self.flush()  # after the text written before it
+        content: dict[str, Any] = {"data": data, "metadata": metadata or {}}
+        if display_id is not None:
+            content["transient"] = {"display_id": display_id}
+        self.send("display_data", content)
+
+    def update(self, display_id: str, data: dict[str, Any]) -> None:
+        """Replace the output shown by :meth:`display` with ``display_id``."""
+        content = {"data": data, "metadata": {}, "transient": {"display_id": display_id}}
+        self.send("update_display_data", content)
+
+    # ------------------------------------------------------------------ streams
+    def write(self, name: str, text: str) -> None:
+        """Queue stream text (sent within :data:`FLUSH_S`) or hand it to the listener."""
+        if not text:
+            return
+        listener = self._listener
+        if listener is not None:
+            listener("line", name, text)
+            return
+        with self._lock:
+            self._pending.setdefault(name, []).append(text)
+            if self._timer is None:
+                self._timer = threading.Timer(FLUSH_S, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Send the queued stream text now."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            timer, self._timer = self._timer, None
+            if timer is not None:
+                timer.cancel()
+            for name, pieces in pending.items():
+                self.send("stream", {"name": name, "text": "".join(pieces)})
+
+    def redraw(self, name: str, rank: int, text: str, done: bool) -> None:
+        """Show a progress bar's new state in place (``done``: its last one)."""
+        listener = self._listener
+        if listener is not None:
+            listener("redraw-end" if done else "redraw", name, text)
+            return
+        with self._lock:
+            key = (name, rank)
+            display_id = self._bars.get(key)
+            if display_id is None:
+                display_id = self._bars[key] = uuid.uuid4().hex
+                self.display({"text/plain": text}, display_id=display_id)
+            else:
+                self.update(display_id, {"text/plain": text})
+            if done:
+                del self._bars[key]
+
+    def set_listener(self, listener: OutputListener | None) -> None:
+        """Send lines and redraws to ``listener`` instead of the cell (None: the cell again)."""
+        self.flush()
+        self._listener = listener
+
+    def streams(self) -> tuple[CellStream, CellStream]:
+        """File-like ``(stdout, stderr)`` writing into this cell."""
+        return CellStream(self, "stdout"), CellStream(self, "stderr")
+
+
+class CellStream:
+    """A file-like stream into a :class:`CellOutput` (what the line forwarder writes to).
+
+    Besides ``write``/``flush`` it has ``redraw(rank, text, done)``: the line forwarder
+    hands carriage-return redraws to it instead of writing them as lines.
+    """
+
+    def __init__(self, cell: CellOutput, name: str) -> None:
+        self.cell, self.name = cell, name
+
+    def write(self, text: str) -> int:
+        self.cell.write(self.name, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.cell.flush()
+
+    def redraw(self, rank: int, text: str, done: bool) -> None:
+        self.cell.redraw(self.name, rank, text, done)
+
+    def isatty(self) -> bool:
+        return False
+
+
+__all__ = ["FLUSH_S", "CellOutput", "CellStream", "OutputListener"]

@@ -1,0 +1,284 @@
+"""Kernel side of post-mortem debugging: which failed job's ranks can still be debugged.
+
+The supervisor takes a :class:`FailedJob` snapshot when a job fails on workers that keep
+their traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s): the failed
+ranks, and where each other rank was at that moment (its stack, asked over its channel
+before it is interrupted or terminated). The pool or the launcher then hands it to
+:func:`remember` with the group of workers while one can still serve a session, and says
+when it is gone (the pool's next call or close; a launch's lingering rank leaving). When
+only the kernel's debugging holds a failed rank (a debug=True launch, or a pool that
+replaced its workers), a thread ends it after its session, at ``debug_timeout``, or when
+the pool moves on. The last failure in this kernel is what :func:`nbaccel.debug` opens.
+
+Example:
+    >>> last() is None or isinstance(last(), FailedJob)
+    True
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._failures import Failure, signal_name
+
+# The supervisor imports this module, so its type is spelled here by name only.
+Supervisor = Any
+WorkerProcess = Any
+
+LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
+LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session
+DEBUG_TIMEOUT = 600.0  # seconds a failed rank waits for nbaccel.debug() (see launcher)
+
+
+FINISHED = "had finished the job"
+
+
+@dataclass
+class FailedJob:
+    """One failed job as ``nbaccel.debug()`` sees it."""
+
+    failures: dict[int, Failure]  # every rank that failed, by rank
+    first: int  # the first real failure's rank: debug()'s default
+    others: dict[int, str]  # every other rank of the job when it failed: stack or what it did
+    origin: str = "pool"  # "pool" or "notebook_launcher"
+    group: Supervisor | None = None  # the workers, while a session is possible
+    gone: str | None = None  # why no session is possible any more
+    still_there: Callable[[], str | None] = lambda: None  # the owner's word (pool closed...)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one session at a time
+    deadline: float | None = None  # monotonic time a launch's failed ranks leave
+    owner: int | None = None  # id() of the pool whose call failed
+    gone_ranks: set[int] = field(default_factory=set)  # ranks let go after their session
+
+    @classmethod
+    def at_failure(
+        cls,
+        group: Supervisor,
+        problems: list[Failure],
+        chosen: Failure,
+        procs: list[WorkerProcess],
+        finished: set[int],
+    ) -> FailedJob:
+        """The snapshot, taken by the supervisor as the job fails."""
+        failed = {f.rank: f for f in problems}
+        running = [p.rank for p in procs if p.rank not in {*failed, *finished} and p.poll() is None]
+        stacks = group.stacks(running) if running else {}
+        others = {}
+        for proc in procs:
+            rank = proc.rank
+            if rank in failed and rank != chosen.rank:
+                others[rank] = f"failed too ({failed[rank].summary()})"
+            elif rank in stacks:
+                others[rank] = stacks[rank] or "(no Python frames of its own)"
+            elif rank in finished:
+                others[rank] = FINISHED
+        return cls(failed, chosen.rank, others)
+
+    def holding(self) -> list[int]:
+        """Ranks whose worker kept a traceback (failed with an exception)."""
+        return sorted(r for r, f in self.failures.items() if f.kind == "exception")
+
+    def unavailable(self, rank: int) -> str | None:
+        """Why no session on ``rank`` is possible (None: ask its worker)."""
+        failure = self.failures.get(rank)
+        if failure is not None and failure.kind == "signal":
+            hint = " (often the out-of-memory killer)" if failure.code == 9 else ""
+            return (
+                f"rank {rank} was killed by {signal_name(failure.code)}{hint}: a killed "
+                "process keeps nothing, so there is no traceback to debug. Its error message "
+                "(and stack, for a fatal error) is all there is."
+            )
+        if failure is not None and failure.kind == "exit":
+            return (
+                f"rank {rank} exited with code {failure.code} before its job ended: the "
+                "process is gone, so there is no traceback to debug."
+            )
+        if rank not in self.failures and rank not in self.others:
+            ranks = sorted({*self.failures, *self.others})
+            return f"rank {rank} did not run the failed job (its ranks: {ranks})."
+        if rank not in self.failures and self.others.get(rank) == FINISHED:
+            return (
+                f"rank {rank} did not fail (it had finished the job), so it holds no "
+                f"traceback; rank(s) {self.holding()} did: try nbaccel.debug({self.first})."
+            )
+        gone = self.gone or self.still_there()
+        if gone:
+            return f"no post-mortem session on rank {rank}: {gone}."
+        group = self.group
+        if group is None or rank not in group.procs or group.procs[rank].poll() is not None:
+            if self.origin == "pool" and rank in self.gone_ranks:
+                return (
+                    f"rank {rank}'s session ended and its worker, kept only for debugging "
+                    "after the pool restarted, was let go."
+                )
+            if self.origin == "pool":
+                return f"rank {rank}'s worker is gone."
+            if rank not in self.failures:
+                return (
+                    f"rank {rank} did not fail: notebook_launcher ended it when rank "
+                    f"{self.first} failed (only failed ranks stay for debugging). Try "
+                    f"nbaccel.debug({self.first})."
+                )
+            return (
+                f"rank {rank}'s worker has left: its session was quit, or no debugger came "
+                "within debug_timeout seconds of the failure."
+            )
+        return None
+
+
+_last: list[FailedJob] = []
+_held: dict[int, FailedJob] = {}  # failed jobs whose workers only the kernel's debug holds
+
+
+def last() -> FailedJob | None:
+    """The last failed job of this kernel (None: nothing failed yet)."""
+    return _last[0] if _last else None
+
+
+def remember(job: FailedJob) -> None:
+    """``job`` is the one ``debug()`` opens from now on; an earlier one is let go."""
+    for old in [*_last, *_held.values()]:
+        if old is not job:
+            old.gone = old.gone or "a later job failed since; nbaccel.debug() opens that one"
+            _let_go(old)
+    _last[:] = [job]
+
+
+def forget(owner: object, why: str) -> None:
+    """``owner`` (a pool) runs another call or closes: its failed job's tracebacks go."""
+    for job in [*_last, *_held.values()]:
+        if job.owner == id(owner):
+            job.gone = job.gone or why
+            _let_go(job)
+
+
+def after_launch(group: Supervisor, error: BaseException, timeout: float | None) -> bool:
+    """A launch failed for good (no restart follows). Remember it for ``nbaccel.debug()``;
+    True when the kernel keeps ``group`` (its failed ranks linger), which then ends it."""
+    job, group.post_mortem = group.post_mortem, None
+    if job is None:
+        rank = getattr(error, "rank", None)
+        if isinstance(rank, int) and not isinstance(error, KeyboardInterrupt):
+            why = (
+                "no rank raised an exception that could be kept (a hang, an interrupt, a "
+                "stop), so the launch ended every worker"
+                if timeout is not None
+                else "notebook_launcher ended every worker when the launch failed; run it "
+                "with debug=True to keep a failed rank for nbaccel.debug()"
+            )
+            remember(FailedJob({}, rank, {rank: ""}, "notebook_launcher", gone=why))
+        return False
+    job.origin = "notebook_launcher"
+    remember(job)
+    return _hold(job, group, set(job.holding()), timeout or 0.0)
+
+
+def after_pool_call(
+    owner: object,
+    group: Supervisor,
+    still_there: Callable[[], str | None],
+    *,
+    broken: bool,
+    port_fixed: bool,
+) -> set[int]:
+    """A pool call failed: remember its snapshot (if the supervisor took one). When the
+    pool replaces its workers (``broken``), return the failed ranks it must leave alive:
+    the kernel holds them (until the pool's next call or close, their session's end, or
+    ``DEBUG_TIMEOUT``). Not global rank 0 when the pool restarts on the same port: its
+    rendezvous store listens there."""
+    job, group.post_mortem = group.post_mortem, None
+    if job is None:
+        return set()
+    job.owner, job.group, job.still_there = id(owner), group, still_there
+    remember(job)
+    if not broken:
+        return set()
+    job.still_there = lambda: None  # the pool's next call or close lets it go (forget)
+    ranks = set(job.holding()) - ({0} if port_fixed else set())
+    return ranks if _hold(job, group, ranks, DEBUG_TIMEOUT) else set()
+
+
+def _hold(job: FailedJob, group: Supervisor, ranks: set[int], seconds: float) -> bool:
+    """Keep ``group`` for the live ones of ``ranks``; a thread ends it when they are gone."""
+    alive = [group.procs[r] for r in sorted(ranks) if group.procs[r].poll() is None]
+    if not alive:
+        return False
+    job.group, job.deadline = group, time.monotonic() + seconds
+    _held[id(job)] = job
+    if not _atexit_registered:
+        _register_atexit()
+    threading.Thread(
+        target=_watch, args=(job, group, alive), name="nbaccel-postmortem", daemon=True
+    ).start()
+    return True
+
+
+def release(job: FailedJob, rank: int) -> None:
+    """After ``rank``'s session (its debug() holds ``job.lock``): a held rank goes."""
+    group = job.group
+    if id(job) not in _held or group is None:
+        return
+    if job.origin == "notebook_launcher":
+        group.procs[rank].wait(LEAVE_WAIT)  # it leaves by itself once the session ended
+    group.terminate(spare=set(group.procs) - {rank})
+    job.gone_ranks.add(rank)
+    if all(group.procs[r].poll() is not None for r in job.holding() if r in group.procs):
+        _end(job, group)
+
+
+def _let_go(job: FailedJob) -> None:
+    if id(job) in _held and job.group is not None:
+        with job.lock:
+            _end(job, job.group)
+
+
+def _watch(job: FailedJob, group: Supervisor, lingering: list[WorkerProcess]) -> None:
+    """End a kept group once its failed ranks left, overstayed, or were let go."""
+    while id(job) in _held:
+        time.sleep(0.2)
+        with job.lock:  # never while a session runs on the group
+            done = all(p.poll() is not None for p in lingering)
+            late = job.deadline is not None and time.monotonic() > job.deadline + LINGER_GRACE
+            if (done or late) and id(job) in _held:
+                _end(job, group)
+
+
+def _end(job: FailedJob, group: Supervisor) -> None:
+    with contextlib.suppress(Exception):
+        group.terminate()
+        group.close()
+    job.group = None
+    _held.pop(id(job), None)
+
+
+_atexit_registered = False
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    _atexit_registered = True
+    atexit.register(_end_all)
+
+
+def _end_all() -> None:
+    """Kernel exit: no lingering rank outlives it (they would also see their channel end)."""
+    for job in list(_held.values()):
+        if job.group is not None:
+            _end(job, job.group)
+
+
+__all__ = [
+    "DEBUG_TIMEOUT",
+    "FailedJob",
+    "after_launch",
+    "after_pool_call",
+    "forget",
+    "last",
+    "release",
+    "remember",
+]

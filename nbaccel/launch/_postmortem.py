@@ -1,0 +1,178 @@
+"""Worker side of post-mortem debugging: keep a failed job's traceback, serve pdb on it.
+
+When a job raises, the worker keeps the exception (its traceback holds every frame and
+their locals) until the next job, or until it leaves. A ``("debug", sid)`` message opens
+stdlib :class:`pdb.Pdb`'s post-mortem on it, in the worker's main thread, with its stdin
+and stdout (and, for the session, ``sys.stdin``/``sys.stdout``/``sys.stderr``: what
+``!print(x)`` or ``interact`` write) wired to the channel:
+
+* whatever pdb wrote is sent when it waits for a line, as ``("pdb", sid, "ask", text,
+  prompt)`` (``prompt``: what follows the last newline, e.g. ``"(Pdb) "``); the kernel
+  answers ``("pdb-in", sid, line)``, the typed line with its newline (an empty string:
+  end of input, pdb quits);
+* when pdb returns (``q``, ``c``, end of input) the rest goes as ``("pdb", sid, "end",
+  text)``; with nothing kept, ``("pdb", sid, "none", why)``.
+
+After its failed job, a one-shot worker of ``notebook_launcher(..., debug=True)`` waits
+(:func:`linger`) up to ``debug_timeout`` seconds for a debugger, serves one session, then
+leaves as it would have.
+
+Example:
+    >>> keep(ValueError("x"), skip=())
+    >>> kept() is not None
+    True
+    >>> forget(); kept() is None
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pdb
+import queue
+import signal
+import sys
+import time
+from types import TracebackType
+from typing import Any
+
+_kept: list[BaseException] = []  # the last failed job's exception (at most one)
+
+
+def keep(exc: BaseException, *, skip: tuple[str, ...]) -> None:
+    """Keep ``exc`` with its traceback starting at the user's code (frames of ``skip``,
+    the worker's machinery, cut off, so that ``up`` stops at the user's outermost frame)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in skip:
+        tb = tb.tb_next
+    with contextlib.suppress(Exception):
+        exc.__traceback__ = tb
+    _kept[:] = [exc]
+
+
+def forget() -> None:
+    """A new job starts: the previous failure's frames may go."""
+    _kept.clear()
+
+
+def kept() -> BaseException | None:
+    return _kept[0] if _kept else None
+
+
+class _Out:
+    """pdb's stdout: text collected until pdb asks for a line (or the session ends)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        """Sent with the next prompt: one message per command."""
+
+    def isatty(self) -> bool:
+        return False
+
+    def take(self) -> str:
+        text, self.parts[:] = "".join(self.parts), []
+        return text
+
+
+class _In:
+    """pdb's stdin: each line comes from the kernel, asked for with what pdb wrote."""
+
+    def __init__(self, sid: int, channel: Any, inbox: queue.Queue[Any], out: _Out) -> None:
+        self.sid, self.channel, self.inbox, self.out = sid, channel, inbox, out
+        self.later: list[Any] = []  # messages for the worker's loop, not for pdb
+        self.ended = False
+
+    def readline(self, size: int = -1) -> str:
+        if self.ended:
+            return ""
+        text, _, prompt = self.out.take().rpartition("\n")
+        self.channel.send(("pdb", self.sid, "ask", text + "\n" if text else "", prompt))
+        while True:
+            message = self.inbox.get()
+            if message[0] == "pdb-in" and message[1] == self.sid:
+                line = str(message[2])  # a typed line ends in "\n" ("" is the end)
+                self.ended = not line
+                return line
+            if message[0] == "pdb-in":
+                continue  # a line for an earlier session
+            # "exit", a job, another session: the kernel has moved on. End this session;
+            # the worker's loop acts on the message next.
+            self.later.append(message)
+            self.ended = True
+            return ""
+
+    def isatty(self) -> bool:
+        return False
+
+
+def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
+    """One pdb post-mortem session on the kept failure, driven over ``channel``."""
+    exc = kept()
+    if exc is None:
+        channel.send(("pdb", sid, "none", "this worker holds no failed job's traceback"))
+        return
+    out = _Out()
+    stdin = _In(sid, channel, inbox, out)
+    debugger = _stdlib_pdb()(stdin=stdin, stdout=out, nosigint=True, readrc=False)  # type: ignore[arg-type]
+    debugger.use_rawinput = False
+    streams = (sys.stdin, sys.stdout, sys.stderr)
+    sys.stdin, sys.stdout, sys.stderr = stdin, out, out
+    # The kernel's interrupt stops a long evaluation: pdb reports the KeyboardInterrupt and
+    # prompts again (the worker loop's own handler ignores SIGINT between jobs).
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        debugger.reset()
+        debugger.interaction(None, _target(exc))
+    except BaseException as err:  # never lose the worker over the debugger
+        out.write(f"*** the debugger ended: {type(err).__name__}: {err}\n")
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        sys.stdin, sys.stdout, sys.stderr = streams
+        with contextlib.suppress(Exception):
+            sys.settrace(None)
+    channel.send(("pdb", sid, "end", out.take()))
+    for message in stdin.later:  # e.g. "exit": the worker's loop acts on it next
+        inbox.put(message)
+
+
+def _stdlib_pdb() -> type[pdb.Pdb]:
+    """The standard library's class: a worker forked from ipykernel inherits ``pdb.Pdb``
+    replaced by IPython's (other prompt, colours); a spawned one has the stdlib's."""
+    return next(c for c in pdb.Pdb.__mro__ if c.__module__ == "pdb" and c.__name__ == "Pdb")
+
+
+def _target(exc: BaseException) -> Any:
+    """What ``Pdb.interaction`` takes: the exception from 3.13 (chained exceptions can be
+    walked with ``exceptions``), its traceback before."""
+    if sys.version_info >= (3, 13):
+        return exc
+    tb: TracebackType | None = exc.__traceback__
+    return tb
+
+
+def linger(channel: Any, inbox: queue.Queue[Any], seconds: float) -> None:
+    """A failed one-shot worker: wait up to ``seconds`` for a debugger, serve its
+    session, and return (the worker then leaves). ``exit`` returns at once."""
+    deadline = time.monotonic() + seconds
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        try:
+            message = inbox.get(timeout=remaining)
+        except queue.Empty:
+            return
+        if message[0] == "exit":
+            return
+        if message[0] == "debug":
+            session(message[1], channel, inbox)
+            return
+
+
+__all__ = ["forget", "keep", "kept", "linger", "session"]

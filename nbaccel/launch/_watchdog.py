@@ -1,0 +1,170 @@
+"""The hang watchdog: a job whose ranks wait on each other without progress is reported.
+
+The supervisor asks :meth:`Watchdog.look` on every turn of its loop; every
+``look_every`` seconds (``hang_after / 8``, between 0.25 and 15 s) it probes the job's
+busy ranks (the worker's channel thread answers, also while the main thread is blocked in
+C++: its Python stack, the torch.distributed call it is in, its collective count).
+
+**Progress**, precisely: between two looks, at least one of
+
+* a rank's count of collectives on the default process group changed (torch's sequence
+  number; it advances when a rank issues a collective, DDP's gradient all-reduces included);
+* a rank published an event (``Accelerator.log``, a step, a redraw of an ``nbaccel.tqdm``
+  or ``tqdm.auto`` bar, anything sent through :func:`nbaccel.tracking.events.publish`)
+  or finished its part of the job.
+
+**Hung**: no progress for ``hang_after`` seconds while at least one busy rank waits on a
+peer: it is inside a torch.distributed call, or it issued more collectives than another
+rank of the job (DDP's backward and NCCL's asynchronous collectives wait in C++, where no
+Python frame shows it). A job that computes without collectives for a long time is not hung.
+
+Then, with ``on_hang="report"`` (the default), the report is written once where the job's
+output goes (the launching cell's stderr, the ``output=`` of the call, or the terminal of
+``nbaccel launch``), and every stuck rank publishes a ``"hang"`` event (handle listeners, the
+monitor); the job keeps running. If nothing moves it is reported again after 2, 4, 8, ...
+times ``hang_after`` more; any progress starts over. ``on_hang="raise"`` ends the job with
+the same facts as a :class:`~nbaccel.errors.WorkerTimeoutError` (the supervisor's ``_hang``).
+
+Example:
+    >>> policy = HangPolicy(after=300.0)
+    >>> policy.look_every, HangPolicy(after=2.0).look_every
+    (15.0, 0.25)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import WorkerTimeoutError
+
+#: 5 minutes: longer than a real step, a checkpoint save or an evaluation on one rank
+#: usually keeps the others waiting, shorter than torch's own collective timeouts (NCCL's
+#: 10 min, gloo's 30 min), which end the job without saying where each rank was.
+DEFAULT_HANG_AFTER = 300.0
+NO_ANSWER = "(no answer: not running Python code)"
+
+Probe = Callable[[list[int]], dict[int, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    """``after`` seconds without progress (0: off) and what then: "report" or "raise"."""
+
+    after: float = DEFAULT_HANG_AFTER
+    action: str = "report"
+
+    @classmethod
+    def of(cls, config: Any) -> HangPolicy:
+        """The policy of a :class:`~nbaccel.config.LaunchConfig`."""
+        return cls(float(config.hang_after), str(config.on_hang))
+
+    @property
+    def look_every(self) -> float:
+        return min(max(self.after / 8, 0.25), 15.0)
+
+
+@dataclass
+class Hang:
+    """What a look found: the busy ranks, why they are stuck, their stacks."""
+
+    ranks: list[int]
+    reason: str
+    stacks: dict[int, str]
+    calls: dict[int, str | None]
+    seconds: float
+    policy: HangPolicy
+    next_report: float = field(default=0.0)
+
+    def text(self) -> str:
+        """The report as the cell or terminal shows it."""
+        error = WorkerTimeoutError(self.ranks, self.stacks, self.reason)
+        return (
+            f"nbaccel: {error}\n"
+            f"nbaccel: the job keeps running (on_hang='report'); if nothing moves it is "
+            f"reported again in {self.next_report:g}s. Stop it with the interrupt button "
+            "(Ctrl-C in a terminal) or handle.stop(); on_hang='raise' ends such a job with "
+            "WorkerTimeoutError, hang_after=0 turns this watchdog off. Ranks calling "
+            "different collectives? debug_collectives=True makes torch check every call.\n"
+        )
+
+    def report(self, forwarder: Any, on_event: Callable[[int, str, dict], None]) -> None:
+        """Write the report where the job's output goes; one ``"hang"`` event per rank."""
+        forwarder.note(self.ranks[0], self.text())
+        for rank in self.ranks:
+            data = {"seconds": self.seconds, "call": self.calls.get(rank), "time": time.time()}
+            on_event(rank, "hang", data)
+
+
+class Watchdog:
+    """One job's watchdog (see the module's docstring for the rules)."""
+
+    def __init__(self, policy: HangPolicy, probe: Probe, now: float | None = None) -> None:
+        self.policy, self._probe = policy, probe
+        self._next_look = (time.monotonic() if now is None else now) + policy.look_every
+        self._seen: tuple[Any, ...] | None = None
+        self._since = 0.0  # when the last progress was seen
+        self._reports = 0  # reports since then
+        self._counts: dict[int, int | None] = {}  # last known collective count per rank
+
+    def look(
+        self,
+        busy: list[int],
+        finished: Mapping[int, int | None],
+        activity: int,
+        now: float | None = None,
+    ) -> Hang | None:
+        """Probe when a look is due; the hang found, once per back-off step, or None.
+
+        Args:
+            busy: the job's live ranks that have not finished it.
+            finished: rank -> collective count, for the ranks that finished the job.
+            activity: events and job answers the supervisor received so far.
+        """
+        now = time.monotonic() if now is None else now
+        if self.policy.after <= 0 or not busy or now < self._next_look:
+            return None
+        self._next_look = now + self.policy.look_every
+        answers = self._probe(busy)
+        for rank in busy:
+            if rank in answers:
+                self._counts[rank] = answers[rank].get("collectives")
+        counts = {r: self._counts.get(r) for r in busy} | dict(finished)
+        signature = (activity, tuple(sorted(busy)), tuple(sorted(counts.items())))
+        if signature != self._seen:
+            self._seen, self._since, self._reports = signature, now, 0
+            return None
+        idle = now - self._since
+        if idle < self.policy.after * (2 ** (self._reports + 1) - 1):
+            return None
+        calls = {r: (answers.get(r, {}).get("waiting") or {}).get("call") for r in busy}
+        known = {r: c for r, c in counts.items() if c is not None}
+        ahead = max(known.values(), default=0)
+        if not any(calls.values()) and len(set(known.values())) < 2:
+            return None  # nobody waits on a peer: a long computation, not a hang
+        self._reports += 1
+        lines = [
+            f"no progress for {idle:.0f}s (hang_after={self.policy.after:g}s: no collective "
+            "issued, nothing logged, no rank finished), and ranks wait on each other:"
+        ]
+        for rank in sorted(counts):
+            if rank in finished:
+                state = "finished its part of the job"
+            elif calls[rank]:
+                state = f"waiting in {calls[rank]}"
+            elif rank not in answers:
+                state = "did not answer (busy outside Python, e.g. in a C++ call)"
+            else:
+                state = "not in a torch.distributed call (running Python code)"
+            if known.get(rank, ahead) < ahead:
+                state += f"; issued {known[rank]} collectives, others {ahead}"
+            lines.append(f"  rank {rank}: {state}")
+        stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in busy}
+        hang = Hang(sorted(busy), "\n".join(lines), stacks, calls, idle, self.policy)
+        hang.next_report = self.policy.after * 2**self._reports
+        return hang
+
+
+__all__ = ["DEFAULT_HANG_AFTER", "Hang", "HangPolicy", "Watchdog"]

@@ -1,0 +1,221 @@
+"""``nbaccel.debug()`` and ``%nbaccel_debug``: pdb on a failed rank, from a notebook cell.
+
+A worker whose job raised keeps the traceback (a pool's until its next call; with
+``notebook_launcher(..., debug=True)`` for ``debug_timeout`` seconds). ``debug()`` prints
+where the other ranks were when it failed, then opens stdlib pdb's post-mortem *in that
+worker*, on the failing frame: each prompt is read with the kernel's own ``input()`` (as
+IPython's ``%debug`` does, so it works in JupyterLab, Colab, Kaggle, VS Code and a plain
+kernel, no extension), the line goes to the worker over its channel, pdb's output comes
+back into the cell. ``up``/``down``/``p``/``pp``/``l``/``where`` and expressions work;
+``q``, ``c`` or an empty input end the session and release the worker (a launch's rank
+then leaves, and the launch is over as without ``debug=True``).
+
+Example:
+    >>> pool.run(train)  # doctest: +SKIP
+    ValueError: rank 1: shapes do not match
+    >>> import nbaccel
+    >>> nbaccel.debug()  # doctest: +SKIP
+    (Pdb) p batch.shape
+    torch.Size([8, 3])
+    (Pdb) q
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import itertools
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import LaunchError
+from . import _kept
+from ._supervisor import JobFailed, Supervisor
+
+_sessions = itertools.count(1)
+WAIT_STEP = 0.05  # seconds per look at the worker while waiting for pdb's answer
+
+
+def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> None:
+    """Open a pdb post-mortem session on a failed rank of the last failed job.
+
+    Args:
+        rank: the global rank to debug; ``None``: the first real failure's.
+        commands: pdb commands to run one after the other instead of asking (for a
+            notebook run without a person at it); the session ends after the last one.
+
+    Raises:
+        LaunchError: no session is possible; the message says why (nothing failed yet, the
+            rank was killed by a signal or exited, its worker is gone, the pool ran
+            another call since, the launch ran without ``debug=True``, the front end
+            cannot ask for input).
+        KeyboardInterrupt: interrupted at the prompt (the worker is released first).
+
+    Example:
+        >>> nbaccel.debug(1)  # doctest: +SKIP
+        >>> nbaccel.debug(commands=["p x", "up", "where", "q"])  # doctest: +SKIP
+    """
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise TypeError(f"rank={rank!r} must be a rank number (an int) or None.")
+    if commands is not None and (
+        isinstance(commands, str) or not all(isinstance(c, str) for c in commands)
+    ):
+        raise TypeError(f"commands={commands!r} must be a list of pdb commands (strs).")
+    job = _kept.last()
+    if job is None:
+        raise LaunchError(
+            "nothing to debug: no job has failed on workers in this kernel. When a pool call "
+            "or a notebook_launcher(..., debug=True) run fails, nbaccel.debug() opens pdb on "
+            "the failed rank."
+        )
+    target = job.first if rank is None else rank
+    why = job.unavailable(target)
+    if why is not None:
+        raise LaunchError(why)
+    if not job.lock.acquire(blocking=False):
+        raise LaunchError(f"a debugging session on rank {target} is already open.")
+    try:
+        group = job.group
+        why = job.unavailable(target)  # the kept workers may have left meanwhile
+        if why is not None or group is None:
+            raise LaunchError(why or f"rank {target}'s worker is gone.")
+        _print(_header(job, target, group))
+        try:
+            _session(group, target, None if commands is None else list(commands))
+        finally:
+            _kept.release(job, target)  # a rank kept only for debugging goes now
+    finally:
+        job.lock.release()
+
+
+def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
+    failure = job.failures.get(rank)
+    pid = group.procs[rank].pid
+    what = failure.summary() if failure is not None else f"rank {rank}"
+    lines = [f"nbaccel: post-mortem of {what} (pid {pid})"]
+    others = {r: text for r, text in sorted(job.others.items()) if r != rank}
+    if rank != job.first and job.first in job.failures:
+        others[job.first] = f"failed first ({job.failures[job.first].summary()})"
+    if others:
+        lines.append(f"The other ranks when rank {job.first} failed:")
+        for other, text in others.items():
+            if "\n" in text or text.startswith("  File"):
+                lines += [f"--- rank {other}: ---", text]
+            else:
+                lines.append(f"--- rank {other}: {text}")
+    lines.append("q (or c) ends the session and releases the worker.")
+    return "\n".join(lines) + "\n"
+
+
+def _session(group: Supervisor, rank: int, script: list[str] | None) -> None:
+    """Drive one pdb session on ``rank``'s worker until pdb returns."""
+    sid = next(_sessions)
+    group.pdb_messages.clear()
+    try:
+        group.send([rank], ("debug", sid))
+    except JobFailed as failed:
+        raise LaunchError(f"rank {rank}'s worker is gone ({failed.error})") from None
+    problem: BaseException | None = None
+    while True:
+        message = _next(group, rank, sid)
+        kind, text = message[2], message[3]
+        if kind == "none":
+            raise LaunchError(f"no post-mortem session on rank {rank}: {text}.")
+        _print(text)
+        if kind == "end":
+            break
+        line = ""
+        if problem is None:
+            try:
+                line = _ask(message[4], script)
+            except (KeyboardInterrupt, NotImplementedError) as err:
+                problem = err  # release the worker first, then say so
+        with contextlib.suppress(OSError, AttributeError):  # it may have left after "end"
+            group.procs[rank].channel.send(("pdb-in", sid, line))  # type: ignore[union-attr]
+    if isinstance(problem, NotImplementedError):
+        raise LaunchError(
+            "this front end cannot answer input requests, so no pdb prompt can be shown "
+            "(the worker was released); run nbaccel.debug() in a notebook or console, or "
+            "pass the pdb commands: nbaccel.debug(commands=['p x', 'where', 'q'])."
+        )
+    if problem is not None:
+        raise problem
+
+
+def _ask(prompt: str, script: list[str] | None) -> str:
+    """The next line for pdb ("" ends the session): from ``script``, or typed."""
+    if script is not None:
+        line = script.pop(0) if script else ""
+        _print(f"{prompt}{line}\n" if line else "")
+        return f"{line}\n" if line else ""
+    try:
+        return builtins.input(prompt) + "\n"  # the kernel's input(): an input request
+    except EOFError:
+        return ""
+
+
+def _next(group: Supervisor, rank: int, sid: int) -> tuple[Any, ...]:
+    """The worker's next pdb message of session ``sid``; LaunchError if it dies. The
+    interrupt button interrupts what pdb evaluates in the worker (it prompts again); a
+    second press while the worker does not answer ends the session."""
+    interrupted = False
+    while True:
+        try:
+            return _wait(group, rank, sid)
+        except KeyboardInterrupt:
+            if interrupted:
+                with contextlib.suppress(OSError, AttributeError):
+                    group.procs[rank].channel.send(("pdb-in", sid, ""))  # type: ignore[union-attr]
+                raise
+            interrupted = True
+            group.procs[rank].send_signal(signal.SIGINT)
+            _print(f"(interrupting rank {rank}; press again to leave the session)\n")
+
+
+def _wait(group: Supervisor, rank: int, sid: int) -> tuple[Any, ...]:
+    proc = group.procs[rank]
+    while True:
+        for index, message in enumerate(group.pdb_messages):
+            if message[0] == rank and message[1] == sid:
+                del group.pdb_messages[index]
+                return message
+        if proc.poll() is not None:
+            group.drain()
+            raise LaunchError(
+                f"rank {rank}'s worker exited (code {proc.returncode}) during the debugging "
+                "session; nothing more to debug there."
+            )
+        group.pump(WAIT_STEP)
+
+
+def _print(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def nbaccel_debug(line: str) -> None:
+    """Body of the ``%nbaccel_debug [rank]`` line magic."""
+    words = line.split()
+    if len(words) > 1 or (words and not words[0].isdigit()):
+        raise ValueError(f"usage: %nbaccel_debug [rank], e.g. %nbaccel_debug 1 (got {line!r})")
+    debug(int(words[0]) if words else None)
+
+
+def register_magic(ipython: Any) -> None:
+    """Register ``%nbaccel_debug`` (``%load_ext nbaccel`` calls this)."""
+    from IPython.core.error import UsageError
+
+    def magic(line: str) -> None:
+        try:
+            nbaccel_debug(line)
+        except (LaunchError, ValueError) as err:  # why no session: a message, no traceback
+            raise UsageError(str(err)) from None
+
+    magic.__doc__ = nbaccel_debug.__doc__
+    ipython.register_magic_function(magic, "line", "nbaccel_debug")
+
+
+__all__ = ["debug", "nbaccel_debug", "register_magic"]

@@ -1,0 +1,125 @@
+"""The launch panel's parts: one control per LaunchConfig field, sized so nothing is cut
+off, and the file-like sink that shows the workers' lines in an ``Output`` widget.
+
+Widths: every control of the panel is as wide as its longest label plus its widest
+choice (in ``ch``, the width of a digit, which covers the average letter of the
+widget's font), so "fsdp reshard after forward" and "SHARDED_STATE_DICT" show whole at
+the default width (they were cut to "fsdp reshard after f..." and "SHARDED_STATE_DI").
+Only widgets and layout keys that ipywidgets 7.7 and 8 both have are used.
+
+Example:
+    >>> LABEL_CH >= len("fsdp cpu ram efficient loading")
+    True
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import ipywidgets as widgets
+
+from ..config import INT_MINIMUMS, MAX_PORT, field_help, field_kind, field_names
+from ..platform.hardware import Hardware, precision_choices
+from ._widgets_compat import tooltip_kwargs
+
+_INT_MAXIMUMS = {
+    "master_port": MAX_PORT,
+    "fsdp_min_num_params": 10**15,
+}  # others: effectively unbounded, kept sane for typing
+_SANE_MAX = 4096
+
+
+def label(name: str) -> str:
+    """A field's label: ``fsdp_cpu_offload`` -> ``fsdp cpu offload``."""
+    if field_kind(name)[0] is float:  # timeout; 0 means "no timeout"
+        return f"{name.replace('_', ' ')} (s, 0 = none)"
+    return name.replace("_", " ")
+
+
+def _widest_choice() -> int:
+    return max((len(str(c)) for n in field_names() for c in field_kind(n)[1] or ()), default=8)
+
+
+LABEL_CH = max(len(label(name)) for name in field_names()) + 2
+#: room for the widest dropdown value plus the dropdown's arrow, and for numbers
+VALUE_CH = max(_widest_choice(), 12) + 6
+
+
+def make_control(name: str, value: Any, *, hardware: Hardware | None = None) -> widgets.ValueWidget:
+    """The widget for one LaunchConfig field (dropdown, checkbox, number or text).
+
+    ``hardware``: offer only the precisions its GPUs run natively (a T4: no bf16).
+    """
+    kind, choices = field_kind(name)
+    if name == "mixed_precision" and choices and hardware is not None:
+        choices = precision_choices(hardware, choices, value)
+    common: dict[str, Any] = {
+        "description": label(name),
+        **tooltip_kwargs(field_help().get(name, "")),  # ipywidgets 7: description_tooltip
+        "style": {"description_width": f"{LABEL_CH}ch"},
+        "layout": widgets.Layout(width=f"{LABEL_CH + VALUE_CH}ch"),
+    }
+    if choices:
+        return widgets.Dropdown(options=list(choices), value=value, **common)
+    if kind is bool:
+        return widgets.Checkbox(value=bool(value), indent=True, **common)
+    if kind is int:
+        minimum = INT_MINIMUMS.get(name, 0)
+        maximum = _INT_MAXIMUMS.get(name, _SANE_MAX)
+        if value is None:  # master_port: shown only for several nodes, where it is required
+            value = 29500
+        return widgets.BoundedIntText(value=value, min=minimum, max=maximum, **common)
+    if kind is float:
+        return widgets.BoundedFloatText(value=value or 0.0, min=0.0, max=1e7, **common)
+    placeholder = "all" if name == "gpu_ids" else "none"
+    return widgets.Text(value=value or "", placeholder=placeholder, **common)
+
+
+class OutputSink:
+    """A file-like object that shows what is written to it in an ``Output`` widget.
+
+    The launcher writes the workers' lines here (``output=`` of ``notebook_launcher``),
+    from its forwarding thread. Carriage returns redraw the last line, so text
+    progress bars update in place; only the last ``max_lines`` lines are kept.
+    """
+
+    def __init__(self, output: widgets.Output, max_lines: int = 1000) -> None:
+        self.output = output
+        self.max_lines = max_lines
+        self._lines: list[str] = [""]
+        self._return = False
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            for piece in re.split(r"(\r\n|\r|\n)", text):
+                if piece in ("\n", "\r\n"):
+                    self._lines.append("")
+                    self._return = False
+                elif piece == "\r":
+                    self._return = True  # the next text overwrites this line (a redraw)
+                elif piece:
+                    if self._return:
+                        self._lines[-1], self._return = "", False
+                    self._lines[-1] += piece
+            del self._lines[: -self.max_lines]
+            self.output.outputs = (
+                {"output_type": "stream", "name": "stdout", "text": "\n".join(self._lines)},
+            )
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        with self._lock:
+            self._lines, self._return = [""], False
+            self.output.outputs = ()
+
+    def getvalue(self) -> str:
+        return "\n".join(self._lines)
+
+
+__all__ = ["LABEL_CH", "VALUE_CH", "OutputSink", "label", "make_control"]

@@ -1,0 +1,292 @@
+"""The hang watchdog: ranks that wait on each other without progress are reported, with
+the collective each is in and their stacks, and the job goes on (or ends, if asked).
+
+Real workers over gloo, started from this process (notebook_launcher, a pool); a waiting
+rank is released by a file flag once the report was seen, so nothing depends on how fast
+the machine is. The rules themselves are unit-tested with a scripted probe; the real
+kernel is test_kernel_hang.py, ``nbaccel launch`` tests/cli/test_launch_hang.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from nbaccel import LaunchConfig, notebook_launcher, start_workers
+from nbaccel.config import resolve_launch_config
+from nbaccel.errors import ConfigError, WorkerError, WorkerTimeoutError
+from nbaccel.launch._watchdog import DEFAULT_HANG_AFTER, HangPolicy, Watchdog
+
+CPU = LaunchConfig(compute_device="cpu")
+REPORTED = "waiting in torch.distributed.all_reduce"
+
+
+# ---------------------------------------------------------------------------- the rules
+class Script:
+    """A probe that answers what the test says each rank is doing."""
+
+    def __init__(self) -> None:
+        self.answers: dict[int, dict] = {}
+
+    def set(self, rank: int, count: int | None, call: str | None = None) -> None:
+        waiting = {"call": call, "ranks": None} if call else None
+        self.answers[rank] = {"stack": f"stack of {rank}", "waiting": waiting, "collectives": count}
+
+    def __call__(self, ranks: list[int]) -> dict[int, dict]:
+        return {r: self.answers[r] for r in ranks if r in self.answers}
+
+
+def _watch(after: float = 2.0) -> tuple[Watchdog, Script]:
+    script = Script()
+    return Watchdog(HangPolicy(after=after), script, now=0.0), script
+
+
+def test_a_rank_alone_in_a_collective_is_reported_then_backs_off():
+    dog, script = _watch()
+    script.set(0, 5, "torch.distributed.all_reduce")
+    script.set(1, 4)
+    looks = [(t, dog.look([0, 1], {}, 7, now=t)) for t in [x * 0.25 for x in range(1, 60)]]
+    found = [(t, h) for t, h in looks if h is not None]
+    assert [t for t, _ in found] == [2.25, 6.25, 14.25]  # after 2 s, then 2x and 4x more
+    hang = found[0][1]
+    assert hang.ranks == [0, 1] and hang.calls == {0: "torch.distributed.all_reduce", 1: None}
+    text = hang.text()
+    assert "rank 0: waiting in torch.distributed.all_reduce" in text
+    assert "rank 1: not in a torch.distributed call" in text and "issued 4" in text
+    assert "stack of 0" in text and "stack of 1" in text and "again in 4s" in text
+
+
+def test_progress_of_any_kind_starts_the_clock_over():
+    dog, script = _watch()
+    script.set(0, 1, "torch.distributed.barrier")
+    script.set(1, 0)
+    count, activity = 1, 0
+    for step in range(1, 80):  # 20 s: a collective every 1.5 s, or an event
+        t = step * 0.25
+        if step % 6 == 0:
+            count += 1
+            script.set(0, count, "torch.distributed.barrier")
+        if step % 6 == 3:
+            activity += 1
+        assert dog.look([0, 1], {}, activity, now=t) is None, t
+    assert dog.look([0, 1], {}, activity, now=25.0) is not None  # then nothing moved
+
+
+def test_no_report_without_a_rank_waiting_on_a_peer_and_none_when_off():
+    dog, script = _watch()
+    script.set(0, 3)
+    script.set(1, 3)  # both compute (same count, no collective): a long step
+    assert all(dog.look([0, 1], {}, 0, now=t / 4) is None for t in range(1, 100))
+    dog, script = _watch()
+    script.set(0, None)  # a rank that has no process group, its peer finished
+    assert all(dog.look([0], {1: None}, 0, now=t / 4) is None for t in range(1, 100))
+    off, script = _watch(after=0)
+    script.set(0, 5, "torch.distributed.all_reduce")
+    assert all(off.look([0], {1: 4}, 0, now=t) is None for t in range(1, 100))
+
+
+def test_a_finished_rank_behind_in_collectives_counts_as_waited_for():
+    dog, script = _watch()
+    script.set(0, 2)  # DDP backward waits in C++: no torch.distributed frame
+    hangs = [dog.look([0], {1: 1}, 3, now=t / 4) for t in range(1, 12)]
+    hang = next(h for h in hangs if h is not None)
+    assert "rank 1: finished its part of the job; issued 1 collectives, others 2" in hang.text()
+
+
+def test_settings_default_environment_cli_and_errors(tmp_path):
+    assert LaunchConfig().hang_after == DEFAULT_HANG_AFTER == 300.0
+    assert LaunchConfig().on_hang == "report" and LaunchConfig().debug_collectives is False
+    env = {
+        "NBACCEL_HANG_AFTER": "2.5",
+        "NBACCEL_ON_HANG": "raise",
+        "NBACCEL_DEBUG_COLLECTIVES": "1",
+    }
+    cfg = resolve_launch_config(environ=env, config_file=False)
+    assert (cfg.hang_after, cfg.on_hang, cfg.debug_collectives) == (2.5, "raise", True)
+    assert HangPolicy.of(cfg) == HangPolicy(2.5, "raise")
+    for bad in ({"hang_after": -1}, {"hang_after": "5"}, {"on_hang": "kill"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            LaunchConfig(**bad)
+    with pytest.raises(ConfigError, match="hang_after"):  # before any process starts
+        notebook_launcher(print, num_processes=2, hang_after=-1, config=CPU)
+    from nbaccel.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["launch", "--hang_after", "7", "--on_hang", "raise", "--debug_collectives", "x.py"]
+    )
+    assert (args.hang_after, args.on_hang, args.debug_collectives) == (7.0, "raise", True)
+
+
+# ---------------------------------------------------------------------------- real workers
+def alone_in_all_reduce(flag: str) -> float:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    value = torch.ones(1)
+    if accelerator.process_index == 1:  # one line: the same stack at every look
+        while not os.path.exists(flag): time.sleep(0.05)  # noqa: E701  # fmt: skip
+    dist.all_reduce(value)
+    return value.item()
+
+
+class Lines:
+    """``output=`` that keeps every line and says when one contains ``wanted``."""
+
+    def __init__(self, wanted: str) -> None:
+        self.lines: list[str] = []
+        self.wanted, self.seen = wanted, threading.Event()
+
+    def __call__(self, rank: int, stream: str, line: str) -> None:
+        self.lines.append(line)
+        if self.wanted in line:
+            self.seen.set()
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_a_rank_alone_in_a_collective_is_reported_and_the_job_is_not_killed(tmp_path):
+    flag, lines = tmp_path / "go", Lines(REPORTED)
+    handle = notebook_launcher(
+        alone_in_all_reduce, (str(flag),), num_processes=2, config=CPU, hang_after=2,
+        block=False, output=lines, return_all_ranks=True,
+    )  # fmt: skip
+    try:
+        assert lines.seen.wait(120), lines.text
+        events = [s["last_event"] for s in handle.status().values()]
+        flag.touch()  # rank 1 comes: the all_reduce completes
+        assert handle.result(timeout=120) == [2.0, 2.0]  # the report killed nothing
+    finally:
+        handle.stop(timeout=10)
+    text = lines.text
+    assert "rank(s) 0, 1 appear stuck" in text and "rank 0: " + REPORTED in text, text
+    assert "rank 1: not in a torch.distributed call" in text, text
+    assert "in alone_in_all_reduce" in text and "os.path.exists(flag)" in text, text  # stacks
+    assert "on_hang='report'" in text and events == ["hang", "hang"], text
+
+
+def finished_early() -> float:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    value = torch.ones(1)
+    if accelerator.process_index == 0:
+        dist.all_reduce(value)  # rank 1 has returned: nobody ever comes
+    return value.item()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_on_hang_raise_ends_the_job_naming_the_rank_and_the_finished_one():
+    with pytest.raises(WorkerTimeoutError) as info:
+        notebook_launcher(
+            finished_early, num_processes=2, config=CPU, hang_after=2, on_hang="raise"
+        )
+    err = info.value
+    assert err.stuck_ranks == [0], str(err)
+    assert "rank 0: " + REPORTED in err.reason and "rank 1: finished" in err.reason, str(err)
+    assert "dist.all_reduce(value)" in err.stacks[0], err.stacks
+
+
+def steady_but_slow(steps: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    for _ in range(steps):  # rank 0 waits in every all_reduce for 0.5 s: not a hang
+        if accelerator.process_index == 1:
+            time.sleep(0.5)
+        dist.all_reduce(torch.ones(1))
+    return steps
+
+
+def logs_while_peer_waits(steps: int) -> int:
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    if accelerator.process_index == 1:  # rank 0 waits in the barrier, rank 1 logs
+        for step in range(steps):
+            time.sleep(0.5)
+            accelerator.log({"step_done": float(step)}, step=step)
+    dist.barrier()
+    return steps
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_slow_job_that_progresses_is_not_reported():
+    lines = Lines(REPORTED)
+    assert notebook_launcher(steady_but_slow, (10,), num_processes=2, config=CPU, hang_after=2,
+                             output=lines) == 10  # fmt: skip
+    pool = start_workers(num_processes=2, config=CPU, start_method="fork")
+    try:  # progress by events alone, and the option of one pool call
+        assert pool.call(logs_while_peer_waits, (10,), hang_after=2, output=lines) == 10
+    finally:
+        pool.close()
+    assert "appear stuck" not in lines.text, lines.text
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_a_pool_call_is_reported_and_goes_on(tmp_path):
+    flag, lines = tmp_path / "go", Lines(REPORTED)
+    with start_workers(num_processes=2, config=CPU, start_method="fork", hang_after=2) as pool:
+        handle = pool.call(alone_in_all_reduce, (str(flag),), block=False, output=lines)
+        assert lines.seen.wait(120), lines.text
+        flag.touch()
+        assert handle.result(timeout=120) == 2.0 and pool.restarts == 0
+
+
+def mismatched() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    value = torch.ones(2)
+    if accelerator.process_index == 0:
+        dist.all_reduce(value)
+    else:
+        dist.broadcast(value, src=0)
+
+
+def prepares_a_model() -> str:
+    from nbaccel import Accelerator
+
+    return type(Accelerator(cpu=True).prepare(torch.nn.Linear(2, 2))).__name__
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_debug_collectives_turns_a_mismatch_into_torchs_error():
+    with pytest.raises(WorkerError, match="Detected mismatch between collectives") as info:
+        notebook_launcher(
+            mismatched, num_processes=2, config=CPU, start_method="fork", debug_collectives=True
+        )
+    assert "ALLREDUCE" in str(info.value) and "BROADCAST" in str(info.value)
+    # torch's DDP would crash (SIGSEGV) under its gloo checking wrapper: an error instead
+    with pytest.raises(ConfigError, match="debug_collectives=True") as info:
+        notebook_launcher(prepares_a_model, num_processes=2, config=CPU, debug_collectives=True)
+    assert "failed with ConfigError" in str(info.value), str(info.value)  # not by a signal
+    assert (
+        notebook_launcher(prepares_a_model, num_processes=2, config=CPU)
+        == "DistributedDataParallel"
+    )

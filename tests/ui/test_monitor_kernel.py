@@ -1,0 +1,146 @@
+"""Issue 28 in a real kernel: the live monitor's charts, its final image, stragglers.
+
+Every cell runs in a real IPython kernel through jupyter_client; the workers are real
+2-process gloo launches. Output is told apart by each message's parent header, as a
+notebook front end does; messages that arrive after their cell finished are kept
+(``KernelSession.drain``).
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+pytestmark = [pytest.mark.kernel, pytest.mark.integration]
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+SETUP = textwrap.dedent(
+    """
+    import time
+    import torch
+    from nbaccel import Accelerator, notebook_launcher
+    from nbaccel.monitor import watch
+
+    def train(steps, slow_rank=None, pause=0.0):
+        accelerator = Accelerator()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        gen = torch.Generator().manual_seed(accelerator.process_index)
+        losses = []
+        for step in range(steps):
+            if accelerator.process_index == slow_rank:
+                time.sleep(pause)  # a straggler: slow outside the backward pass
+            x = torch.randn(16, 8, generator=gen)
+            loss = (model(x) - 1).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            accelerator.log({"loss": loss.item()}, step=step)
+            losses.append(loss.item())
+            time.sleep(0.02)
+        print("done", flush=True)
+        return losses
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    pytest.importorskip("ipywidgets")
+    from kernel_harness import KernelSession, isolated_env
+
+    workdir = tmp_path_factory.mktemp("monitor-kernel")
+    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
+    session.start()
+    try:
+        session.run(SETUP, timeout=120)
+        yield session
+    finally:
+        session.stop()
+
+
+def _all_text(cell) -> str:
+    """Everything a cell shows as text: streams and every output's text/plain."""
+    texts = [cell.stdout, cell.stderr]
+    texts += [str(out["data"].get("text/plain", "")) for out in cell.outputs]
+    return "\n".join(texts)
+
+
+def test_watch_draws_the_charts_and_leaves_the_final_image_in_the_cell(kernel):
+    launch = kernel.run(
+        "handle = notebook_launcher(train, args=(30,), num_processes=2, block=False,\n"
+        "                           return_all_ranks=True)\n"
+        "monitor = watch(handle, system=True)",
+        timeout=60,
+    )
+    live = kernel.run(
+        "deadline = time.monotonic() + 60\n"
+        "while len(monitor.chart_data().get('loss', {})) < 2 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print('live', sorted(monitor.chart_data()['loss']), handle.done())",
+        timeout=90,
+    )
+    losses = kernel.evaluate_json("handle.result(timeout=120)", timeout=150)
+    kernel.drain(1.5)
+    assert live.stdout == "live [0, 1] False\n", live.describe()  # charted while running
+    data = kernel.evaluate_json(
+        "{k: {r: v for r, v in d.items()} for k, d in monitor.chart_data().items()}"
+    )
+    assert list(data) == ["loss", "step time (s)", "RSS (MiB)"]
+    for rank in (0, 1):  # every logged value, at its step, per rank
+        assert data["loss"][str(rank)] == [[float(s), v] for s, v in enumerate(losses[rank])]
+    assert data["RSS (MiB)"]["0"][-1][1] > 10
+    # the cell: the live widget, then the final charts as a static image (saved notebooks)
+    assert launch.displays(WIDGET_MIME), launch.describe()
+    images = launch.displays("image/svg+xml")
+    assert len(images) == 1, launch.describe()
+    svg = images[0]["image/svg+xml"]
+    assert re.findall(r'data-metric="([^"]+)"', svg) == list(data)
+    assert svg.count('data-rank="0"') == 3 and svg.count('data-rank="1"') == 3
+    assert kernel.evaluate_json("monitor.final_svg") == svg
+    # the run's lines went to the monitor's log, not into the cell or a later one
+    assert launch.streams == {} and live.stdout.count("[rank") == 0, launch.describe()
+    log = kernel.evaluate_json("monitor.log()")
+    assert "[rank0] done\n" in log and "[rank1] done\n" in log
+
+
+def test_a_straggler_is_marked_and_its_stack_shown(kernel):
+    kernel.run(
+        "handle = notebook_launcher(train, args=(200, 1, 0.15), num_processes=2, block=False)\n"
+        "monitor = watch(handle)",
+        timeout=60,
+    )
+    try:
+        kernel.run(
+            "deadline = time.monotonic() + 60\n"
+            "marks = []\n"
+            "while not marks and time.monotonic() < deadline:\n"
+            "    marks = list(monitor.stragglers())\n"
+            "    time.sleep(0.1)",
+            timeout=90,
+        )
+        assert kernel.evaluate_json("marks") == [1]
+        why = kernel.evaluate_json("monitor.stragglers()[1]")
+        assert why.startswith("busy "), why
+        assert "straggler: rank 1" in kernel.evaluate_json("monitor.text()")
+        shown = kernel.run(  # the widget's table shows it at its next redraw
+            "deadline = time.monotonic() + 10\n"
+            "while 'straggler: ' not in monitor._view.table.value and time.monotonic() < deadline:\n"
+            "    time.sleep(0.05)\n"
+            "print(monitor._view.table.value)",
+            timeout=30,
+        )
+        assert "&#9888; straggler: busy" in shown.stdout, shown.describe()
+        stacks = kernel.evaluate_json("{str(r): s for r, s in monitor.stacks().items()}")
+        assert sorted(stacks) == ["0", "1"]
+        assert re.search(r'File "[^"]*ipykernel[^"]*", line \d+, in train', stacks["1"]), stacks
+        assert "_worker.py" not in stacks["1"]  # nbaccel's own frames are cut
+    finally:
+        kernel.run("handle.stop()", timeout=60)
+    kernel.assert_no_descendants(timeout=10)
