@@ -145,8 +145,10 @@ class _Scanner(ast.NodeVisitor):
     # ---- bindings ------------------------------------------------------------------------
     def _bind(self, target: ast.AST, value: ast.AST | None) -> None:
         resolved = self._resolve(value) if value is not None else None
-        if resolved and resolved.startswith("inst:") and isinstance(
-            target, (ast.Name, ast.Attribute)
+        if (
+            resolved
+            and resolved.startswith("inst:")
+            and isinstance(target, (ast.Name, ast.Attribute))
         ):
             self.instances[ast.unparse(target)] = resolved[5:]
         self.visit(target)
@@ -264,7 +266,7 @@ def check_key(key: str, instances: dict[str, object]) -> str | None:
                     return "read-only property"
                 return None
             obj = getattr(inst, attr)
-    except Exception as exc:  # noqa: BLE001 - any failure means "does not resolve"
+    except Exception as exc:
         return f"{type(exc).__name__}: {exc}"[:120]
     if kw is not None:
         target = obj.__init__ if inspect.isclass(obj) else obj  # type: ignore[misc]
@@ -314,9 +316,7 @@ def _merge(into: dict, per_file: dict[str, Iterable[str]]) -> None:
     for name, keys in into["files"].items():
         for key in keys:
             counts.setdefault(key, []).append(name)
-    into["keys"] = {
-        k: {"count": len(v), "files": sorted(v)} for k, v in sorted(counts.items())
-    }
+    into["keys"] = {k: {"count": len(v), "files": sorted(v)} for k, v in sorted(counts.items())}
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
