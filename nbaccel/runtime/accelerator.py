@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +39,8 @@ import torch
 from ..config import normalize_precision, resolve_launch_config
 from ..errors import ConfigError
 from ..tracking import events
-from . import checkpointing, dynamo, join, model_io
+from . import checkpointing, dynamo, join, model_io, rank_check
+from ._checkpoint_collective import FIX
 from ._collective_api import CollectiveAPI
 from ._process_api import ProcessAPI
 from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
@@ -65,6 +67,8 @@ from .state import DistributedType, ProcessState, get_state
 from .strategy import Strategy, select_strategy
 from .triggers import Trigger
 from .wrappers import PreparedOptimizer, PreparedScheduler, is_scheduler, prepare_model
+
+_SERIALS = itertools.count()
 
 
 def _accumulation_plugin(
@@ -209,6 +213,7 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
         self._custom_objects: list[Any] = []
+        self._serial = next(_SERIALS)  # the same on every rank: names this one's checkpoints
         # parameters the precision replaced in models (fp8), so optimizers can follow them
         self._replaced_params: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
 
@@ -365,6 +370,7 @@ class Accelerator(ProcessAPI, CollectiveAPI):
             rng_types=self.rng_types,
             dispatch_batches=self.dispatch_batches,
             data_seed=self.dataloader_config.data_seed,
+            use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
         )
         self._dataloaders.append(prepared)
         return prepared
@@ -468,6 +474,8 @@ class Accelerator(ProcessAPI, CollectiveAPI):
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Any:
         """The model's full state dict (FSDP: gathered on the main process; call on every rank)."""
+        if self.strategy.collective_state:
+            rank_check.all_ranks_enter("get_state_dict", FIX)
         return self.strategy.model_state_dict(model)
 
     def set_seed(self, seed: int, device_specific: bool = False) -> None:

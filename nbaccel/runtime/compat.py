@@ -172,8 +172,8 @@ def prepare_data_loader(
 
     ``num_processes`` / ``process_index`` default to this process's state; batches move
     to ``device`` (default: this process's) only with ``put_on_device=True``.
-    ``use_seedable_sampler`` and ``use_stateful_dataloader`` are accepted: nbaccel's
-    prepared loaders always shuffle reproducibly and resume mid-epoch.
+    ``use_seedable_sampler`` is accepted (nbaccel's prepared loaders always shuffle
+    reproducibly); ``use_stateful_dataloader`` makes ``load_state`` resume mid-epoch.
 
     Raises:
         ConfigError: ``slice_fn_for_dispatch`` or ``torch_device_mesh``, which nbaccel lacks.
@@ -197,6 +197,7 @@ def prepare_data_loader(
         rng_types=validate_rng_types(rng_types),
         dispatch_batches=bool(dispatch_batches),
         data_seed=data_seed,
+        use_stateful_dataloader=use_stateful_dataloader,
     )
 
 

@@ -32,7 +32,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
                 if rank == ops.process_index():
                     msg_, kwargs_ = self.process(msg, kwargs)
                     self.logger.log(level, msg_, *args, **kwargs_)
-                ops.barrier()
+                ops.barrier("logging with in_order=True")
             return
         if not main_process_only or ops.process_index() == 0:
             msg_, kwargs_ = self.process(msg, kwargs)

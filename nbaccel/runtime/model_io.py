@@ -34,6 +34,8 @@ from ..checkpoint.weights import (
     write_safetensors,
 )
 from ..errors import ConfigError
+from . import rank_check
+from ._checkpoint_collective import FIX as COLLECTIVE_FIX
 from .sharded_state import is_sharded_model, load_weights_into_sharded
 from .wrappers import unwrap_model
 
@@ -121,11 +123,17 @@ def save_model(
 ) -> list[Path]:
     """Write ``model``'s unwrapped weights from the main process; shards + index when large.
 
-    Call on every rank (under FSDP the full weights are gathered to the main process).
-    Returns the files written (empty on other ranks).
+    Replicated training: call it on every rank or on the main process alone. FSDP: call
+    it on every rank (the full weights are gathered to the main process); a call made
+    on some ranks only fails with an error naming the others. Returns the files written
+    (empty on other ranks).
     """
     parse_size(max_shard_size)  # validate on every rank, not only where it writes
-    state = acc.strategy.model_state_dict(model)  # FSDP gathers it: every rank takes part
+    if acc.strategy.collective_state:  # FSDP gathers the weights: every rank takes part
+        rank_check.all_ranks_enter("save_model", COLLECTIVE_FIX)
+    elif not acc.state.is_main_process:
+        return []  # replicated weights: the main process writes them, alone if need be
+    state = acc.strategy.model_state_dict(model)
     if not acc.state.is_main_process:
         return []
     return save_model_files(

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..platform.process_env import distributed_active
 from . import _packed_gather as packing
+from . import rank_check
 from .splitting import split_between_processes
 from .state import barrier_kwargs
 from .tree import _leaves, _rebuild, is_tensor_tree, recursively_apply, send_to_device
@@ -262,20 +263,33 @@ def pad_across_processes(
     return _rebuild(data, padded)
 
 
-def barrier() -> None:
-    """Wait until every process arrives (no-op without a multi-process group)."""
+def barrier(operation: str = "wait_for_everyone") -> None:
+    """Wait until every process arrives (no-op without a multi-process group).
+
+    The ranks meet in a monitored barrier first (:mod:`nbaccel.runtime.rank_check`): one
+    called inside ``if accelerator.is_main_process:`` raises, naming ``operation`` and
+    the ranks that never came, instead of waiting forever. On NCCL a device barrier
+    follows, so the GPU streams are in step as after a plain barrier.
+    """
     if distributed_active():
-        dist.barrier(**barrier_kwargs(str(dist.get_backend())))
+        rank_check.all_ranks_enter(
+            operation,
+            f"call {operation} on every rank, not inside `if accelerator.is_main_process:` "
+            "or another block that only some ranks run.",
+        )
+        backend = str(dist.get_backend())
+        if "nccl" in backend:
+            dist.barrier(**barrier_kwargs(backend))
 
 
 @contextlib.contextmanager
-def first(goes_first: bool) -> Iterator[None]:
+def first(goes_first: bool, operation: str = "main_process_first") -> Iterator[None]:
     """Context: processes with ``goes_first`` run the block, then the others do."""
     if not goes_first:
-        barrier()
+        barrier(operation)
     yield
     if goes_first:
-        barrier()
+        barrier(operation)
 
 
 __all__ = [

@@ -94,8 +94,11 @@ class DataLoaderConfiguration:
             depend only on (seed, epoch), or follow the loader's own ``generator``.
         data_seed: the seed of those shuffles (default: drawn once from rank 0's RNG).
         non_blocking: use ``non_blocking`` copies when moving batches to the device.
-        use_stateful_dataloader: accepted for compatibility: prepared loaders always have
-            ``state_dict()``/``load_state_dict()`` and resume mid-epoch.
+        use_stateful_dataloader: ``load_state`` also restores the position inside the
+            epoch (exact resume, no skipping in the script). False (Accelerate's default):
+            the loader restarts at the beginning of the saved epoch, in the same order,
+            and the script skips what it saw (``skip_first_batches``). Prepared loaders
+            always have ``state_dict()``/``load_state_dict()``.
 
     Example:
         >>> DataLoaderConfiguration(dispatch_batches=True, data_seed=3).data_seed

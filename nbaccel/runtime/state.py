@@ -35,7 +35,7 @@ from ..errors import ConfigError, LaunchError, too_few_gpus_error
 from ..platform import torchcompat
 from ..platform.process_env import EnvironmentSnapshot, read_environment
 from ..platform.xla import xla_requested
-from . import xla
+from . import rank_check, xla
 
 
 class DistributedType(str, enum.Enum):
@@ -360,6 +360,8 @@ def get_state(
             )
         assert backend is not None
         _init_process_group(env, backend, device, _timeout_for(env, timeout), init_kwargs)
+    if env.world_size > 1:  # every rank is here now: form the group that checks entries
+        rank_check.form(_timeout_for(env, timeout))
     state = ProcessState(
         rank=env.rank,
         world_size=env.world_size,

@@ -39,10 +39,12 @@ def _plugin(state_dict_type="SHARDED_STATE_DICT", **kwargs):
 
 def _build(seed, state_dict_type="SHARDED_STATE_DICT", fsdp=True, **kwargs):
     """A fresh FSDP Accelerator with a dropout model, AdamW, a scheduler, a shuffled loader."""
-    from nbaccel import Accelerator
+    from nbaccel import Accelerator, DataLoaderConfiguration
     from nbaccel.runtime.state import reset_state
 
     reset_state()
+    # the tests resume mid-epoch without skipping: the stateful loader restores the position
+    kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_stateful_dataloader=True))
     acc = Accelerator(fsdp_plugin=_plugin(state_dict_type) if fsdp else None, **kwargs)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(

@@ -58,6 +58,8 @@ class FSDP(SingleProcess):
     name = "fsdp"
     #: save_state writes one shard per rank (torch.distributed.checkpoint) when True
     sharded_checkpoints = True
+    #: state dicts are gathered or written shard by shard: every rank takes part
+    collective_state = True
 
     def __init__(
         self,
