@@ -246,6 +246,15 @@ def worker_env(cfg: LaunchConfig, threads: int | None) -> dict[str, str]:
     }
     if cfg.compute_device == "cpu":
         env["NBACCEL_USE_CPU"] = "1"
+    if cfg.compute_device == "cpu" or (
+        cfg.compute_device == "auto"
+        and environment.gpu_count() == 0
+        and not environment.xla_requested()
+    ):
+        # Hugging Face Accelerate's own state (transformers' Trainer builds one in the worker)
+        # joins a multi-process CPU group only when told so; otherwise each worker would
+        # silently train alone on the whole data set. An environment variable: nothing imported.
+        env["ACCELERATE_USE_CPU"] = "true"
     if cfg.timeout is not None:
         env["NBACCEL_TIMEOUT"] = repr(float(cfg.timeout))
     if cfg.debug:

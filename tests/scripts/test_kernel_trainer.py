@@ -3,7 +3,9 @@
 The most common notebook use that never touches nbaccel's ``Accelerator``: ``Trainer`` builds
 Hugging Face Accelerate's own (Accelerate is then a dependency of transformers, not of
 nbaccel). The launcher forks the workers from the kernel, sets up the process group's
-environment, and Trainer's Accelerate state joins it as a 2-process CPU run.
+environment, and Trainer's Accelerate state joins it as a 2-process CPU run -- also without
+``use_cpu=True`` (the launcher tells Accelerate that the workers compute on the CPU; without
+that, each worker would train alone on the whole data set, silently).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def train(output_dir):
     config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=4,
-                             per_device_eval_batch_size=4, num_train_epochs=2, use_cpu=True,
-                             report_to=[], save_strategy="no", seed=0, disable_tqdm=True)
+                             per_device_eval_batch_size=4, num_train_epochs=2, report_to=[],
+                             save_strategy="no", seed=0, disable_tqdm=True)
     trainer = Trainer(model=BertForSequenceClassification(config), args=args,
                       train_dataset=Tokens(40, 0), eval_dataset=Tokens(18, 1))
     trainer.train()
