@@ -214,6 +214,16 @@ def _check_not_applicable(notes: str) -> str | None:
 ROWS = table_rows()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _forget_the_accelerator():
+    """Later tests launch processes from this one: leave no Accelerator state behind."""
+    yield
+    instances.cache_clear()
+    from nbaccel.runtime.state import reset_state
+
+    reset_state()
+
+
 def test_the_table_lists_every_documented_name():
     listed = {name for name, _, _ in ROWS}
     missing = sorted(set(accelerate_signatures()) - listed)
