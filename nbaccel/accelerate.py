@@ -35,7 +35,7 @@ __version__ = ACCELERATE_API_VERSION
 _SUBMODULES = {
     "accelerator": "accelerator",
     "data_loader": "data_loader",
-    "launchers": "launcher",
+    "launchers": "launchers",
     "local_sgd": "local_sgd",
     "logging": "logging",
     "state": "state",

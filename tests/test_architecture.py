@@ -36,6 +36,7 @@ ROOT_MODULES = {
     "accelerator",
     "data_loader",
     "launcher",
+    "launchers",
     "local_sgd",
     "logging",
     "monitor",

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError
-from . import profiling
+from . import ops, profiling
 from .options import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -103,6 +103,8 @@ class AccelerateAttributes:
     init_handler = property(lambda self: self._handlers.get(InitProcessGroupKwargs))
     autocast_handler = property(lambda self: self._handlers.get(AutocastKwargs))
     profile_handler = property(lambda self: self._handlers.get(ProfileKwargs))
+    scaler = property(lambda self: self.precision.scaler)  # the fp16 GradScaler, else None
+    should_save_model = property(lambda self: True)  # every strategy can save from any call
 
     @property
     def multi_device(self) -> bool:
@@ -165,6 +167,8 @@ class AccelerateAttributes:
         handler = profile_handler or self._handlers.get(ProfileKwargs)
         with profiling.profile(handler, rank=self._process.rank) as profiler:
             yield profiler
+        if handler is not None and handler.output_trace_dir is not None:
+            ops.barrier("profile")  # as Accelerate: every rank's trace exists afterwards
 
     # -- assigning -----------------------------------------------------------------------
 
@@ -172,14 +176,14 @@ class AccelerateAttributes:
         if name.startswith("_") or not self.__dict__.get("_ready", False):
             object.__setattr__(self, name, value)
             return
-        if isinstance(getattr(type(self), name, None), property) or name in SETTABLE:
-            object.__setattr__(self, name, value)  # a property raises if read-only
-            return
         cls = type(self).__name__
         if name in NOT_HONOURED:
             raise AttributeError(
                 f"{cls}.{name} cannot be assigned in nbaccel: {NOT_HONOURED[name]}."
             )
+        if isinstance(getattr(type(self), name, None), property) or name in SETTABLE:
+            object.__setattr__(self, name, value)  # a property raises if read-only
+            return
         if name in self.__dict__:
             raise AttributeError(
                 f"{cls}.{name} is read-only: it was fixed when the {cls} was created (pass "

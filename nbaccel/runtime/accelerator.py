@@ -61,7 +61,7 @@ from .options import (
     resolve_dataloader_config,
 )
 from .partial_state import AcceleratorState
-from .precision import make_precision
+from .precision import autocast_context, make_precision
 from .rng import set_seed, validate_rng_types
 from .state import DistributedType, ProcessState, get_state
 from .strategy import Strategy, select_strategy
@@ -364,8 +364,9 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         self._schedulers.append(prepared)
         return prepared
 
-    def prepare_data_loader(self, dataloader: Any, device_placement: bool | None = None) -> Any:
+    def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None) -> Any:
         """Prepare one DataLoader (see :meth:`prepare`); a collective when distributed."""
+        dataloader = data_loader
         if isinstance(dataloader, PreparedDataLoader):
             return dataloader
         placement = self.device_placement if device_placement is None else device_placement
@@ -407,9 +408,12 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         """Skip the gradient all-reduce inside the block (no-op for a single process)."""
         return self.strategy.no_sync(model)
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The mixed-precision autocast context (prepared models already run under it)."""
-        return self.precision.autocast() if self.native_amp else contextlib.nullcontext()
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
+        """The mixed-precision autocast context (prepared models already run under it);
+        ``autocast_handler`` overrides the ``AutocastKwargs`` inside the block."""
+        if not self.native_amp:
+            return contextlib.nullcontext()
+        return autocast_context(self.precision, autocast_handler)
 
     def _unscale_for(self, parameters: list[torch.Tensor]) -> None:
         wanted = {id(p) for p in parameters}

@@ -187,19 +187,33 @@ class PrepareForLaunch:
             env.setdefault("LOCAL_WORLD_SIZE", str(nproc))
             if self.debug:
                 env["NBACCEL_USE_CPU"] = "1"
+        os.environ["FORK_LAUNCHED"] = "1"  # Accelerate's marker (PartialState.fork_launched)
         reset_state()  # a forked child must not reuse its parent's process facts
         return self.launcher(*args)
 
 
 def extract_model_from_parallel(
-    model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    model: Any,
+    keep_fp32_wrapper: bool = True,
+    keep_torch_compile: bool = True,
+    recursive: bool = False,
 ) -> Any:
-    """The user's module inside DDP/DataParallel (and ``torch.compile`` unless kept)."""
+    """The user's module inside DDP/DataParallel (and ``torch.compile`` unless kept);
+    ``recursive``: DDP/DataParallel wrappers nested inside it are replaced by their modules
+    too (in place)."""
 
     def inner(m: Any) -> Any:
         return unwrap_model(m, keep_fp32_wrapper=keep_fp32_wrapper)
 
-    return dynamo.unwrap(model, inner, keep_torch_compile)
+    unwrapped = dynamo.unwrap(model, inner, keep_torch_compile)
+    if recursive:
+        for parent in list(unwrapped.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(
+                    child, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel
+                ):
+                    setattr(parent, name, inner(child))
+    return unwrapped
 
 
 def prepare_data_loader(

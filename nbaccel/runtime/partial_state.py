@@ -29,6 +29,7 @@ from ._process_api import ProcessAPI
 from .state import DistributedType, ProcessState, get_state, reset_state
 
 _INIT_KEYWORDS = ("backend", "init_method", "timeout")
+
 _LAST_PRECISION: dict[str, str] = {}  # the most recent Accelerator's, for AcceleratorState()
 
 
@@ -66,6 +67,23 @@ class PartialState(ProcessAPI):
     def initialized(self) -> bool:
         """Always True: constructing the state initialises it."""
         return True
+
+    @property
+    def default_device(self) -> torch.device:
+        """The device this process computes on (Accelerate's name)."""
+        return self._process.device
+
+    def set_device(self) -> None:
+        """Make :attr:`default_device` the current CUDA device (done already on creation)."""
+        if self._process.device.type == "cuda":
+            torch.cuda.set_device(self._process.device)
+
+    @property
+    def fork_launched(self) -> bool:
+        """Whether ``PrepareForLaunch`` started this process (its ``FORK_LAUNCHED=1``)."""
+        import os
+
+        return os.environ.get("FORK_LAUNCHED") == "1"
 
     @classmethod
     def _reset_state(cls) -> None:
@@ -148,6 +166,11 @@ class AcceleratorState(PartialState):
         _LAST_PRECISION.clear()
         if reset_partial_state:
             reset_state()
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """True under FSDP (nbaccel's FSDP is FSDP2)."""
+        return self.distributed_type is DistributedType.FSDP
 
     @property
     def distributed_type(self) -> DistributedType:

@@ -33,8 +33,9 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in _LOW_PRECISION else t
 
 
-def convert_to_fp32(data: Any) -> Any:
-    """float16/bfloat16 tensors in ``data`` become float32 (other tensors are untouched)."""
+def convert_to_fp32(tensor: Any) -> Any:
+    """float16/bfloat16 tensors in ``tensor`` (a tree) become float32 (others are untouched)."""
+    data = tensor
     if type(data) is torch.Tensor:  # the usual model output: no tree walk
         return _to_fp32(data)
     return recursively_apply(_to_fp32, data)

@@ -74,6 +74,17 @@ _EXPORTS: dict[str, str] = {
     # building models without memory
     "init_empty_weights": "runtime.not_applicable",
     "init_on_device": "runtime.not_applicable",
+    # small helpers
+    "clear_environment": "runtime.helpers",
+    "convert_outputs_to_fp32": "runtime.helpers",
+    "get_max_memory": "runtime.helpers",
+    "listify": "runtime.helpers",
+    "load": "runtime.helpers",
+    "save": "runtime.helpers",
+    "slice_tensors": "runtime.helpers",
+    "merge_fsdp_weights": "runtime.model_io",
+    "synchronize_rng_state": "runtime.rng",
+    "SeedableRandomSampler": "runtime._loader_parts",
     # versions and availability
     "compare_versions": "runtime.availability",
     "is_bf16_available": "runtime.availability",

@@ -399,3 +399,103 @@ def test_prepare_for_launch_with_torch_start_processes(tmp_path, monkeypatch):
     launcher = PrepareForLaunch(_prepare_for_launch_target, distributed_type="MULTI_CPU")
     tmp.start_processes(launcher, args=(str(tmp_path),), nprocs=2, start_method="fork")
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2 3", "2 3"]
+
+
+# ------------------------------------------------------------------ Accelerate's parameter names
+
+
+def test_utils_take_accelerates_parameter_names():
+    import nbaccel.utils as utils
+    from nbaccel import Accelerator, AutocastKwargs
+
+    t = torch.ones(2, 3)
+    assert utils.gather(tensor=t).shape == (2, 3) and utils.reduce(tensor=t).sum() == 6
+    assert utils.broadcast(tensor=t, from_process=0) is t
+    assert utils.broadcast_object_list(object_list=[1, 2]) == [1, 2]
+    assert utils.gather_object(object=[5]) == [5]
+    assert utils.pad_across_processes(tensor=t, dim=1).shape == (2, 3)
+    assert utils.concatenate(data=[t, t], dim=1).shape == (2, 6)
+    assert utils.convert_to_fp32(tensor=t.half()).dtype == torch.float32
+    moved = utils.send_to_device(tensor={"a": t, "b": "keep", "c": t}, device="cpu", skip_keys="c")
+    assert moved["c"] is t and moved["b"] == "keep"
+    scaled = utils.recursively_apply(lambda x, k: x * k, {"a": t}, 2.0, test_type=torch.is_tensor)
+    assert scaled["a"].sum() == 12
+    with pytest.raises(TypeError, match="neither a container"):
+        utils.recursively_apply(lambda x: x, [t, 3], error_on_other_type=True)
+    inner = torch.nn.Linear(2, 2)
+    outer = torch.nn.Sequential(torch.nn.DataParallel(inner))
+    assert utils.extract_model_from_parallel(outer, recursive=True)[0] is inner
+    g = torch.Generator().manual_seed(3)
+    utils.synchronize_rng_states(["generator"], generator=g)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    loader = accelerator.prepare_data_loader(data_loader=DataLoader(list(range(4))))
+    assert len(loader) == 4
+    with accelerator.autocast(autocast_handler=AutocastKwargs(enabled=False)):
+        assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.float32
+    with accelerator.autocast():
+        assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.bfloat16
+
+
+def test_load_checkpoint_in_model_takes_accelerates_arguments(tmp_path):
+    from nbaccel.utils import load_checkpoint_in_model
+
+    source = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    torch.save(source.state_dict(), tmp_path / "w.bin")
+    target = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)).to(torch.float16)
+    target[1].float()
+    load_checkpoint_in_model(
+        target, str(tmp_path / "w.bin"), dtype="float16", keep_in_fp32_modules=["1"]
+    )
+    assert target[0].weight.dtype == torch.float16 and target[1].weight.dtype == torch.float32
+    torch.testing.assert_close(target[0].weight.float(), source[0].weight, atol=1e-3, rtol=0)
+    with pytest.raises(ConfigError, match="offloads a dispatched model"):
+        load_checkpoint_in_model(target, str(tmp_path / "w.bin"), offload_folder="off")
+
+
+def test_small_helpers_of_accelerate_utils(tmp_path, monkeypatch):
+    import os
+
+    import nbaccel.utils as utils
+
+    assert utils.listify({"a": torch.tensor([1, 2])}) == {"a": [1, 2]}
+    assert utils.slice_tensors({"a": torch.arange(5)}, slice(1, 3))["a"].tolist() == [1, 2]
+    utils.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    assert utils.load(tmp_path / "w.pt")["w"].sum() == 2
+    monkeypatch.setenv("SOMETHING", "1")
+    with utils.clear_environment():
+        assert "SOMETHING" not in os.environ
+    assert os.environ["SOMETHING"] == "1"
+    assert utils.get_max_memory()["cpu"] > 0
+    forward = utils.convert_outputs_to_fp32(lambda x: x.half())
+    assert forward(torch.ones(1)).dtype == torch.float32
+
+
+def test_state_and_data_loader_names_of_accelerate():
+    from nbaccel import Accelerator, AcceleratorState, PartialState
+    from nbaccel.data_loader import (
+        BatchSamplerShard,
+        DataLoaderDispatcher,
+        DataLoaderShard,
+        IterableDatasetShard,
+        SeedableRandomSampler,
+    )
+
+    state = PartialState(cpu=True)
+    state.set_device()
+    assert state.default_device.type == "cpu" and state.fork_launched is False
+    accelerator = Accelerator(cpu=True)
+    assert AcceleratorState().is_fsdp2 is False and accelerator.scaler is None
+    assert accelerator.should_save_model
+    loader = accelerator.prepare(DataLoader(list(range(4)), batch_size=2))
+    assert isinstance(loader, DataLoaderShard) and DataLoaderDispatcher is DataLoaderShard
+    assert BatchSamplerShard and IterableDatasetShard
+    inside = []
+    for _ in loader:
+        inside.append(accelerator.gradient_state.in_dataloader)
+    assert inside == [True, True] and not accelerator.gradient_state.in_dataloader
+    sampler = SeedableRandomSampler(range(6), data_seed=4)
+    assert list(sampler) != list(sampler)  # the epoch advances: another order
+    sampler.set_epoch(0)
+    first = list(sampler)
+    sampler.set_epoch(0)
+    assert list(sampler) == first
