@@ -91,6 +91,7 @@ def _mismatch_error(what: str, everyone: list[Any], detail: str, fix: str) -> Va
 # ----------------------------------------------------------------------------- collectives
 
 
+@rank_check.names_timeouts("gather")
 def gather(tensor: Any, *, allow_uneven: bool = False) -> Any:
     """Concatenate every rank's tensors along dim 0 (0-d tensors become 1-d first).
 
@@ -130,6 +131,7 @@ def gather(tensor: Any, *, allow_uneven: bool = False) -> Any:
     return _rebuild(data, packing.collect(leaves, everyone, handle))
 
 
+@rank_check.names_timeouts("gather_object")
 def gather_object(object: Any) -> list[Any]:
     """Gather picklable objects: lists/tuples are concatenated, anything else is listed per rank.
 
@@ -151,6 +153,7 @@ def gather_object(object: Any) -> list[Any]:
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
+@rank_check.names_timeouts("reduce")
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """All-reduce every tensor across ranks; returns copies multiplied by ``scale``.
 
@@ -199,6 +202,7 @@ def _check_same(data: Any, what: str) -> None:
         )
 
 
+@rank_check.names_timeouts("broadcast")
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Send ``from_process``'s tensors to every rank (in place where possible); returns ``data``.
 
@@ -221,6 +225,7 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     return recursively_apply(one, data)
 
 
+@rank_check.names_timeouts("broadcast_object_list")
 def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
     """Replace ``objects``' items in place with ``from_process``'s; returns the list."""
     objects = object_list
@@ -229,6 +234,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     return objects
 
 
+@rank_check.names_timeouts("pad_across_processes")
 def pad_across_processes(
     tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
 ) -> Any:
