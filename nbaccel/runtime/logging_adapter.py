@@ -41,6 +41,21 @@ class MultiProcessAdapter(logging.LoggerAdapter):
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
         return msg, kwargs
 
+    def warning_once(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        """``warning``, once per distinct message (and arguments) in this process."""
+        key = (str(msg), args, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        self.warning(msg, *args, **kwargs)
+
+    @property
+    def _warned(self) -> set[Any]:
+        seen: set[Any] | None = self.__dict__.get("_seen")
+        if seen is None:
+            seen = self.__dict__["_seen"] = set()
+        return seen
+
 
 def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAdapter:
     """The logger ``name`` wrapped so that it logs on the main process only by default.

@@ -26,16 +26,19 @@ Example:
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import re
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from ..errors import RanksMissingError
 from ..platform.process_env import distributed_active
 
+F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_TIMEOUT_S = 1800.0  # Accelerate's InitProcessGroupKwargs default
 _GROUP: dict[str, Any] = {}
 
@@ -77,6 +80,31 @@ def group_nonce() -> str:
 def timeout_seconds() -> float:
     """How long :func:`all_ranks_enter` waits for the other ranks."""
     return float(_GROUP.get("timeout", DEFAULT_TIMEOUT_S))
+
+
+def names_timeouts(operation: str) -> Callable[[F], F]:
+    """Decorator for a collective: a gloo timeout (some rank never called it) becomes a
+    :class:`RanksMissingError` naming ``operation`` and the fix. Costs nothing unless the
+    collective fails: no check runs before it (these run on every training step)."""
+
+    def wrap(function: F) -> F:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except RuntimeError as err:
+                if "Timed out" not in str(err) or isinstance(err, RanksMissingError):
+                    raise
+                raise RanksMissingError(
+                    f"{operation} on rank {dist.get_rank()} timed out after the process-group "
+                    "timeout: some rank never called it (e.g. it runs inside `if "
+                    "accelerator.is_main_process:`) or is stuck elsewhere. Fix: call "
+                    f"{operation} on every rank, the same number of times."
+                ) from err
+
+        return call  # type: ignore[return-value]
+
+    return wrap
 
 
 def _missing_ranks(message: str) -> list[int]:
@@ -138,5 +166,6 @@ __all__ = [
     "forget",
     "form",
     "group_nonce",
+    "names_timeouts",
     "timeout_seconds",
 ]

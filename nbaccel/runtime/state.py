@@ -50,6 +50,13 @@ class DistributedType(str, enum.Enum):
     # the peer's types nbaccel never runs as; scripts compare against them
     DEEPSPEED = "DEEPSPEED"
     MEGATRON_LM = "MEGATRON_LM"
+    TP = "TP"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_HPU = "MULTI_HPU"
 
 
 @dataclass(frozen=True)
