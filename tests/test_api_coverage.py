@@ -115,7 +115,7 @@ def signature_problem(acc_params: list[list] | None, obj: Any) -> str | None:
         params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):
         return None
-    if inspect.isclass(obj) and params and params[0].name == "self":
+    if params and params[0].name == "self":  # a class's constructor, or a method read off a class
         params = params[1:]
     by_name = {p.name: p for p in params}
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import inspect
 import json
 import sys
@@ -203,8 +204,6 @@ def _normalise(key: str) -> str:
 # ---- checking against nbaccel ----------------------------------------------------------------
 def _nb_object(path: str) -> object:
     """Resolve 'accelerate.a.b' as 'nbaccel.a.b' (module, then attributes); raise if missing."""
-    import importlib
-
     parts = ["nbaccel", *path.split(".")[1:]]
     obj: object = None
     for i in range(len(parts), 0, -1):
@@ -229,7 +228,15 @@ def _instances() -> dict[str, object]:
         "PartialState": nbaccel.PartialState(),
         "GradientState": getattr(accelerator, "gradient_state", None),
         "MultiProcessAdapter": get_logger("scan"),
+        "LocalSGD": _optional("nbaccel.local_sgd", "LocalSGD"),
     }
+
+
+def _optional(module: str, name: str) -> object:
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
 
 
 def _accepts(func: object, kw: str) -> bool:

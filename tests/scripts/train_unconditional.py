@@ -2,7 +2,8 @@
 
 Written like diffusers' ``examples/unconditional_image_generation/train_unconditional.py`` and
 ``examples/text_to_image/train_text_to_image.py`` (a ``UNet2DModel`` built from a small config,
-random 8x8 images made here) and ported by the import only (``import nbaccel as accelerate``):
+random 8x8 images made here) and ported by the import only (``import accelerate`` -> ``from nbaccel import accelerate``, the
+README's porting rule, whose ``__version__`` is the Accelerate API version nbaccel follows):
 
 * save/load hooks registered only ``if version.parse(accelerate.__version__) >= "0.16.0"``; they
   write ``unet/`` and ``unet_ema/`` into each checkpoint and pop the weights Accelerate would save;
@@ -29,8 +30,7 @@ from diffusers.training_utils import EMAModel
 from packaging import version
 from torch.utils.data import DataLoader, TensorDataset
 
-import nbaccel as accelerate
-from nbaccel import Accelerator
+from nbaccel import Accelerator, accelerate
 from nbaccel.logging import get_logger
 from nbaccel.utils import ProjectConfiguration, set_seed
 
