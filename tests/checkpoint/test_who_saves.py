@@ -282,3 +282,64 @@ def test_wait_for_everyone_on_the_main_process_alone_names_the_missing_rank():
     assert "wait_for_everyone needs every rank, but rank(s) [1] did not call it within 3 s" in (
         error.message
     )
+
+
+# -- main-only and every-rank saves mixed ----------------------------------------------------
+
+
+def _mixed_worker(root):
+    acc, model, optimizer, loader = _build()
+    path = os.path.join(root, "ckpt")
+    _train(acc, model, optimizer, loader, 1)
+    if acc.is_main_process:  # the main process alone, at step 1
+        acc.save_state(path)
+    acc.wait_for_everyone()
+    _train(acc, model, optimizer, loader, 1)
+    torch.rand(acc.process_index + 1)
+    acc.save_state(path)  # every rank, at step 2: each rank's RNG state is saved
+    every_rank = torch.get_rng_state()
+    _train(acc, model, optimizer, loader, 1)
+    if acc.is_main_process:  # the main process alone again: rank 1's file is from step 2
+        acc.save_state(path)
+    main_only = torch.get_rng_state()
+    acc.wait_for_everyone()
+    torch.manual_seed(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(path)
+    return {
+        "restored_main_only": torch.equal(torch.get_rng_state(), main_only),
+        "kept_every_rank": not torch.equal(torch.get_rng_state(), every_rank),
+        "warnings": [str(w.message) for w in caught if "RNG state" in str(w.message)],
+    }
+
+
+def test_a_ranks_file_from_another_save_is_never_restored(tmp_path):
+    main, other = run_on_workers(_mixed_worker, 2, args=(str(tmp_path),), env=SHORT)
+    assert main["restored_main_only"] and not main["warnings"]
+    assert other["kept_every_rank"] and len(other["warnings"]) == 1  # its step-2 file is not used
+
+
+def _mixed_then_every_rank_worker(root):
+    acc, model, optimizer, loader = _build()
+    path = os.path.join(root, "ckpt")
+    for step in range(1, 4):  # main-only saves at steps 1 and 2 ...
+        _train(acc, model, optimizer, loader, 1)
+        if acc.is_main_process and step < 3:
+            acc.save_state(path)
+    acc.wait_for_everyone()
+    torch.rand(acc.process_index + 1)
+    acc.save_state(path)  # ... then every rank at step 3: the ids agree again
+    expected = torch.get_rng_state()
+    torch.manual_seed(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(path)
+    return torch.equal(torch.get_rng_state(), expected), [str(w.message) for w in caught]
+
+
+def test_every_rank_saving_after_main_only_saves_restores_every_rank(tmp_path):
+    for restored, caught in run_on_workers(
+        _mixed_then_every_rank_worker, 2, args=(str(tmp_path),), env=SHORT
+    ):
+        assert restored and not caught
