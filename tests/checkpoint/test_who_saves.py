@@ -227,6 +227,15 @@ def test_stateful_loader_resumes_when_each_rank_saves_to_its_own_directory():
 # -- operations every rank must enter --------------------------------------------------------
 
 
+def _busy_until(flag, limit=60.0):
+    """A rank doing something else (as a training step would) until rank 0 is done."""
+    import time
+
+    deadline = time.monotonic() + limit
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _fsdp_main_only_worker(root):
     from nbaccel import Accelerator, FullyShardedDataParallelPlugin
     from nbaccel.runtime.state import reset_state
@@ -235,11 +244,12 @@ def _fsdp_main_only_worker(root):
     acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(auto_wrap_policy="no_wrap"))
     acc.prepare(torch.nn.Linear(4, 4))
     if acc.is_main_process:
-        acc.save_state(os.path.join(root, "ckpt"))
+        try:
+            acc.save_state(os.path.join(root, "ckpt"))
+        finally:
+            Path(root, "done").touch()
     else:
-        import time
-
-        time.sleep(8)  # doing something else (as a training step would)
+        _busy_until(os.path.join(root, "done"))
     return "saved"
 
 
@@ -259,24 +269,27 @@ def test_fsdp_save_state_on_the_main_process_alone_names_the_missing_rank(tmp_pa
     assert not (Path(tmp_path) / "ckpt").exists()
 
 
-def _barrier_main_only_worker():
-    import time
-
+def _barrier_main_only_worker(root):
     from nbaccel import Accelerator
     from nbaccel.runtime.state import reset_state
 
     reset_state()
     acc = Accelerator(cpu=True)
     if acc.is_main_process:
-        acc.wait_for_everyone()
+        try:
+            acc.wait_for_everyone()
+        finally:
+            Path(root, "done").touch()
     else:
-        time.sleep(8)
+        _busy_until(os.path.join(root, "done"))
     return "passed"
 
 
-def test_wait_for_everyone_on_the_main_process_alone_names_the_missing_rank():
+def test_wait_for_everyone_on_the_main_process_alone_names_the_missing_rank(tmp_path):
     with pytest.raises(WorkerError) as caught:
-        run_on_workers(_barrier_main_only_worker, 2, env={"NBACCEL_TIMEOUT": "3"})
+        run_on_workers(
+            _barrier_main_only_worker, 2, args=(str(tmp_path),), env={"NBACCEL_TIMEOUT": "3"}
+        )
     error = caught.value
     assert error.rank == 0 and error.exc_type == "RanksMissingError", error
     assert "wait_for_everyone needs every rank, but rank(s) [1] did not call it within 3 s" in (
