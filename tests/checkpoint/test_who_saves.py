@@ -115,16 +115,21 @@ def _hook_worker(root):
     acc, model, optimizer, loader = _build()
     _train(acc, model, optimizer, loader, 2)
 
+    from torch.nn.parallel import DistributedDataParallel
+
     def save_hook(models, weights, output_dir):
+        # as in Accelerate the hooks get the user's modules (diffusers calls save_pretrained)
+        assert not any(isinstance(m, DistributedDataParallel) for m in models)
         if acc.is_main_process:
             for m in models:
-                torch.save(acc.unwrap_model(m).state_dict(), os.path.join(output_dir, "own.pt"))
+                torch.save(m.state_dict(), os.path.join(output_dir, "own.pt"))
                 weights.pop()
 
     def load_hook(models, input_dir):
+        assert not any(isinstance(m, DistributedDataParallel) for m in models)
         while models:
             m = models.pop()
-            acc.unwrap_model(m).load_state_dict(torch.load(os.path.join(input_dir, "own.pt")))
+            m.load_state_dict(torch.load(os.path.join(input_dir, "own.pt")))
 
     acc.register_save_state_pre_hook(save_hook)
     acc.register_load_state_pre_hook(load_hook)
