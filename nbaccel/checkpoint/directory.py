@@ -259,13 +259,16 @@ def _manifest(acc: Any, tmp: Path, safe_serialization: bool, save_id: str) -> di
     }
 
 
-def place_rank_file(target: Path, save_id: str, rank: int, payload: dict[str, Any]) -> Path:
+def place_rank_file(
+    target: Path, save_id: str, rank: int, payload: dict[str, Any]
+) -> tuple[Path, str | None]:
     """Write this rank's file of save ``save_id`` where its checkpoint will pick it up.
 
     Into ``target`` when it holds this save's checkpoint (published already) or none
     yet, else next to it (:func:`~nbaccel.checkpoint.rank_files.pending_dir`), so an
     older checkpoint stays intact; :func:`publish` gathers the files. Needs no other
-    rank. ``payload`` gets ``save_id`` and ``rank`` added; returns the path written.
+    rank. ``payload`` gets ``save_id`` and ``rank`` added. Returns the path written and
+    the save id ``target`` held at that moment (``None``: no checkpoint yet).
     """
     make_dirs(target.parent)
     body = {**payload, "save_id": save_id, "rank": rank}
@@ -275,10 +278,10 @@ def place_rank_file(target: Path, save_id: str, rank: int, payload: dict[str, An
         published = manifest_save_id(target)
         if published is None or published == save_id:
             make_dirs(target)
-            return write_file(target, rank_file_name(rank), body)
+            return write_file(target, rank_file_name(rank), body), published
         pending = pending_dir(target, save_id)
         make_dirs(pending)
-        return write_file(pending, rank_file_name(rank), body)
+        return write_file(pending, rank_file_name(rank), body), published
 
 
 def publish(acc: Any, tmp: Path, target: Path, save_id: str, safe_serialization: bool) -> None:
@@ -338,10 +341,14 @@ def _swap_in(tmp: Path, target: Path, save_id: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def prune(acc: Any, root: Path) -> None:
-    """Drop stale temporary dirs and the oldest checkpoints beyond ``total_limit``."""
+def prune(acc: Any, root: Path, current: str | None = None) -> None:
+    """Drop stale temporary dirs and the oldest checkpoints beyond ``total_limit``;
+    the temporary dirs of ``current`` (the save just made) stay: another node's main
+    process may still be writing its copy of it."""
     for child in root.iterdir() if root.is_dir() else ():
         if not child.name.startswith(".checkpoint_"):
+            continue
+        if current is not None and child.name.startswith(f".{current}.tmp-"):
             continue
         if ".tmp-" in child.name or (
             # a displaced copy is only stale once its checkpoint is back in place

@@ -12,13 +12,13 @@ therefore needs no other rank (see :mod:`nbaccel.checkpoint.rank_files`):
 * every other rank that calls ``save_state`` writes its rank file durably where the
   publication picks it up (or into the published checkpoint, if it comes later).
 
-The save id (``<group id>.<accelerator number>.<save number>``) is the same on every
-rank for the same call without any message: ranks create their Accelerators and call
-``save_state`` in the same order.
+The save id (``<group id>.<accelerator number>.<step>.<save number at that step>``) is
+the same on every rank for the same call without any message: ranks create their
+Accelerators in the same order and are at the same step when they all save.
 
 Example:
-    >>> save_id_for(type("A", (), {"_serial": 0})())  # doctest: +ELLIPSIS
-    '....0.1'
+    >>> save_id_for(type("A", (), {"_serial": 0, "step": 7})())  # doctest: +ELLIPSIS
+    '....0.7.1'
 """
 
 from __future__ import annotations
@@ -49,10 +49,17 @@ def suffix(i: int) -> str:
 
 
 def save_id_for(acc: Any) -> str:
-    """The id of the next save of ``acc``: the same on every rank that makes this call."""
-    count = getattr(acc, "_save_count", 0) + 1
-    acc._save_count = count
-    return f"{rank_check.group_nonce()}.{getattr(acc, '_serial', 0)}.{count}"
+    """The id of the next save of ``acc``: the same on every rank that makes this call.
+
+    ``<group id>.<accelerator number>.<step>.<saves at this step>``: counting saves per
+    step keeps the ranks' ids equal even when some saves were made by the main process
+    alone at other steps (the counts would drift apart otherwise).
+    """
+    step = int(acc.step)
+    last_step, count = getattr(acc, "_save_count", (None, 0))
+    count = count + 1 if last_step == step else 1
+    acc._save_count = (step, count)
+    return f"{rank_check.group_nonce()}.{getattr(acc, '_serial', 0)}.{step}.{count}"
 
 
 def rank_payload(acc: Any) -> dict[str, Any]:
@@ -125,8 +132,9 @@ def save_replicated(acc: Any, target: Path, safe_serialization: bool) -> None:
             and (config.save_on_each_node or not _sees_main_save(target, save_id))
         )
         if not writes_shared:
-            place_rank_file(target, save_id, state.rank, rank_payload(acc))
-            acc._unpublished_save = (target, save_id)  # load_state waits for it (see there)
+            _, before = place_rank_file(target, save_id, state.rank, rank_payload(acc))
+            # load_state waits until the main process published this save (see there)
+            acc._unpublished_save = None if before == save_id else (target, before)
             return
         make_dirs(staging)
         models = weights_to_save(acc, staging)  # after the save pre-hooks

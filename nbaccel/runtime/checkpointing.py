@@ -99,7 +99,7 @@ def save_state(
         error = None
         if acc.state.is_main_process:
             try:
-                prune(acc, target.parent)
+                prune(acc, target.parent, current=target.name)
             except Exception as err:
                 error = err
         if collective:  # nobody looks for "the latest checkpoint" while old ones go
@@ -199,14 +199,14 @@ def _await_own_save(acc: Any, input_dir: str | os.PathLike[str] | None) -> None:
     pending = getattr(acc, "_unpublished_save", None)
     if pending is None:
         return
-    target, save_id = pending
+    target, before = pending  # what the target held when this rank wrote its file
     if input_dir is not None and Path(input_dir).absolute() != target:
         return
     if not _needs_shared(acc):
         return  # nothing shared to wait for (e.g. each rank saved to its own directory)
     seconds = rank_check.timeout_seconds()
     deadline, pause = time.monotonic() + seconds, 0.01
-    while manifest_save_id(target) != save_id:
+    while manifest_save_id(target) == before:  # until this save (or a later one) is in
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"rank {acc.state.rank} saved its part of {str(target)!r} but the main process "

@@ -115,16 +115,21 @@ def _hook_worker(root):
     acc, model, optimizer, loader = _build()
     _train(acc, model, optimizer, loader, 2)
 
+    from torch.nn.parallel import DistributedDataParallel
+
     def save_hook(models, weights, output_dir):
+        # as in Accelerate the hooks get the user's modules (diffusers calls save_pretrained)
+        assert not any(isinstance(m, DistributedDataParallel) for m in models)
         if acc.is_main_process:
             for m in models:
-                torch.save(acc.unwrap_model(m).state_dict(), os.path.join(output_dir, "own.pt"))
+                torch.save(m.state_dict(), os.path.join(output_dir, "own.pt"))
                 weights.pop()
 
     def load_hook(models, input_dir):
+        assert not any(isinstance(m, DistributedDataParallel) for m in models)
         while models:
             m = models.pop()
-            acc.unwrap_model(m).load_state_dict(torch.load(os.path.join(input_dir, "own.pt")))
+            m.load_state_dict(torch.load(os.path.join(input_dir, "own.pt")))
 
     acc.register_save_state_pre_hook(save_hook)
     acc.register_load_state_pre_hook(load_hook)
@@ -227,6 +232,15 @@ def test_stateful_loader_resumes_when_each_rank_saves_to_its_own_directory():
 # -- operations every rank must enter --------------------------------------------------------
 
 
+def _busy_until(flag, limit=60.0):
+    """A rank doing something else (as a training step would) until rank 0 is done."""
+    import time
+
+    deadline = time.monotonic() + limit
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _fsdp_main_only_worker(root):
     from nbaccel import Accelerator, FullyShardedDataParallelPlugin
     from nbaccel.runtime.state import reset_state
@@ -235,11 +249,12 @@ def _fsdp_main_only_worker(root):
     acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(auto_wrap_policy="no_wrap"))
     acc.prepare(torch.nn.Linear(4, 4))
     if acc.is_main_process:
-        acc.save_state(os.path.join(root, "ckpt"))
+        try:
+            acc.save_state(os.path.join(root, "ckpt"))
+        finally:
+            Path(root, "done").touch()
     else:
-        import time
-
-        time.sleep(8)  # doing something else (as a training step would)
+        _busy_until(os.path.join(root, "done"))
     return "saved"
 
 
@@ -259,26 +274,90 @@ def test_fsdp_save_state_on_the_main_process_alone_names_the_missing_rank(tmp_pa
     assert not (Path(tmp_path) / "ckpt").exists()
 
 
-def _barrier_main_only_worker():
-    import time
-
+def _barrier_main_only_worker(root):
     from nbaccel import Accelerator
     from nbaccel.runtime.state import reset_state
 
     reset_state()
     acc = Accelerator(cpu=True)
     if acc.is_main_process:
-        acc.wait_for_everyone()
+        try:
+            acc.wait_for_everyone()
+        finally:
+            Path(root, "done").touch()
     else:
-        time.sleep(8)
+        _busy_until(os.path.join(root, "done"))
     return "passed"
 
 
-def test_wait_for_everyone_on_the_main_process_alone_names_the_missing_rank():
+def test_wait_for_everyone_on_the_main_process_alone_names_the_missing_rank(tmp_path):
     with pytest.raises(WorkerError) as caught:
-        run_on_workers(_barrier_main_only_worker, 2, env={"NBACCEL_TIMEOUT": "3"})
+        run_on_workers(
+            _barrier_main_only_worker, 2, args=(str(tmp_path),), env={"NBACCEL_TIMEOUT": "3"}
+        )
     error = caught.value
     assert error.rank == 0 and error.exc_type == "RanksMissingError", error
     assert "wait_for_everyone needs every rank, but rank(s) [1] did not call it within 3 s" in (
         error.message
     )
+
+
+# -- main-only and every-rank saves mixed ----------------------------------------------------
+
+
+def _mixed_worker(root):
+    acc, model, optimizer, loader = _build()
+    path = os.path.join(root, "ckpt")
+    _train(acc, model, optimizer, loader, 1)
+    if acc.is_main_process:  # the main process alone, at step 1
+        acc.save_state(path)
+    acc.wait_for_everyone()
+    _train(acc, model, optimizer, loader, 1)
+    torch.rand(acc.process_index + 1)
+    acc.save_state(path)  # every rank, at step 2: each rank's RNG state is saved
+    every_rank = torch.get_rng_state()
+    _train(acc, model, optimizer, loader, 1)
+    if acc.is_main_process:  # the main process alone again: rank 1's file is from step 2
+        acc.save_state(path)
+    main_only = torch.get_rng_state()
+    acc.wait_for_everyone()
+    torch.manual_seed(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(path)
+    return {
+        "restored_main_only": torch.equal(torch.get_rng_state(), main_only),
+        "kept_every_rank": not torch.equal(torch.get_rng_state(), every_rank),
+        "warnings": [str(w.message) for w in caught if "RNG state" in str(w.message)],
+    }
+
+
+def test_a_ranks_file_from_another_save_is_never_restored(tmp_path):
+    main, other = run_on_workers(_mixed_worker, 2, args=(str(tmp_path),), env=SHORT)
+    assert main["restored_main_only"] and not main["warnings"]
+    assert other["kept_every_rank"] and len(other["warnings"]) == 1  # its step-2 file is not used
+
+
+def _mixed_then_every_rank_worker(root):
+    acc, model, optimizer, loader = _build()
+    path = os.path.join(root, "ckpt")
+    for step in range(1, 4):  # main-only saves at steps 1 and 2 ...
+        _train(acc, model, optimizer, loader, 1)
+        if acc.is_main_process and step < 3:
+            acc.save_state(path)
+    acc.wait_for_everyone()
+    torch.rand(acc.process_index + 1)
+    acc.save_state(path)  # ... then every rank at step 3: the ids agree again
+    expected = torch.get_rng_state()
+    torch.manual_seed(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(path)
+    return torch.equal(torch.get_rng_state(), expected), [str(w.message) for w in caught]
+
+
+def test_every_rank_saving_after_main_only_saves_restores_every_rank(tmp_path):
+    for restored, caught in run_on_workers(
+        _mixed_then_every_rank_worker, 2, args=(str(tmp_path),), env=SHORT
+    ):
+        assert restored and not caught

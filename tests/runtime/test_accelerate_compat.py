@@ -354,8 +354,10 @@ def test_prepare_model_in_evaluation_mode_is_not_wrapped():
     assert run_on_workers(_evaluation_mode_worker, 2) == [(True, False, 2)] * 2
 
 
-def _init_kwargs_timeout_worker():
+def _init_kwargs_timeout_worker(root):
+    import os
     import time
+    from pathlib import Path
 
     from nbaccel import Accelerator, InitProcessGroupKwargs
     from nbaccel.runtime.state import reset_state
@@ -364,15 +366,20 @@ def _init_kwargs_timeout_worker():
     handler = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=3))
     accelerator = Accelerator(cpu=True, kwargs_handlers=[handler])
     if accelerator.is_main_process:
-        accelerator.wait_for_everyone()
+        try:
+            accelerator.wait_for_everyone()
+        finally:
+            Path(root, "done").touch()
     else:
-        time.sleep(8)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(root, "done")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # something else, until rank 0 is done
     return "passed"
 
 
-def test_init_process_group_kwargs_timeout_bounds_the_entry_check():
+def test_init_process_group_kwargs_timeout_bounds_the_entry_check(tmp_path):
     with pytest.raises(WorkerError, match=r"did not call it within 3 s"):
-        run_on_workers(_init_kwargs_timeout_worker, 2)
+        run_on_workers(_init_kwargs_timeout_worker, 2, args=(str(tmp_path),))
 
 
 def _prepare_for_launch_target(path):
