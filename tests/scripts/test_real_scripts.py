@@ -269,10 +269,6 @@ def test_resume_with_stateful_dataloader_sees_every_batch_once(tmp_path):
     _resume_checks(read(tmp_path / "full.json"), read(tmp_path / "resume.json"))
 
 
-@gap(
-    "h25-gaps section 4: save/load pre-hooks get the DDP-wrapped models (Accelerate passes the "
-    "modules it was given for DDP), so diffusers' `model.save_pretrained` in the hook fails"
-)
 def test_diffusers_main_only_save_state_version_gated_hooks_and_resume(tmp_path):
     out = tmp_path / "run"
     launch("train_unconditional.py", "--output_dir", str(out), tmp_path=tmp_path, timeout=150)
