@@ -31,7 +31,6 @@ Example:
     >>> _ = write_file(folder, rank_file_name(1), {"save_id": "id1"})
     >>> read_rank_file(folder, 1)["save_id"]
     'id1'
-
 """
 
 from __future__ import annotations
