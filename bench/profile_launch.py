@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nbaccel import Accelerator, notebook_launcher
-from nbaccel.launch import _bootstrap, _rendezvous
+from nbaccel.launch import _rendezvous, _worker
 from nbaccel.platform import torchcompat
 
 
@@ -121,7 +121,7 @@ def timeline(launches: int) -> None:
     """Timestamps of the bootstrap's phases in nbaccel's workers, relative to the call."""
     log = os.path.join(tempfile.mkdtemp(), "timeline")
     phases = [
-        (_bootstrap, "_setup"),
+        (_worker, "_setup"),
         (_rendezvous, "host_store"),
         (_rendezvous, "connect_exit_client"),
         (_rendezvous, "leave"),

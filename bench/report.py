@@ -121,6 +121,13 @@ def targets(res: dict) -> list[str]:
         f"{cell(res, 'cold/accelerate', 'launch_s', 1, '{:.2f}')} s accelerate | {_r(cold)} | ≤ 1.5× | "
         f"{verdict(None if cold is None else cold <= 1.5)} |"
     )
+    first = ratio(med(res, "coldtrain/nbaccel", "launch_s"), med(res, "coldtrain/raw", "launch_s"))
+    rows.append(
+        f"| First launch of a training function, fresh kernel (issue 26) | "
+        f"{cell(res, 'coldtrain/nbaccel', 'launch_s', 1, '{:.2f}')} s | "
+        f"{cell(res, 'coldtrain/raw', 'launch_s', 1, '{:.2f}')} s raw fork + DDP | {_r(first)} | "
+        f"≤ 1.10× | {verdict(None if first is None else first <= 1.10)} |"
+    )
     for variant in ("fp32", "bf16", "accum4"):
         n = f"train-{variant}/"
         r = ratio(med(res, n + "nbaccel", "median_step_s"), med(res, n + "raw", "median_step_s"))
@@ -282,6 +289,7 @@ def render_markdown(res: dict) -> str:
         [
             ("import cell, fresh kernel (s)", "cold", "import_s", 1, "{:.2f}"),
             ("cold: first launch in the kernel (s)", "cold", "launch_s", 1, "{:.2f}"),
+            ("cold: first launch of a training function (s)", "coldtrain", "launch_s", 1, "{:.2f}"),
             ("warm launch (ms)", "warm", None, 1e3, "{:.0f}"),
         ],
     )

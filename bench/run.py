@@ -117,6 +117,20 @@ def bench_cold(python: str, systems: list[str], reps: int, cache: str, res: dict
                 return {"import_s": import_s, "launch_s": first}
 
             _record(res["samples"].setdefault(f"cold/{system}", []), sample, res["errors"], label)
+    for rep in range(reps):  # issue 26: the first launch of a training function
+        for system in [s for s in systems if s in ("raw", "nbaccel")]:
+            label = f"coldtrain {system} #{rep}"
+            print(f"- {label}", flush=True)
+
+            def train(system: str = system) -> dict[str, float]:
+                with Bench(python, cache) as bench:
+                    bench.run(f"import torch, torch.distributed\n{IMPORTS[system]}")
+                    bench.load_cells(("common", "launch"))
+                    return {"launch_s": bench.call(f"bench_first_train_once({system!r})")}
+
+            _record(
+                res["samples"].setdefault(f"coldtrain/{system}", []), train, res["errors"], label
+            )
 
 
 def bench_main(

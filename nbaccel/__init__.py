@@ -18,13 +18,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .platform import cudatrace
-
-# Remember where CUDA is first initialised, so that a refused fork can quote the cell and
-# line that did it. This wraps one torch.cuda function (or, when torch is not loaded yet,
-# adds a one-shot import hook for torch.cuda): it imports nothing, initialises no CUDA and
-# starts no thread.
-cudatrace.install()
 
 # public name -> submodule that defines it (one source of truth for lazy loading)
 _EXPORTS: dict[str, str] = {
@@ -60,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "CUDAInitializedError": "errors",
     "WorkerError": "errors",
     "RanksMissingError": "errors",
+    "WorkerTimeoutError": "errors",
     # more of Accelerate's top-level names (issue 25)
     "DDPCommunicationHookType": "runtime.comm_hooks",
     "ProfileKwargs": "runtime.options",
@@ -85,6 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .errors import LaunchError as LaunchError
     from .errors import NbaccelError as NbaccelError
     from .errors import WorkerError as WorkerError
+    from .errors import WorkerTimeoutError as WorkerTimeoutError
     from .launch.launcher import LaunchHandle as LaunchHandle
     from .launch.launcher import debug_launcher as debug_launcher
     from .launch.launcher import notebook_launcher as notebook_launcher

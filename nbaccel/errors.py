@@ -1,7 +1,9 @@
-"""Exception types raised by nbaccel.
+"""Exception types raised by nbaccel: every error a user may catch is importable from here.
 
 Misuse raises ``ValueError``/``TypeError`` subclasses; a bad environment raises
 ``RuntimeError`` subclasses. Every message names the offending value and the fix.
+A worker's own exception is re-raised in the kernel as a :class:`WorkerError` that is
+also an instance of the original type (``except ValueError`` keeps working).
 
 Example:
     >>> from nbaccel.errors import ConfigError
@@ -25,6 +27,14 @@ class ConfigError(NbaccelError, ValueError):
 
 class LaunchError(NbaccelError, RuntimeError):
     """Workers could not be started, could not rendezvous, or were lost."""
+
+
+class Stopped(LaunchError):
+    """The run (or pool call) was stopped with ``LaunchHandle.stop()``."""
+
+
+class CheckpointError(NbaccelError, RuntimeError):
+    """A file or directory is not a complete nbaccel checkpoint, or needs unsafe loading."""
 
 
 class CUDAInitializedError(LaunchError):
@@ -77,7 +87,12 @@ class WorkerError(LaunchError):
         exc_type: qualified name of the remote exception type.
         message: ``str()`` of the remote exception.
         remote_traceback: the formatted traceback text from the worker.
+
+    Attributes:
+        exit_code: the worker's exit code (a script's own; 128 + N after signal N).
     """
+
+    exit_code: int = 1
 
     def __init__(
         self,
@@ -107,12 +122,43 @@ class WorkerError(LaunchError):
         )
 
 
+class WorkerTimeoutError(WorkerError):
+    """Some ranks stopped making progress: a collective timed out or peers never finished.
+
+    Attributes:
+        stuck_ranks: ranks that were still running when the hang was declared.
+        stacks: rank -> that worker's Python stack, or its traceback.
+    """
+
+    def __init__(
+        self, stuck_ranks: list[int], stacks: dict[int, str], reason: str, pid: int | None = None
+    ) -> None:
+        self.stuck_ranks = list(stuck_ranks)
+        self.stacks = dict(stacks)
+        self.reason = reason
+        rank = self.stuck_ranks[0] if self.stuck_ranks else -1
+        super().__init__(rank, pid, "Timeout", reason, "")
+
+    def _render(self) -> str:
+        stuck = ", ".join(str(r) for r in self.stuck_ranks) or "none"
+        parts = [f"rank(s) {stuck} appear stuck: {self.reason}"]
+        for rank in sorted(self.stacks):
+            parts.append(f"\n--- where rank {rank} was ---\n{self.stacks[rank].rstrip()}")
+        return "\n".join(parts)
+
+    def __reduce__(self):
+        return (type(self), (self.stuck_ranks, self.stacks, self.reason, self.pid))
+
+
 __all__ = [
     "CUDAInitializedError",
+    "CheckpointError",
     "ConfigError",
     "LaunchError",
     "NbaccelError",
     "RanksMissingError",
+    "Stopped",
     "WorkerError",
+    "WorkerTimeoutError",
     "too_few_gpus_error",
 ]

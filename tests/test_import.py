@@ -67,17 +67,21 @@ def test_import_runtime_modules_initialises_no_cuda_thread_or_logging():
     assert result["nbaccel_loggers_with_handlers"] == []
 
 
-def test_importing_nbaccel_starts_recording_the_first_cuda_initialisation():
-    # so a refused fork can quote the line that initialised CUDA, whatever the user
-    # imported first; the recorder only wraps torch.cuda._lazy_init, importing nothing
+def test_importing_nbaccel_patches_nothing_and_a_launch_installs_the_cuda_recorder():
+    # importing has no side effect on torch; the first launch starts recording where CUDA
+    # is first initialised (so a later refused fork can name the line), in either import order
     code = (
         "import sys, nbaccel\n"
         "assert 'torch' not in sys.modules\n"
         "import torch\n"
-        "print(getattr(torch.cuda._lazy_init, '_nbaccel_cudatrace', False))"
+        "before = getattr(torch.cuda._lazy_init, '_nbaccel_cudatrace', False)\n"
+        "hooks = [type(f).__name__ for f in sys.meta_path if 'Cuda' in type(f).__name__]\n"
+        "from nbaccel.launch._preflight import plan_launch\n"
+        "plan_launch(print, num_processes=2, start_method='fork')\n"
+        "print(before, hooks, getattr(torch.cuda._lazy_init, '_nbaccel_cudatrace', False))"
     )
     for order in (code, "import torch\n" + code.replace("assert 'torch' not", "assert 'torch'")):
         out = subprocess.run(
             [sys.executable, "-c", order], capture_output=True, text=True, timeout=120, check=True
         )
-        assert out.stdout.strip() == "True"
+        assert out.stdout.strip() == "False [] True"

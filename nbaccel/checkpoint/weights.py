@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, NbaccelError
+from ..errors import CheckpointError, ConfigError
 from .durable import fsync_path, make_dirs, temp_name
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -35,10 +35,6 @@ _SAVE_ID = "nbaccel_save_id"
 _FORMATS = (("model", ".safetensors"), ("pytorch_model", ".bin"))
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-class CheckpointError(NbaccelError, RuntimeError):
-    """A file or directory is not a complete nbaccel checkpoint, or needs unsafe loading."""
 
 
 def parse_size(size: int | str) -> int:

@@ -1,7 +1,8 @@
 """Command-line options derived from :class:`nbaccel.config.LaunchConfig`.
 
 Each field becomes ``--<field>`` with its type, its choices (from the ``Literal``
-annotation) and its help text (from the class docstring); the peer's historical
+annotation) and its help text (from the field's metadata); a bool field gets
+``--<field>``/``--no-<field>``; the peer's historical
 names (``--num_machines``, ``--main_process_ip``, ...) are accepted as aliases
 via :data:`nbaccel.config.file.RENAMED_KEYS`. Nothing is listed twice.
 """
@@ -31,9 +32,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
         flags = [f"--{field.name}"] + [f"--{a}" for a in aliases.get(field.name, [])]
         kind, choices = field_kind(field.name)
         text = helps.get(field.name, "")
-        if kind is bool:
+        if kind is bool:  # --x / --no-x: a field that defaults to on can be turned off
             group.add_argument(
-                *flags, dest=field.name, action="store_true", default=None, help=text
+                *flags,
+                dest=field.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{text} (default: {'on' if field.default else 'off'})",
             )
             continue
         metavar = None if choices else field.name.upper()

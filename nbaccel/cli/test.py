@@ -1,14 +1,13 @@
 """``nbaccel test``: a short distributed self-check with the configured settings.
 
 Starts the configured number of processes (at least 2 on a CPU-only setup) with
-the same machinery as ``nbaccel launch``; each checks data sharding, gather and
+the same engine as ``nbaccel launch`` and notebooks; each checks data sharding, gather and
 a few training steps. Prints PASS or FAIL and exits 0 or 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -16,13 +15,7 @@ from pathlib import Path
 from ..config import resolve_launch_config
 from ..errors import ConfigError
 from ._options import overrides_from_args
-from .launch import (
-    add_launch_arguments,
-    processes_per_node,
-    run_single,
-    run_torchrun,
-    worker_environment,
-)
+from .launch import add_launch_arguments, launch, processes_per_node
 
 EPILOG = """\
 examples:
@@ -67,17 +60,8 @@ def run(args: argparse.Namespace) -> int:
         f"device {cfg.compute_device}, precision {cfg.mixed_precision}",
         flush=True,
     )
-    env = worker_environment(cfg, nproc, os.environ, args.config_file)
     started = time.monotonic()
-    command = [str(_SELF_CHECK)]
-    if nproc * cfg.num_nodes == 1:
-        code = run_single(["-u", *command], env)
-    else:
-        try:
-            code = run_torchrun(cfg, nproc, command, env)
-        except ConfigError as err:  # e.g. the port is busy
-            print(f"nbaccel test: FAIL: {err}", file=sys.stderr)
-            return 1
+    code = launch(cfg.replace(num_processes=nproc), [str(_SELF_CHECK)], "nbaccel test")
     seconds = time.monotonic() - started
     if code == 0:
         print(f"nbaccel test: PASS ({seconds:.1f}s): distributed training works with this setup.")

@@ -3,7 +3,8 @@
 * :mod:`~nbaccel.config.choices` -- precision modes, start methods, compute devices;
 * :mod:`~nbaccel.config.launch_config` -- :class:`LaunchConfig` and its field facts;
 * :mod:`~nbaccel.config.file` / :mod:`~nbaccel.config.store` -- the YAML file;
-* :mod:`~nbaccel.config.precedence` -- arguments > ``NBACCEL_*`` > file > defaults.
+* :mod:`~nbaccel.config.precedence` -- arguments > ``NBACCEL_*`` > file > defaults, and
+  the configuration a launcher installed in a worker.
 
 Example:
     >>> from nbaccel.config import LaunchConfig, resolve_launch_config
@@ -30,7 +31,13 @@ from .launch_config import (
     field_kind,
     field_names,
 )
-from .precedence import ENV_VARS, resolve_launch_config
+from .precedence import (
+    ENV_VARS,
+    install_launch_config,
+    installed_launch_config,
+    launch_config,
+    resolve_launch_config,
+)
 from .store import load_config, save_config, write_basic_config
 from .strategy import strategy_environment, strategy_fields
 
@@ -52,6 +59,9 @@ __all__ = [
     "field_help",
     "field_kind",
     "field_names",
+    "install_launch_config",
+    "installed_launch_config",
+    "launch_config",
     "load_config",
     "normalize_precision",
     "resolve_launch_config",

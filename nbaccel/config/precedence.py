@@ -6,6 +6,12 @@
    default_config.yaml``, else ``~/.cache/nbaccel/default_config.yaml``);
 4. the defaults of :class:`~nbaccel.config.LaunchConfig`.
 
+A process started by nbaccel's launcher does not read them: the launcher resolves the
+configuration once, in the kernel (or in ``nbaccel launch``), and each worker receives
+that :class:`~nbaccel.config.LaunchConfig` object, typed, and installs it
+(:func:`install_launch_config`). :func:`launch_config` is what the runtime asks: the
+installed object, else the sources above (under torchrun, in a script, in the kernel).
+
 Example:
     >>> cfg = resolve_launch_config({"num_processes": 2}, environ={}, config_file=False)
     >>> cfg.num_processes
@@ -114,4 +120,42 @@ def resolve_launch_config(
         raise _annotate(err, sources) from None
 
 
-__all__ = ["ENV_VARS", "resolve_launch_config"]
+_installed: list[LaunchConfig] = []  # at most one: this process's launch configuration
+
+
+def install_launch_config(cfg: LaunchConfig | None) -> None:
+    """Make ``cfg`` this process's configuration (a launched worker; None: uninstall).
+
+    Example:
+        >>> install_launch_config(LaunchConfig(mixed_precision="bf16"))
+        >>> launch_config().mixed_precision
+        'bf16'
+        >>> install_launch_config(None)
+    """
+    _installed[:] = [] if cfg is None else [cfg]
+
+
+def installed_launch_config() -> LaunchConfig | None:
+    """The configuration a launcher installed in this process, or None."""
+    return _installed[0] if _installed else None
+
+
+def launch_config(overrides: Mapping[str, Any] | None = None) -> LaunchConfig:
+    """This process's launch configuration, with ``overrides`` (non-None values) applied.
+
+    The one the launcher installed (its environment and config file were read once, where
+    the launch started); else :func:`resolve_launch_config` (environment and file, read now).
+    """
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if _installed:
+        return _installed[0].replace(**given) if given else _installed[0]
+    return resolve_launch_config(given)
+
+
+__all__ = [
+    "ENV_VARS",
+    "install_launch_config",
+    "installed_launch_config",
+    "launch_config",
+    "resolve_launch_config",
+]

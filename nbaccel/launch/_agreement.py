@@ -3,7 +3,7 @@
 Each node computes its own world size (``num_processes=None`` counts its GPUs),
 runs its own nbaccel and torch, and picks its own start method. If they differ,
 ranks collide and the job hangs until the timeout. So every worker, before the
-user's function, publishes its node's view in the launch's rendezvous store
+user's code, publishes its node's view in the launch's rendezvous store
 (torch's TCPStore, hosted by global rank 0) under a key of the current *round*
 (the restart attempt), waits for every node's view of the same round, and
 raises on every node, naming both values, when they differ.
@@ -36,18 +36,18 @@ _FIXES = {
 }
 
 
-def node_facts(env: dict[str, str]) -> dict[str, str]:
-    """What must be equal on every node, as this worker sees it."""
+def node_facts(spec: Any) -> dict[str, str]:
+    """What must be equal on every node, as this worker (its ``WorkerSpec``) sees it."""
     import torch
 
     from .._version import __version__
 
     return {
-        "world_size": env.get("WORLD_SIZE", "1"),
-        "num_nodes": env.get("NBACCEL_RDZV_NODES", "1"),
+        "world_size": str(spec.world_size),
+        "num_nodes": str(spec.config.num_nodes),
         "nbaccel_version": __version__,
         "torch_version": str(torch.__version__),
-        "start_method": env.get("NBACCEL_RDZV_START", ""),
+        "start_method": spec.method,
     }
 
 
@@ -65,33 +65,31 @@ def compare(views: dict[int, dict[str, str]]) -> list[str]:
     return problems
 
 
-def agree(store: Any, env: dict[str, str], timeout: float | None) -> None:
+def agree(store: Any, spec: Any) -> None:
     """Publish this node's facts for the current round, wait for all nodes, compare.
 
     Only for multi-node launches; a no-op when ``store`` is None or there is one node.
 
     Raises:
         LaunchError: the nodes differ (every difference, with every node's value, and
-            the fix), or not every node reached this round within ``timeout``.
+            the fix), or not every node reached this round within the timeout.
     """
-    num_nodes = int(env.get("NBACCEL_RDZV_NODES", "1"))
+    num_nodes = spec.config.num_nodes
     if store is None or num_nodes < 2:
         return
-    node_rank = int(env.get("GROUP_RANK", "0"))
-    round_ = int(env.get("NBACCEL_RDZV_ROUND", "0"))
-    keys = [f"{_PREFIX}/{round_}/node{node}" for node in range(num_nodes)]
-    if env.get("LOCAL_RANK", "0") == "0":
-        store.set(keys[node_rank], json.dumps(node_facts(env)))
-    seconds = timeout or DEFAULT_TIMEOUT
+    keys = [f"{_PREFIX}/{spec.round}/node{node}" for node in range(num_nodes)]
+    if spec.local_rank == 0:
+        store.set(keys[spec.node_rank], json.dumps(node_facts(spec)))
+    seconds = spec.config.timeout or DEFAULT_TIMEOUT
     try:
         store.wait(keys, datetime.timedelta(seconds=seconds))
     except Exception:
         missing = [node for node, key in enumerate(keys) if not store.check([key])]
-        where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
+        where = f"{spec.env.get('MASTER_ADDR')}:{spec.env.get('MASTER_PORT')}"
         raise LaunchError(
-            f"node(s) {missing} did not reach round {round_} of the rendezvous at {where} "
-            f"within {seconds:g}s (node {node_rank} did). Fix: run the same launch on every "
-            "node; with max_restarts every node restarts together, so check the other "
+            f"node(s) {missing} did not reach round {spec.round} of the rendezvous at {where} "
+            f"within {seconds:g}s (node {spec.node_rank} did). Fix: run the same launch on "
+            "every node; with max_restarts every node restarts together, so check the other "
             "nodes' output for the failure that made them stop."
         ) from None
     views = {node: json.loads(store.get(key)) for node, key in enumerate(keys)}
@@ -99,7 +97,7 @@ def agree(store: Any, env: dict[str, str], timeout: float | None) -> None:
     if problems:
         fixes = "; ".join(_FIXES[p.split(":")[0]] for p in problems if p.split(":")[0] in _FIXES)
         raise LaunchError(
-            f"the {num_nodes} nodes of this launch disagree (seen on node {node_rank}, "
+            f"the {num_nodes} nodes of this launch disagree (seen on node {spec.node_rank}, "
             f"pid {os.getpid()}, before any training): " + "; ".join(problems) + f". Fix: {fixes}."
         )
 

@@ -1,4 +1,5 @@
-"""Setting environment variables for the length of a launch, and nothing after it.
+"""A process's launch state for the length of a launch, and nothing after it: environment
+variables, and the typed configuration and rank facts the runtime reads.
 
 Example:
     >>> import os
@@ -14,6 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+
+from ..config import LaunchConfig, install_launch_config, installed_launch_config
+from ..platform.process_env import (
+    EnvironmentSnapshot,
+    install_process_facts,
+    installed_process_facts,
+)
 
 
 @contextlib.contextmanager
@@ -32,4 +40,18 @@ def patched_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
-__all__ = ["patched_environ"]
+@contextlib.contextmanager
+def installed(config: LaunchConfig, facts: EnvironmentSnapshot) -> Iterator[None]:
+    """``config`` and ``facts`` as this process's launch state (a function run in the
+    kernel itself); afterwards what was installed before."""
+    saved = installed_launch_config(), installed_process_facts()
+    install_launch_config(config)
+    install_process_facts(facts)
+    try:
+        yield
+    finally:
+        install_launch_config(saved[0])
+        install_process_facts(saved[1])
+
+
+__all__ = ["installed", "patched_environ"]

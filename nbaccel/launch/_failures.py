@@ -10,8 +10,7 @@ Three jobs:
   instance of a dynamic subclass of both the original type and
   :class:`~nbaccel.errors.WorkerError`, so ``except ValueError`` keeps working
   and ``err.rank``/``err.remote_traceback`` are there too;
-* build the hang report (:class:`WorkerTimeoutError`) naming the stuck ranks
-  with each worker's Python stack.
+* cut a fatal error's stack (faulthandler's dump on stderr) to the user's frames.
 
 Example:
     >>> info = {"type_module": "builtins", "type_qualname": "ValueError",
@@ -24,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import signal
 import sys
@@ -156,7 +156,16 @@ def _combined(original: type) -> type[WorkerError] | None:
 
 
 def remote_exception(failure: Failure) -> WorkerError:
-    """The exception to raise in the kernel for ``failure``."""
+    """The exception to raise in the kernel for ``failure`` (with the worker's exit code)."""
+    err = _remote_exception(failure)
+    if failure.kind == "signal":
+        err.exit_code = 128 + failure.code  # as a shell reports it
+    else:
+        err.exit_code = failure.code if failure.kind == "exit" else failure.info.get("exit_code", 1)
+    return err
+
+
+def _remote_exception(failure: Failure) -> WorkerError:
     if failure.kind == "signal":
         name = signal_name(failure.code)
         hint = " (SIGKILL is often the out-of-memory killer)" if failure.code == 9 else ""
@@ -172,7 +181,10 @@ def remote_exception(failure: Failure) -> WorkerError:
     cls = _combined(original) if original is not None else None
     if cls is None:
         return WorkerError(*args)
-    err: WorkerError = BaseException.__new__(cls)  # the original __init__ may need other args
+    try:  # not the original __init__: it may need other args (OSError's __new__ is its own)
+        err: WorkerError = cls.__new__(cls)
+    except Exception:
+        return WorkerError(*args)
     WorkerError.__init__(err, *args)
     _copy_attributes(err, info)
     return err
@@ -189,32 +201,21 @@ def _copy_attributes(err: BaseException, info: dict[str, Any]) -> None:
             continue
 
 
-class WorkerTimeoutError(WorkerError):
-    """Some ranks stopped making progress: a collective timed out or peers never finished.
-
-    Attributes:
-        stuck_ranks: ranks that were still running when the hang was declared.
-        stacks: rank -> that worker's Python stack (faulthandler dump) or traceback.
-    """
-
-    def __init__(
-        self, stuck_ranks: list[int], stacks: dict[int, str], reason: str, pid: int | None = None
-    ) -> None:
-        self.stuck_ranks = list(stuck_ranks)
-        self.stacks = dict(stacks)
-        self.reason = reason
-        rank = self.stuck_ranks[0] if self.stuck_ranks else -1
-        super().__init__(rank, pid, "Timeout", reason, "")
-
-    def _render(self) -> str:
-        stuck = ", ".join(str(r) for r in self.stuck_ranks) or "none"
-        parts = [f"rank(s) {stuck} appear stuck: {self.reason}"]
-        for rank in sorted(self.stacks):
-            parts.append(f"\n--- where rank {rank} was ---\n{self.stacks[rank].rstrip()}")
-        return "\n".join(parts)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.stuck_ranks, self.stacks, self.reason, self.pid))
+def trim_stack(text: str) -> str:
+    """The last fatal-error dump in ``text`` (a worker's stderr), without nbaccel's frames
+    below the user's function or, after a fork, the kernel's frames the child inherited."""
+    start = text.rfind("Fatal Python error")
+    if start < 0:
+        return ""
+    out, skipping = [], False
+    for line in text[start:].splitlines():
+        if not line.startswith("  "):  # "Thread 0x... (most recent call first):" or blank
+            skipping = False
+        elif os.path.join(f"{os.sep}nbaccel", "launch", "") in line:
+            skipping = True
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
 
 
 def add_note(err: BaseException, note: str) -> None:
@@ -227,9 +228,9 @@ def add_note(err: BaseException, note: str) -> None:
 
 __all__ = [
     "Failure",
-    "WorkerTimeoutError",
     "add_note",
     "pick_failure",
     "remote_exception",
     "signal_name",
+    "trim_stack",
 ]

@@ -105,4 +105,22 @@ class RankStatus:
             self._listeners.remove(callback)
 
 
-__all__ = ["Listener", "RankStatus"]
+class Observed:
+    """What a launch's handle and a pool show of their ranks (their ``_board``)."""
+
+    _board: RankStatus
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        """A snapshot of every rank's state, step, latest scalars and pid."""
+        return self._board.snapshot()
+
+    def add_listener(self, callback: Listener) -> Listener:
+        """Call ``callback(rank, kind, data)`` for every event; returns ``callback``."""
+        return self._board.add_listener(callback)
+
+    def remove_listener(self, callback: Listener) -> None:
+        """Undo :meth:`add_listener`."""
+        self._board.remove_listener(callback)
+
+
+__all__ = ["Listener", "Observed", "RankStatus"]

@@ -1,27 +1,28 @@
-"""Bytes between a worker and the kernel: frames, and CPU-only pickling of results.
+"""The channel between the kernel and one worker: frames both ways, CPU-only pickling.
 
-A frame is an 8-byte big-endian length followed by a pickle. Workers write
-frames with :class:`Channel`; the kernel reassembles them with
-:class:`FrameReader`. Values are pickled with :func:`dumps`, which moves every
-tensor to the CPU first (the kernel must never initialise CUDA) and uses plain
-pickle bytes rather than torch's shared-memory reducers; dill is the fallback
-for values plain pickle cannot handle (lambdas, classes defined in a notebook).
+Each worker has exactly one two-way channel, one end of a Unix socket pair: the kernel
+sends jobs, questions and "exit" on it; the worker answers with hello, events, each
+job's outcome and the answers. A frame is an 8-byte big-endian length and a pickle.
+Values are pickled with :func:`dumps`, which moves every tensor to the CPU first (the
+kernel must never initialise CUDA) and uses plain pickle bytes rather than torch's
+shared-memory reducers; dill is the fallback for what plain pickle cannot handle
+(lambdas, classes defined in a notebook). Message kinds are an open set: a side that
+gets a kind it does not know ignores it (the worker answers a job of an unknown kind
+with an error).
 
 Example:
-    >>> from nbaccel.launch._wire import FrameReader, dumps, loads, HEADER
-    >>> import pickle
-    >>> data = pickle.dumps(("hello", 0))
-    >>> FrameReader().feed(HEADER.pack(len(data)) + data)
-    [('hello', 0)]
-    >>> loads(*dumps([1, 2]))
-    [1, 2]
+    >>> import pickle, socket
+    >>> kernel, worker = (Channel(s) for s in socket.socketpair())
+    >>> worker.send(("hello", 7))
+    >>> kernel.receive(), loads(*dumps([1, 2]))
+    ([('hello', 7)], [1, 2])
 """
 
 from __future__ import annotations
 
 import io
-import os
 import pickle
+import socket
 import struct
 import sys
 import threading
@@ -30,24 +31,16 @@ from typing import Any
 HEADER = struct.Struct("!Q")
 
 
-class Channel:
-    """Frames written to the control pipe; a lock keeps concurrent publishers whole."""
-
-    def __init__(self, fd: int, rank: int) -> None:
-        self.fd, self.rank, self.lock = fd, rank, threading.Lock()
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        buffer = io.BytesIO()  # tensors in events/results reach the kernel on the CPU
-        _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-        data = buffer.getvalue()
-        frame = memoryview(HEADER.pack(len(data)) + data)
-        with self.lock:
-            while frame:
-                frame = frame[os.write(self.fd, frame) :]
+def frame(message: Any) -> bytes:
+    """One frame: the header and the pickled message (tensors moved to the CPU)."""
+    buffer = io.BytesIO()
+    _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    data = buffer.getvalue()
+    return HEADER.pack(len(data)) + data
 
 
 class FrameReader:
-    """Reassembles frames from the bytes of one control pipe (kernel side)."""
+    """Reassembles frames from a byte stream."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
@@ -67,6 +60,45 @@ class FrameReader:
             except Exception:
                 continue
         return out
+
+
+class Channel:
+    """One end of a worker's channel. ``send`` from any thread (whole frames); ``receive``
+    (what has arrived; None at the end) or ``next`` (blocking) from one thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self._lock, self._reader = sock, threading.Lock(), FrameReader()
+        self._pending: list[Any] = []
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, message: Any) -> None:
+        data = frame(message)
+        with self._lock:
+            self.sock.sendall(data)
+
+    def receive(self) -> list[Any] | None:
+        """The messages completed by one read (blocks only if nothing is readable)."""
+        try:
+            data = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            data = b""
+        return self._reader.feed(data) if data else None
+
+    def next(self) -> Any | None:
+        """The next message, waiting for it; None when the other end is gone."""
+        while not self._pending:
+            got = self.receive()
+            if got is None:
+                return None
+            self._pending += got
+        return self._pending.pop(0)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def _to_cpu(tensor: Any) -> Any:
@@ -152,4 +184,4 @@ def loads(codec: str, data: bytes) -> Any:
     return _CPUUnpickler(io.BytesIO(data)).load()
 
 
-__all__ = ["HEADER", "Channel", "FrameReader", "dumps", "loads"]
+__all__ = ["HEADER", "Channel", "FrameReader", "dumps", "frame", "loads"]

@@ -1,8 +1,14 @@
-"""Operating-system set-up of a worker process (used by :mod:`nbaccel.launch._bootstrap`).
+"""Operating-system side of a worker: output, signals, dying with the supervisor, and
+what the main thread is doing right now.
 
-fds 1/2 onto the launcher's pipes with fresh Python streams, default signal
-handlers, death with the launching kernel, and flushing C stdio before
-``os._exit``.
+* fds 1/2 onto the supervisor's pipes with fresh Python streams; default signal handlers;
+* :func:`die` ends the worker and everything it started (DataLoader workers, subprocesses).
+  It runs when the supervisor is gone: the channel reaches its end of file (the kernel,
+  or ``nbaccel launch``, was killed: the OS closes its sockets), or the parent-death signal
+  arrives (Linux ``PR_SET_PDEATHSIG``, SIGTERM); and on SIGTERM. No timer is involved;
+* :func:`main_thread_report` answers the supervisor's "what are you doing?": the main
+  thread's Python stack and, when it is inside ``torch.distributed``, which call and
+  which ranks that call waits for.
 
 Example:
     >>> from nbaccel.launch._worker_os import flush_c_stdio
@@ -17,11 +23,20 @@ import io
 import os
 import signal
 import sys
+import threading
+import traceback
 from typing import Any
+
+_MACHINERY = os.path.join(f"{os.sep}nbaccel", "launch", "")
+_DISTRIBUTED = (
+    os.path.join(f"{os.sep}torch", "distributed", ""),
+    os.path.join(f"{os.sep}torch", "nn", "parallel", "distributed.py"),
+)
+_PEER = ("dst", "src", "peer", "group_dst", "group_src")  # point-to-point calls' partner
 
 
 def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
-    """fds 1/2 -> the launcher's pipes; fresh sys.stdout/sys.stderr on them."""
+    """fds 1/2 -> the supervisor's pipes; fresh sys.stdout/sys.stderr on them."""
     old_streams = (sys.stdout, sys.stderr)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -65,12 +80,8 @@ def _stream_handlers() -> list[Any]:
 
 
 def before_fork() -> None:
-    """Kernel side, right before forking: do here what every forked worker would repeat.
-
-    Walking every logger in a worker writes to (copies) the pages of every logger object
-    the kernel has; the kernel finds the few handlers to repoint once instead. The C
-    functions the workers call are looked up here too, so workers inherit them.
-    """
+    """Kernel side, right before forking: do once what every forked worker would repeat
+    (find the logging handlers to repoint; look up the C functions workers call)."""
     global _kernel_handlers
     _kernel_handlers = _stream_handlers()
     lib = libc()
@@ -85,7 +96,7 @@ def after_fork_in_kernel() -> None:
 
 
 def reset_signals() -> None:
-    """Default handlers (SIGINT raises KeyboardInterrupt); no kernel wakeup fd."""
+    """Default handlers, no kernel wakeup fd; SIGTERM ends the worker's children too."""
     with contextlib.suppress(ValueError, OSError):
         signal.set_wakeup_fd(-1)
     # plain numbers: signal.valid_signals() wraps each in an enum (~1 ms in every worker)
@@ -96,24 +107,44 @@ def reset_signals() -> None:
             handler = signal.getsignal(sig)
         except (ValueError, OSError):
             continue
-        if sig == signal.SIGINT:
-            signal.signal(sig, signal.default_int_handler)
-        elif callable(handler):
+        if callable(handler) and sig != signal.SIGINT:
             signal.signal(sig, signal.SIG_DFL)
-    for sig in (signal.SIGTERM, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, lambda *_: die(143))
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Linux: get SIGKILL when the launching kernel thread dies (no orphans)."""
+    """Linux: SIGTERM (then :func:`die`) when the supervising thread's process dies."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc().prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        return
+    with contextlib.suppress(Exception):
+        libc().prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+        die(1)
+
+
+def die(code: int = 1) -> None:
+    """End this worker now, with every process it started (from any thread)."""
+    if _has_children():
+        with contextlib.suppress(Exception):
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(Exception):
+                    child.kill()
+    flush_c_stdio()
+    os._exit(code)
+
+
+def _has_children() -> bool:
+    """Cheap: no child at all is the usual case, and needs no look at /proc."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    except Exception:  # no waitid (macOS): look
+        pass
+    return True
 
 
 def flush_c_stdio() -> None:
@@ -131,12 +162,56 @@ def libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
+def main_thread_report(rank: int) -> dict[str, Any]:
+    """What the main thread does right now: its stack (nbaccel's own frames left out) and
+    ``waiting``, ``{"call": "torch.distributed.all_reduce", "ranks": [..] or None (all)}``
+    when it is inside torch.distributed. Safe from another thread of the process."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    waiting = None
+    inner = frame
+    while inner is not None and waiting is None:
+        if any(part in inner.f_code.co_filename for part in _DISTRIBUTED):
+            waiting = {"call": _qualname(inner), "ranks": _ranks_of(inner, rank)}
+        inner = inner.f_back
+    summary = traceback.extract_stack(frame) if frame is not None else []
+    user = [entry for entry in summary if _MACHINERY not in entry.filename]
+    stack = "".join(traceback.format_list(user)).rstrip()
+    if waiting is not None:
+        stack += f"\n  (waiting in {waiting['call']})"
+    return {"stack": stack, "waiting": waiting}
+
+
+def _qualname(frame: Any) -> str:
+    module = frame.f_globals.get("__name__", "torch.distributed")
+    if module.startswith("torch.distributed.distributed_c10d"):
+        module = "torch.distributed"
+    return f"{module}.{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}"
+
+
+def _ranks_of(frame: Any, rank: int) -> list[int] | None:
+    """The global ranks a torch.distributed call needs (None: every rank of the world)."""
+    try:
+        local = dict(frame.f_locals)
+        group = next((local[k] for k in ("group", "process_group", "pg") if k in local), None)
+        peer = next((local[k] for k in _PEER if isinstance(local.get(k), int)), None)
+        dist = sys.modules["torch.distributed"]
+        if peer is not None:
+            return sorted({rank, int(peer)})
+        if group is None or group is dist.GroupMember.WORLD:
+            return None
+        return sorted(int(r) for r in dist.get_process_group_ranks(group))
+    except Exception:
+        return None
+
+
 __all__ = [
     "after_fork_in_kernel",
     "before_fork",
+    "die",
     "die_with_parent",
     "flush_c_stdio",
     "libc",
+    "main_thread_report",
     "redirect_output",
     "reset_signals",
 ]

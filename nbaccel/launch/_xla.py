@@ -17,14 +17,16 @@ import itertools
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..config import LaunchConfig, install_launch_config
 from ..errors import LaunchError
+from ..platform.process_env import EnvironmentSnapshot, install_process_facts
 from ..platform.xla import runtime_initialized, xla_available
 from ..runtime.xla import xla_world
-from ._environ import patched_environ
+from ._environ import installed, patched_environ
 
 # Functions and arguments handed to forked workers through memory instead of pickle
 # (a notebook's function, its closures and a model passed in args all just work).
@@ -44,17 +46,24 @@ class _Worker:
         token: int,
         results_dir: str | None,
         payload: tuple[Callable[..., Any], tuple[Any, ...]] | None = None,
+        config: LaunchConfig | None = None,
     ) -> None:
         self.token = token
         self.results_dir = results_dir
         self.payload = payload
+        self.config = config
 
     def __call__(self, index: int, *_spawn_args: Any) -> None:
         function, args = self.payload or _REGISTRY[self.token]
         from ..runtime.state import reset_state
 
         reset_state()  # a forked child must not inherit the kernel's cached state
-        rank = xla_world().rank if self.results_dir is not None else 0
+        world = xla_world() if self.results_dir is not None else None
+        rank = world.rank if world is not None else 0
+        if world is not None:  # a worker: the launch's typed state is its own
+            cfg = self.config or LaunchConfig()
+            install_launch_config(cfg)
+            install_process_facts(_facts(cfg, world))
         try:
             value = function(*args)
         except BaseException as exc:
@@ -70,13 +79,28 @@ class _Worker:
 _INPROCESS_RESULT: dict[int, Any] = {}
 
 
-def _failure_info(exc: BaseException) -> dict[str, Any]:
-    from ._bootstrap import _error_info
+def _facts(cfg: LaunchConfig, world: Any = None) -> EnvironmentSnapshot:
+    """Rank facts of an XLA worker (``world``: torch_xla's view), or of one process."""
+    if world is None:
+        return EnvironmentSnapshot(
+            use_cpu=cfg.compute_device == "cpu", timeout=cfg.timeout, debug=cfg.debug
+        )
+    return EnvironmentSnapshot(
+        rank=world.rank,
+        world_size=world.world_size,
+        local_rank=world.local_rank,
+        local_world_size=world.local_world_size,
+        node_rank=world.node_rank,
+        use_cpu=cfg.compute_device == "cpu",
+        timeout=cfg.timeout,
+        debug=cfg.debug,
+    )
 
-    tb = exc.__traceback__
-    if tb is not None and tb.tb_frame.f_code is _Worker.__call__.__code__:
-        exc = exc.with_traceback(tb.tb_next)  # the traceback starts in the user's code
-    info = _error_info(exc)
+
+def _failure_info(exc: BaseException) -> dict[str, Any]:
+    from ._worker import error_info
+
+    info = error_info(exc, skip=(__file__,))  # the traceback starts in the user's code
     info["pid"] = os.getpid()
     return info
 
@@ -127,7 +151,7 @@ def launch_xla(
     function: Callable[..., Any],
     args: Sequence[Any] = (),
     num_processes: int | None = None,
-    env: Mapping[str, str] | None = None,
+    config: LaunchConfig | None = None,
     *,
     start_method: str = "fork",
 ) -> list[Any]:
@@ -142,7 +166,7 @@ def launch_xla(
             a notebook cell and ``args`` need not be picklable.
         args: its positional arguments.
         num_processes: 1, or ``None`` for every local device.
-        env: environment variables for the workers (``NBACCEL_*`` launch settings).
+        config: the launch configuration the workers' ``Accelerator()`` uses.
         start_method: "fork" (notebooks; the default) or "spawn".
 
     Returns:
@@ -177,19 +201,20 @@ def launch_xla(
     _REGISTRY[token] = (function, tuple(args))
     try:
         if nprocs == 1:
-            return [_run_here(xmp, token, env or {})]
-        return _run_workers(xmp, token, env or {}, start_method, num_processes)
+            return [_run_here(xmp, token, config or LaunchConfig())]
+        return _run_workers(xmp, token, config, start_method, num_processes)
     finally:
         _REGISTRY.pop(token, None)
         _INPROCESS_RESULT.pop(token, None)
 
 
-def _run_here(xmp: Any, token: int, env: Mapping[str, str]) -> Any:
+def _run_here(xmp: Any, token: int, config: LaunchConfig) -> Any:
     from ..runtime import state
 
     had_state = state.current_state() is not None
     try:
-        with patched_environ(env):
+        # torch_xla sets PJRT_LOCAL_PROCESS_* here: the environment is restored afterwards
+        with patched_environ({}), installed(config, _facts(config)):
             xmp.spawn(_Worker(token, None), args=(), nprocs=1)
     finally:
         if not had_state:
@@ -198,15 +223,14 @@ def _run_here(xmp: Any, token: int, env: Mapping[str, str]) -> Any:
 
 
 def _run_workers(
-    xmp: Any, token: int, env: Mapping[str, str], start_method: str, requested: int | None
+    xmp: Any, token: int, config: LaunchConfig | None, start_method: str, requested: int | None
 ) -> list[Any]:
     payload = _REGISTRY[token] if start_method == "spawn" else None
     with tempfile.TemporaryDirectory(prefix="nbaccel-xla-") as tmp:
         try:
-            with patched_environ(env):
-                xmp.spawn(
-                    _Worker(token, tmp, payload), args=(), nprocs=None, start_method=start_method
-                )
+            with patched_environ({}):
+                worker = _Worker(token, tmp, payload, config)
+                xmp.spawn(worker, args=(), nprocs=None, start_method=start_method)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise

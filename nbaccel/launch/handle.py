@@ -1,7 +1,7 @@
-"""``LaunchHandle``: a running (or finished) multi-process launch.
+"""``LaunchHandle``: one job running (or finished) on a group of workers.
 
-``notebook_launcher(..., block=False)`` returns one at once; the workers are
-supervised by a background thread and the kernel stays responsive. With
+``notebook_launcher(..., block=False)`` and ``pool.call(..., block=False)`` return one at
+once; the job is followed by a background thread and the kernel stays responsive. With
 ``block=True`` the same object is driven from the calling thread.
 
 Status model (``handle.status()``): one dict per global rank of this node with
@@ -24,19 +24,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
-from ._attempt import start_attempt
-from ._preflight import LaunchPlan
-from ._status import Listener, RankStatus
-from ._supervise import Stopped, Supervisor
+from ..errors import Stopped
+from ._status import Observed, RankStatus
 
 _LIVE: weakref.WeakSet[LaunchHandle] = weakref.WeakSet()
 _TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
 _atexit_registered = False
+
+#: runs the job to its end: gets the handle (its ``stop_requested``, its ``on_event``),
+#: returns ``{rank: value}`` of the wanted ranks or raises
+Runner = Callable[["LaunchHandle"], dict[int, Any]]
 
 
 def _stop_live_handles() -> None:
@@ -45,27 +47,18 @@ def _stop_live_handles() -> None:
             handle.stop(timeout=5)
 
 
-class LaunchHandle:
-    """Control and observe a launch: ``wait``, ``result``, ``stop``, ``done``, ``status``."""
+class LaunchHandle(Observed):
+    """Control and observe a job: ``wait``, ``result``, ``stop``, ``done``, ``status``."""
 
-    def __init__(self, plan: LaunchPlan) -> None:
-        self._plan = plan
-        nproc = plan.num_processes or 1
-        self.ranks: list[int] = [plan.global_rank(i) for i in range(nproc)]
-        self._want = set(self.ranks) if plan.return_all_ranks else {self.ranks[0]}
+    def __init__(self, ranks: list[int], runner: Runner, *, all_ranks: bool = False) -> None:
+        self.ranks = list(ranks)
+        self.attempt = 0
+        self.stop_requested = threading.Event()
+        self._runner, self._all_ranks = runner, all_ranks
         self._board = RankStatus(self.ranks, "starting")
         self._done = threading.Event()
-        self._stopping = threading.Event()
         self._outcome: tuple[bool, Any] | None = None
-        self._supervisor: Supervisor | None = None
         self._thread: threading.Thread | None = None
-        self.attempt = 0
-        if plan.output is None:
-            self._streams: tuple[Any, Any] = (sys.stdout, sys.stderr)
-        elif callable(plan.output):
-            self._streams = (None, None)
-        else:
-            self._streams = (plan.output, plan.output)
 
     # ------------------------------------------------------------------ public API
     def wait(self, timeout: float | None = None) -> bool:
@@ -90,9 +83,7 @@ class LaunchHandle:
         ok, value = self._outcome
         if not ok:
             raise value
-        if self._plan.return_all_ranks:
-            return [value[r] for r in self.ranks]
-        return value[self.ranks[0]]
+        return [value[r] for r in self.ranks] if self._all_ranks else value[self.ranks[0]]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The failure of a finished run, or None when it succeeded."""
@@ -102,25 +93,10 @@ class LaunchHandle:
         return None if self._outcome[0] else self._outcome[1]
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Terminate every worker (SIGTERM, then SIGKILL) and wait until they are gone."""
-        self._stopping.set()
-        supervisor = self._supervisor
-        if supervisor is not None:
-            supervisor.stop_requested.set()
+        """Stop the job: a launch's workers are terminated, a pool's interrupted."""
+        self.stop_requested.set()
         if threading.current_thread() is not self._thread:  # not from a listener callback
             self.wait(timeout)
-
-    def status(self) -> dict[int, dict[str, Any]]:
-        """A snapshot of every rank's state, step and latest scalars."""
-        return self._board.snapshot()
-
-    def add_listener(self, callback: Listener) -> Listener:
-        """Call ``callback(rank, kind, data)`` for every event; returns ``callback``."""
-        return self._board.add_listener(callback)
-
-    def remove_listener(self, callback: Listener) -> None:
-        """Undo :meth:`add_listener`."""
-        self._board.remove_listener(callback)
 
     @property
     def pids(self) -> dict[int, int | None]:
@@ -131,86 +107,44 @@ class LaunchHandle:
         states = sorted({s["state"] for s in self.status().values()})
         return f"<LaunchHandle ranks={self.ranks} state={'/'.join(states)}>"
 
-    # ------------------------------------------------------------------ events
-    def _on_event(self, rank: int, kind: str, data: dict) -> None:
-        self._board.publish(rank, kind, data)
-
     # ------------------------------------------------------------------ running
-    def _start_attempt(self) -> None:
-        self._supervisor = start_attempt(
-            self._plan, self.ranks, self._want, self._streams, self._on_event, self.attempt
-        )
-        if self._stopping.is_set():
-            self._supervisor.stop_requested.set()
+    def on_event(self, rank: int, kind: str, data: dict) -> None:
+        """Where the supervisor's events for this job go."""
+        self._board.publish(rank, kind, data)
 
     def _finish(self, ok: bool, value: Any) -> None:
         final = "stopped" if isinstance(value, Stopped) else "terminated"
         for rank, entry in self.status().items():
             if entry["state"] not in _TERMINAL:
-                self._on_event(rank, "state", {"state": final})
+                self.on_event(rank, "state", {"state": final})
         self._outcome = (ok, value)
         _LIVE.discard(self)
         self._done.set()
 
-    def _run(self) -> None:
-        """Supervise attempts until success, failure or stop. Re-raises KeyboardInterrupt."""
+    def run(self) -> None:
+        """Run the job here; the outcome is kept for :meth:`result` (a KeyboardInterrupt
+        is also re-raised)."""
         try:
-            while True:
-                assert self._supervisor is not None
-                try:
-                    values = self._supervisor.run()
-                except Stopped as err:
-                    self._finish(False, err)
-                    return
-                except Exception as err:
-                    if self.attempt >= self._plan.config.max_restarts or self._stopping.is_set():
-                        self._finish(False, err)
-                        return
-                    self.attempt += 1
-                    self._announce_restart(err)
-                    self._start_attempt()
-                    continue
-                self._finish(True, values)
-                return
+            values = self._runner(self)
         except BaseException as err:
-            self.abort()
-            if not self._done.is_set():
-                self._finish(False, err)
-            if isinstance(err, KeyboardInterrupt) or not self._plan.block:
+            self._finish(False, err)
+            if isinstance(err, KeyboardInterrupt):
                 raise
+            return
+        self._finish(True, values)
 
-    def abort(self) -> None:
-        """Kill and reap the current workers right now (used when starting is interrupted)."""
-        supervisor = self._supervisor
-        if supervisor is not None:
-            supervisor.terminate()
-            supervisor.close()
-
-    def _announce_restart(self, err: BaseException) -> None:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        text = (
-            f"nbaccel: workers failed ({first}); restarting, attempt {self.attempt} of "
-            f"{self._plan.config.max_restarts}\n"
-        )
-        stream = self._streams[1]
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.write(text)
-
-    def _run_in_background(self) -> None:
+    def run_in_background(self) -> None:
         global _atexit_registered
-        if not _atexit_registered:  # workers must not outlive the kernel (macOS has no PDEATHSIG)
+        if not _atexit_registered:  # workers must not outlive the kernel's exit
             atexit.register(_stop_live_handles)
             _atexit_registered = True
         _LIVE.add(self)
-        self._thread = threading.Thread(
-            target=self._background, name="nbaccel-supervisor", daemon=True
-        )
+        self._thread = threading.Thread(target=self._background, name="nbaccel-job", daemon=True)
         self._thread.start()
 
     def _background(self) -> None:
         with contextlib.suppress(BaseException):
-            self._run()
+            self.run()
 
 
 __all__ = ["LaunchHandle"]

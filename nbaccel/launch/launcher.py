@@ -7,13 +7,14 @@ A launch is "check, then launch":
    CUDA-before-fork, an Accelerator already in the kernel, a busy port. Any
    problem raises here, before a process exists;
 2. one process: the function runs in the kernel itself; TPU: ``torch_xla``;
-   otherwise workers are forked (or spawned with dill when CUDA is already
-   initialised) with the rank environment, torch's own TCPStore rendezvous
-   listening on loopback only (:mod:`nbaccel.launch._rendezvous`) and their output
-   forwarded into the cell;
-3. supervision (:mod:`nbaccel.launch._supervise`): results, the first real failure
-   re-raised with its type, rank and remote traceback, hangs reported with
-   every stuck worker's stack, interrupts and clean-up.
+   otherwise a one-shot group of workers (:mod:`nbaccel.launch._start`): forked (or
+   spawned with dill when CUDA is already initialised), each given the typed
+   configuration, torch's own TCPStore rendezvous listening on loopback only
+   (:mod:`nbaccel.launch._rendezvous`), and the function as its one job;
+3. supervision (:mod:`nbaccel.launch._supervisor`, the same as a pool's): output
+   forwarded into the cell, results, the first real failure re-raised with its type,
+   rank and remote traceback, hangs reported with every stuck worker's stack,
+   interrupts and clean-up; ``max_restarts`` starts a fresh group.
 
 Example:
     >>> from nbaccel import notebook_launcher
@@ -28,14 +29,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from ..config import LaunchConfig
-from ._environ import patched_environ
-from ._failures import WorkerTimeoutError
-from ._preflight import LaunchPlan, plan_launch
+from ..errors import Stopped, WorkerError, WorkerTimeoutError
+from ..platform.process_env import EnvironmentSnapshot
+from ._environ import installed, patched_environ
+from ._preflight import LaunchPlan, plan_launch, plan_script
+from ._start import rank_environment, start_group
+from ._supervisor import JobFailed, Supervisor
 from .handle import LaunchHandle
 
 
@@ -44,18 +50,20 @@ def notebook_launcher(
     args: tuple[Any, ...] = (),
     num_processes: int | None = None,
     mixed_precision: str | None = None,
-    use_port: int | None = None,
-    master_addr: str = "127.0.0.1",
-    node_rank: int = 0,
-    num_nodes: int = 1,
-    start_method: str = "auto",
-    max_restarts: int = 0,
-    timeout: float | None = None,
-    *,
+    use_port: int | str | None = None,
+    master_addr: str | None = None,
+    node_rank: int | None = None,
+    num_nodes: int | None = None,
     rdzv_backend: str = "static",
     rdzv_endpoint: str = "",
+    rdzv_conf: dict[str, Any] | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int | None = None,
     monitor_interval: float = 0.1,
     log_line_prefix_template: str | None = None,
+    *,
+    start_method: str | None = None,
+    timeout: float | None = None,
     config: LaunchConfig | None = None,
     return_all_ranks: bool = False,
     block: bool = True,
@@ -71,26 +79,27 @@ def notebook_launcher(
             else TPU cores, else 1. With one process the function runs in the kernel.
         mixed_precision: "no", "fp16", "bf16" or "fp8"; reaches the ``Accelerator()``
             created inside the function (``None``: from the environment/config file).
-        use_port: rendezvous port; ``None`` picks a free one for each launch. A busy
-            port raises ``ValueError`` naming it.
-        master_addr: node 0's address; on one machine the rendezvous listens on
-            127.0.0.1 only.
+        use_port: rendezvous port (an int, or a string such as "29500"); ``None`` picks a
+            free one for each launch. A busy port raises ``ValueError`` naming it.
+        master_addr: node 0's address (default 127.0.0.1); on one machine the rendezvous
+            listens on 127.0.0.1 only.
         node_rank: this machine's index (multi-node: run the same cell on each machine).
-        num_nodes: machines taking part.
-        start_method: "auto" (fork, or spawn when CUDA is already initialised in the
-            kernel), "fork" (refuses with ``CUDAInitializedError`` in that case) or "spawn".
-        max_restarts: how often a failed group of workers is started again.
-        timeout: seconds a collective may block (passed to the process group as
-            ``NBACCEL_TIMEOUT``). When a rank's collective times out while other ranks
-            still run, or ranks still run ``timeout`` seconds after a peer finished,
-            those ranks are reported as stuck (``WorkerTimeoutError``) with their
-            Python stacks, and everything is cleaned up.
-        rdzv_backend: "static" or "c10d" (both use torch's TCPStore on node 0).
+        num_nodes: machines taking part (default 1).
+        rdzv_backend: "static" (the default: every node names its ``node_rank``). "c10d"
+            (nodes joining in any order) is refused with an error saying what to do.
         rdzv_endpoint: "host:port", overriding ``master_addr``/``use_port``.
+        rdzv_conf, rdzv_id: settings of the c10d rendezvous; refused when given.
+        max_restarts: how often a failed group of workers is started again (default 0).
         monitor_interval: seconds between checks of the workers.
         log_line_prefix_template: prefix of every forwarded output line when more than
             one process runs here (default "[rank{rank}] "; "" disables). Fields:
             {rank}, {local_rank}, {node_rank}, {world_size} (or torchrun's ${rank}).
+        start_method: "auto" (fork, or spawn when CUDA is already initialised in the
+            kernel), "fork" (refuses with ``CUDAInitializedError`` in that case) or "spawn".
+        timeout: seconds a collective may block (the process group's timeout). When a
+            rank's collective times out while other ranks still run, or ranks still run
+            ``timeout`` seconds after a peer finished, those ranks are reported as stuck
+            (``WorkerTimeoutError``) with their Python stacks, and everything is cleaned up.
         config: a complete :class:`~nbaccel.LaunchConfig` to use instead of the
             environment and config file (explicit arguments still override it).
         return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).
@@ -114,42 +123,81 @@ def notebook_launcher(
             stuck ranks (``err.stuck_ranks``) with every worker's stack (``err.stacks``).
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
-    plan = plan_launch(
-        function,
-        args,
-        num_processes,
-        mixed_precision,
-        use_port,
-        master_addr,
-        node_rank,
-        num_nodes,
-        start_method,
-        max_restarts,
-        timeout,
-        rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint,
-        monitor_interval=monitor_interval,
-        log_line_prefix_template=log_line_prefix_template,
-        config=config,
-        return_all_ranks=return_all_ranks,
-        block=block,
-        output=output,
-    )
+    plan = plan_launch(**locals())  # first: locals() are exactly the arguments
+    return launch(plan)
+
+
+def launch(plan: LaunchPlan) -> Any:
+    """Run a planned launch: in the kernel, on TPUs, or on a one-shot group of workers
+    (a :class:`LaunchHandle` when ``plan.block`` is False)."""
     if plan.method == "kernel":
         return _run_in_kernel(plan)
     if plan.method == "xla":
         return _run_xla(plan)
-    handle = LaunchHandle(plan)
-    try:
-        handle._start_attempt()
-        if not block:
-            handle._run_in_background()
+    started: list[Supervisor] = []
+    handle = LaunchHandle(
+        plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.return_all_ranks
+    )
+    try:  # the first group starts in the calling thread (the kernel's main thread)
+        started.append(_start(plan, handle))
+        if not plan.block:
+            handle.run_in_background()
             return handle
     except BaseException:
-        handle.abort()  # an interrupt between starting and supervising leaves no worker
+        for group in started:  # an interrupt between starting and supervising
+            group.terminate()
+            group.close()
         raise
-    handle._run()
+    handle.run()
     return handle.result()
+
+
+def _attempts(plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor]) -> dict[int, Any]:
+    """One group of workers per attempt, ``max_restarts`` more after a failure."""
+    while True:
+        group = started.pop() if started else _start(plan, handle)
+        try:
+            return group.run_job(1, plan.ranks, _wanted(plan), handle.stop_requested)
+        except JobFailed as failed:
+            err = failed.error
+        finally:
+            group.terminate()
+            group.close()
+        if isinstance(err, (Stopped, KeyboardInterrupt)):
+            raise err
+        if handle.attempt >= plan.config.max_restarts or handle.stop_requested.is_set():
+            raise err
+        handle.attempt += 1
+        _announce_restart(plan, handle.attempt, err)
+
+
+def _wanted(plan: LaunchPlan) -> set[int]:
+    return set(plan.ranks) if plan.return_all_ranks else {plan.ranks[0]}
+
+
+def _start(plan: LaunchPlan, handle: LaunchHandle) -> Supervisor:
+    want = _wanted(plan)
+    if plan.method == "fork":  # inherited through the fork: nothing is pickled
+        job: tuple[Any, ...] = ("job", 1, "call", want, plan.function, plan.args, {})
+    else:
+        job = ("job", 1, "run", want, plan.payload)
+    return start_group(
+        plan, on_event=handle.on_event, round_=handle.attempt, first_job=job, output=plan.output
+    )
+
+
+def _announce_restart(plan: LaunchPlan, attempt: int, err: BaseException) -> None:
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    text = (
+        f"nbaccel: workers failed ({first}); restarting, attempt {attempt} of "
+        f"{plan.config.max_restarts}\n"
+    )
+    output: Any = sys.stderr if plan.output is None else plan.output
+    with contextlib.suppress(Exception):
+        if hasattr(output, "write"):
+            output.write(text)
+        else:  # output(rank, stream, line)
+            output(plan.ranks[0], "stderr", text.rstrip("\n"))
 
 
 def debug_launcher(
@@ -173,19 +221,16 @@ def debug_launcher(
 
 
 def _run_in_kernel(plan: LaunchPlan) -> Any:
-    """One process: call the function right here, with the rank environment set."""
-    env = {
-        **plan.env,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-        "GROUP_RANK": "0",
-    }
+    """One process: call the function right here, as rank 0 of 1."""
+    env = {**plan.env, **rank_environment(0, 0, world_size=1, local_world_size=1, node_rank=0)}
+    cfg = plan.config
+    facts = EnvironmentSnapshot(
+        use_cpu=cfg.compute_device == "cpu", timeout=cfg.timeout, debug=cfg.debug
+    )
     state = sys.modules.get("nbaccel.runtime.state")
     had_state = state is not None and state.current_state() is not None
     try:
-        with patched_environ(env):
+        with patched_environ(env), installed(cfg, facts):
             value = plan.function(*plan.args)
     finally:
         state = sys.modules.get("nbaccel.runtime.state")
@@ -197,8 +242,67 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
 def _run_xla(plan: LaunchPlan) -> Any:
     from ._xla import launch_xla
 
-    results = launch_xla(plan.function, plan.args, plan.num_processes, plan.env)
+    results = launch_xla(plan.function, plan.args, plan.num_processes, plan.config)
     return list(results) if plan.return_all_ranks else results[0]
 
 
-__all__ = ["LaunchHandle", "WorkerTimeoutError", "debug_launcher", "notebook_launcher"]
+def run_script(cfg: LaunchConfig, command: list[str]) -> int:
+    """``nbaccel launch``: ``command`` (``[-m] script_or_module args...``) as ``__main__``
+    on ``cfg``'s processes, the same engine with a ``script`` job; returns the exit code
+    (the first real failure's: the script's own, 1 for an exception, 128 + N after
+    signal N) and says on stderr which rank failed.
+
+    Example:
+        >>> run_script(LaunchConfig(num_processes=2), ["train.py", "--lr", "3e-4"])  # doctest: +SKIP
+        0
+    """
+    plan = plan_script(cfg)
+    stop = threading.Event()
+    for attempt in range(cfg.max_restarts + 1):
+        if attempt:
+            print(f"nbaccel launch: restarting, attempt {attempt} of {cfg.max_restarts}",
+                  file=sys.stderr)  # fmt: skip
+        job: tuple[object, ...] = ("job", 1, "script", set(), list(command))
+        try:
+            group = start_group(plan, on_event=_ignore, round_=attempt, first_job=job)
+        except KeyboardInterrupt:
+            return 130
+        try:
+            group.run_job(1, plan.ranks, set(), stop)
+            return 0
+        except JobFailed as failed:
+            code = _exit_code(failed.error)
+        finally:
+            group.terminate()
+            group.close()
+        if code == 130:
+            return code
+    return code
+
+
+def _exit_code(error: BaseException) -> int:
+    if isinstance(error, KeyboardInterrupt):
+        return 130
+    if isinstance(error, WorkerError):
+        code = error.exit_code or 1
+        if error.exc_type in ("SystemExit", "ExitCode") or error.exc_type.startswith("SIG"):
+            detail = f"exited with code {code}"
+        else:  # the traceback is on stderr already, as python prints it
+            detail = f"failed with {error.exc_type}: {error.message.splitlines()[0] if error.message else ''}"
+        print(f"nbaccel launch: rank {error.rank} (pid {error.pid}) {detail}", file=sys.stderr)
+        return code
+    print(f"nbaccel launch: {error}", file=sys.stderr)
+    return 1
+
+
+def _ignore(rank: int, kind: str, data: dict) -> None:
+    """A script's events have no live view in a terminal."""
+
+
+__all__ = [
+    "LaunchHandle",
+    "WorkerTimeoutError",
+    "debug_launcher",
+    "notebook_launcher",
+    "run_script",
+]

@@ -4,7 +4,12 @@ Load it with ``%load_ext nbaccel``. The cell runs in each worker's namespace
 (shared with ``pool.push``/``pool.pull``; names persist between cells), its output
 is streamed into the cell with rank prefixes, an exception is raised with its rank
 and remote traceback, and the value of a final expression on the first rank is
-shown as the cell's result. A name ``accelerator`` is ready to use: the first cell
+shown as the cell's result. Names the cell uses that the kernel defines (functions,
+classes, constants of ordinary cells) are copied to the workers as ``pool.run`` copies
+a function's globals; a name that cannot be copied is an error naming it, and a name
+the workers set themselves (in an earlier cell, or with ``push``) is theirs. A cell
+run on some ranks (``--ranks 0``) that enters a collective needing the others ends
+with an error naming the collective (the pool restarts), not a deadlock. A name ``accelerator`` is ready to use: the first cell
 that mentions it creates ``Accelerator()`` on the workers (let that cell run on
 every rank: it forms the process group).
 
@@ -25,6 +30,8 @@ Example::
 from __future__ import annotations
 
 import shlex
+import symtable
+from collections.abc import Mapping
 from typing import Any
 
 from .pool import WorkerPool, current_pool
@@ -91,12 +98,47 @@ def distributed(line: str, cell: str, user_ns: dict[str, Any] | None = None) -> 
                 "first (or restart it if it was closed)."
             )
         pool = found
-    return pool.exec_cell(cell, ranks)
+    return pool.exec_cell(cell, ranks, names=kernel_names(cell, user_ns or {}))
+
+
+# IPython's own names in a kernel's namespace: never the cell's business on the workers
+_KERNEL_ONLY = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+
+
+def kernel_names(source: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """The kernel's values of the global names ``source`` reads.
+
+    Example:
+        >>> kernel_names("y = f(x) + len(z)", {"f": abs, "x": -2, "unused": 1})
+        {'f': <built-in function abs>, 'x': -2}
+    """
+    try:
+        table = symtable.symtable(source, "<distributed cell>", "exec")
+    except SyntaxError:
+        return {}  # exec_cell reports it
+    used: set[str] = set()
+    tables = [table]
+    while tables:
+        scope = tables.pop()
+        top = scope.get_type() == "module"
+        for symbol in scope.get_symbols():
+            if symbol.is_referenced() and (top or symbol.is_global()):
+                used.add(symbol.get_name())
+        tables += scope.get_children()
+    names = {}
+    for name in sorted(used):
+        if name in namespace and name not in _KERNEL_ONLY and not name.startswith("_"):
+            names[name] = namespace[name]
+    return names
 
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register ``%%distributed`` (called by ``%load_ext nbaccel``)."""
     from IPython.core.error import UsageError
+
+    from ..platform import cudatrace
+
+    cudatrace.install()  # a CUDA initialisation in a later cell is named if a fork is refused
 
     def magic(line: str, cell: str) -> Any:
         try:

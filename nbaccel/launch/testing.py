@@ -1,9 +1,8 @@
-"""Helpers shared by the test suite and ``nbaccel test``.
+"""Helpers for the test suite: run a function on real workers through the launcher users get.
 
-``run_on_workers`` forks N real CPU processes that rendezvous over gloo on
-loopback, runs a function in each, and returns every rank's result. It is
-deliberately independent of :mod:`nbaccel.launcher` so the runtime can be tested
-on its own.
+``run_on_workers`` is ``notebook_launcher``'s engine (the same start, supervisor, channel
+and worker loop) with the settings tests want: CPU processes over gloo on loopback, one
+compute thread each, always worker processes (also for one), every rank's value back.
 
 Example:
     >>> from nbaccel.launch.testing import run_on_workers
@@ -16,20 +15,13 @@ Example:
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
-import queue
 import socket
-import sys
-import time
-import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import LaunchError, WorkerError
-from ..platform import torchcompat
-from ..platform.forksafe import release_openmp_threads
+from ..config import resolve_launch_config
+from ..errors import LaunchError
+from ._environ import patched_environ
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -44,32 +36,6 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _worker(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    rank: int,
-    env: dict[str, str],
-    results: Any,
-) -> None:
-    os.environ.update(env)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        # OMP_NUM_THREADS is read once, at torch's import, so the child sizes its pool
-        # explicitly (the parent released its own pool before forking: see _forksafe).
-        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-    try:
-        value = fn(*args)
-        payload = pickle.dumps((rank, True, value))
-    except BaseException as exc:  # ship every failure, KeyboardInterrupt included
-        payload = pickle.dumps(
-            (rank, False, (type(exc).__qualname__, str(exc), traceback.format_exc()))
-        )
-    finally:
-        torchcompat.destroy_process_group()
-    # plain pickle bytes: avoids torch's shared-memory reducers outliving the worker
-    results.put(payload)
-
-
 def run_on_workers(
     fn: Callable[..., Any],
     num_processes: int = 2,
@@ -77,84 +43,34 @@ def run_on_workers(
     env: Mapping[str, str] | None = None,
     timeout: float = 120.0,
 ) -> list[Any]:
-    """Fork ``num_processes`` CPU workers, run ``fn(*args)`` in each, return results by rank.
+    """Run ``fn(*args)`` on ``num_processes`` CPU workers; return every rank's value.
 
-    Each worker gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT`` and ``OMP_NUM_THREADS=1``
-    (plus ``env``). The first failing rank is re-raised as :class:`WorkerError`;
-    every worker is terminated and joined before this returns or raises.
-
-    Args:
-        fn: a picklable-by-reference function (module level) or any callable (fork).
-        num_processes: how many workers.
-        args: positional arguments for ``fn``.
-        env: extra environment variables for every worker.
-        timeout: seconds to wait for all results before killing the workers.
-
-    Returns:
-        ``[result_of_rank_0, result_of_rank_1, ...]``.
+    ``env`` is the environment of the launch (``NBACCEL_*`` settings are read from it as
+    from a kernel's, and the workers inherit it); ``OMP_NUM_THREADS`` defaults to 1. The
+    first real failure is raised as the launcher raises it (a ``WorkerError`` that is also
+    the remote type); after ``timeout`` seconds the workers are stopped and a
+    ``LaunchError`` says so.
     """
-    ctx = mp.get_context("fork")
-    release_openmp_threads()  # else children hang in their first multi-threaded op
-    results = ctx.Queue()
-    port = find_free_port()
-    procs = []
-    for rank in range(num_processes):
-        worker_env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(num_processes),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(num_processes),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            **dict(env or {}),
-        }
-        proc = ctx.Process(target=_worker, args=(fn, args, rank, worker_env, results))
-        proc.start()
-        procs.append(proc)
-    collected: dict[int, Any] = {}
-    failure: WorkerError | None = None
-    deadline = time.monotonic() + timeout
+    from ._preflight import plan_launch
+    from .launcher import launch
+
+    values = {"OMP_NUM_THREADS": "1", **dict(env or {})}
+    with patched_environ(values):
+        plan = plan_launch(
+            fn,
+            tuple(args),
+            num_processes=num_processes,
+            config=resolve_launch_config({"compute_device": "cpu"}),
+            return_all_ranks=True,
+            block=False,  # worker processes also for one (block=True would use this process)
+            kernel_state_ok=True,  # a test's own Accelerator here: the workers drop it
+        )
+        handle = launch(plan)
     try:
-        while len(collected) < num_processes and failure is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise LaunchError(
-                    f"run_on_workers: no result from ranks "
-                    f"{sorted(set(range(num_processes)) - set(collected))} after {timeout}s"
-                )
-            try:
-                rank, ok, value = pickle.loads(results.get(timeout=min(remaining, 0.5)))
-            except queue.Empty:
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if r not in collected and p.exitcode not in (None, 0)
-                ]
-                if dead:
-                    r = dead[0]
-                    raise WorkerError(
-                        r, procs[r].pid, "ProcessDied", f"exit code {procs[r].exitcode}"
-                    ) from None
-                continue
-            if ok:
-                collected[rank] = value
-            else:
-                exc_type, message, tb = value
-                failure = WorkerError(rank, procs[rank].pid, exc_type, message, tb)
-        if failure is not None:
-            raise failure
-        return [collected[r] for r in range(num_processes)]
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        results.close()
-        results.join_thread()
+        return list(handle.result(timeout=timeout))
+    except TimeoutError:
+        handle.stop()
+        raise LaunchError(f"run_on_workers: no result from every rank after {timeout}s") from None
 
 
 __all__ = ["find_free_port", "run_on_workers"]

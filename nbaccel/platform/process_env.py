@@ -3,7 +3,9 @@
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT`` and nbaccel's ``NBACCEL_USE_CPU``, ``NBACCEL_TIMEOUT``,
 ``NBACCEL_DEBUG_MODE`` are read here and nowhere else: the runtime's process state
-and the progress bars both start from :func:`read_environment`.
+and the progress bars both start from :func:`read_environment`. A worker started by
+nbaccel's launcher does not parse them: the launcher hands it these facts typed, and the
+worker installs them (:func:`install_process_facts`) before any user code runs.
 
 Example:
     >>> read_environment({"RANK": "1", "WORLD_SIZE": "2"}).local_rank
@@ -49,11 +51,25 @@ def _int_var(environ: Mapping[str, str], name: str, default: int, minimum: int) 
     return value
 
 
+_installed: list[EnvironmentSnapshot] = []  # at most one: set by nbaccel's worker bootstrap
+
+
+def install_process_facts(facts: EnvironmentSnapshot | None) -> None:
+    """Make ``facts`` what :func:`read_environment` returns in this process (None: undo)."""
+    _installed[:] = [] if facts is None else [facts]
+
+
+def installed_process_facts() -> EnvironmentSnapshot | None:
+    """The facts a launcher installed in this process, or None."""
+    return _installed[0] if _installed else None
+
+
 def read_environment(environ: Mapping[str, str] | None = None) -> EnvironmentSnapshot:
-    """Parse the launch environment variables (the only place nbaccel's runtime reads them).
+    """This process's launch facts: installed by nbaccel's launcher, else parsed from the
+    environment variables (the only place nbaccel's runtime reads them).
 
     Args:
-        environ: mapping to read; ``os.environ`` by default.
+        environ: mapping to parse; by default the installed facts, else ``os.environ``.
 
     Raises:
         ConfigError: a variable is malformed or inconsistent (e.g. ``RANK >= WORLD_SIZE``).
@@ -62,6 +78,8 @@ def read_environment(environ: Mapping[str, str] | None = None) -> EnvironmentSna
         >>> read_environment({"RANK": "1", "WORLD_SIZE": "2"}).local_rank
         1
     """
+    if environ is None and _installed:
+        return _installed[0]
     env = os.environ if environ is None else environ
     world_size = _int_var(env, "WORLD_SIZE", 1, 1)
     rank = _int_var(env, "RANK", 0, 0)
@@ -114,4 +132,10 @@ def distributed_active() -> bool:
     )
 
 
-__all__ = ["EnvironmentSnapshot", "distributed_active", "read_environment"]
+__all__ = [
+    "EnvironmentSnapshot",
+    "distributed_active",
+    "install_process_facts",
+    "installed_process_facts",
+    "read_environment",
+]

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..config import normalize_precision, resolve_launch_config
+from ..config import launch_config, normalize_precision
 from ..errors import ConfigError
 from . import dynamo, join
 from ._accelerate_attrs import AccelerateAttributes
@@ -92,8 +92,8 @@ def _launch_defaults(mixed_precision: Any, steps: Any) -> tuple[str, int]:
     """Fill unset precision / accumulation steps from ``NBACCEL_*`` env and the config file."""
     if mixed_precision is not None and steps is not None:
         return normalize_precision(mixed_precision), steps
-    overrides = {"mixed_precision": mixed_precision, "gradient_accumulation_steps": steps}
-    cfg = resolve_launch_config({k: v for k, v in overrides.items() if v is not None})
+    # the launcher's typed configuration in a launched worker, else environment and file
+    cfg = launch_config({"mixed_precision": mixed_precision, "gradient_accumulation_steps": steps})
     return cfg.mixed_precision, cfg.gradient_accumulation_steps
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..config import LaunchConfig, resolve_launch_config
+from ..config import LaunchConfig, launch_config
 from ..config.choices import FSDP_STATE_DICT_TYPES, FSDP_WRAP_POLICIES
 from ..errors import ConfigError
 
@@ -253,11 +253,11 @@ def check_fsdp_arguments(
 def fsdp_from_launch_config() -> FullyShardedDataParallelPlugin | None:
     """The plugin the launch configuration asks for (``strategy="fsdp"``), else ``None``.
 
-    ``notebook_launcher(config=LaunchConfig(strategy="fsdp", ...))`` and the panel pass
-    ``NBACCEL_STRATEGY``/``NBACCEL_FSDP_*`` to the workers; the environment and the YAML
-    file are read the same way (see :func:`nbaccel.config.resolve_launch_config`).
+    ``notebook_launcher(config=LaunchConfig(strategy="fsdp", ...))`` and the panel hand
+    their configuration to the workers; elsewhere ``NBACCEL_STRATEGY``/``NBACCEL_FSDP_*``
+    and the YAML file are read (see :func:`nbaccel.config.launch_config`).
     """
-    cfg = resolve_launch_config({})
+    cfg = launch_config()
     return FullyShardedDataParallelPlugin.from_config(cfg) if cfg.strategy == "fsdp" else None
 
 

@@ -32,11 +32,7 @@ from . import events
 
 
 def _rank() -> int:
-    """This process's global rank: the cached state if one exists, else the environment."""
-    state_module = sys.modules.get("nbaccel.runtime.state")
-    state = state_module.current_state() if state_module is not None else None
-    if state is not None:
-        return int(state.rank)
+    """This process's global rank: what a launcher installed, else ``RANK`` (torchrun)."""
     from ..platform.process_env import read_environment  # the one place that parses RANK & co.
 
     return read_environment().rank

@@ -329,7 +329,7 @@ class LaunchPanel(widgets.VBox):
             with self.output:
                 if self.pool is not None:  # warm workers: no new processes
                     own = {k: options[k] for k in ("output", "return_all_ranks") if k in options}
-                    handle = self.pool.run(self.training_function, *self.args, block=False, **own)
+                    handle = self.pool.call(self.training_function, self.args, block=False, **own)
                 else:
                     handle = launcher.notebook_launcher(
                         self.training_function, self.args, config=cfg, block=False, **options

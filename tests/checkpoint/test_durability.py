@@ -180,8 +180,17 @@ def _separate_nodes_worker(root):
     from nbaccel.runtime.state import reset_state
 
     rank = os.environ["RANK"]
-    # one process per "node", each with its own disk: a directory of its own
+    # one process per "node", each with its own disk: a directory of its own (the launcher
+    # installed this process's rank facts; the simulated topology replaces them)
+    import dataclasses
+
+    from nbaccel.platform.process_env import install_process_facts, read_environment
+
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=rank)
+    facts = read_environment()
+    install_process_facts(
+        dataclasses.replace(facts, local_rank=0, local_world_size=1, node_rank=int(rank))
+    )
     node_dir = Path(root) / f"node{rank}"
     node_dir.mkdir()
     os.chdir(node_dir)

@@ -229,7 +229,8 @@ sys.stdout.write("RESULT " + json.dumps({
     "last": losses[-1],
     "weights": weights.tolist(),
     "args": sys.argv[1:],
-    "precision": os.environ.get("NBACCEL_MIXED_PRECISION"),
+    "precision": accelerator.mixed_precision,
+    "nbaccel_env": sorted(k for k in os.environ if k.startswith("NBACCEL_") and k != "NBACCEL_CONFIG_FILE"),
     "omp": os.environ.get("OMP_NUM_THREADS"),
 }) + "\\n")
 sys.stdout.flush()
@@ -261,7 +262,7 @@ def test_launch_trains_on_two_cpu_processes(cli_env, tmp_path):
         assert r["batches"] == 4  # 8 batches of the dataset, sharded over 2 processes
         assert r["last"] < r["first"]
         assert r["args"] == ["--lr", "0.3"]
-        assert r["precision"] == "no"
+        assert r["precision"] == "no" and r["nbaccel_env"] == []  # typed, not as text
         assert r["omp"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert results[0]["weights"] == results[1]["weights"]
 
@@ -403,7 +404,7 @@ def test_launch_runs_a_module_on_two_processes(cli_env, tmp_path):
     assert "module rank 1 ['--flag']" in out.stdout
 
 
-def test_script_runner_destroys_the_process_group_after_success(cli_env, tmp_path):
+def test_a_script_leaves_with_its_group_destroyed_and_its_exit_handlers_run(cli_env, tmp_path):
     # A process group left alive at exit makes torch abort in some runs (exit code 134).
     script = tmp_path / "group.py"
     script.write_text(
@@ -415,10 +416,7 @@ def test_script_runner_destroys_the_process_group_after_success(cli_env, tmp_pat
         "atexit.register(lambda: print('alive at exit:', dist.is_initialized()))\n"
         "print('main:', __name__, 'argv:', sys.argv)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "nbaccel.cli._run_script", str(script), "x"],
-        env=cli_env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    out = nbaccel("launch", "--cpu", "--num_processes", "1", str(script), "x", env=cli_env)
     assert out.returncode == 0, out.stderr
     assert f"main: __main__ argv: ['{script}', 'x']" in out.stdout
     assert "alive at exit: False" in out.stdout
@@ -432,14 +430,11 @@ def test_script_runner_destroys_the_process_group_after_success(cli_env, tmp_pat
         ("raise ValueError('boom')\n", 1, "ValueError: boom"),
     ],
 )
-def test_script_runner_exits_with_the_scripts_own_code(cli_env, tmp_path, body, code, stderr):
-    # the runner leaves through os._exit (no C++ teardown abort), so it must carry the code
+def test_a_script_exits_with_its_own_code(cli_env, tmp_path, body, code, stderr):
+    # the worker leaves through os._exit (no C++ teardown abort), so it must carry the code
     script = tmp_path / "exits.py"
     script.write_text("import atexit\natexit.register(lambda: print('handlers ran'))\n" + body)
-    out = subprocess.run(
-        [sys.executable, "-m", "nbaccel.cli._run_script", str(script)],
-        env=cli_env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    out = nbaccel("launch", "--cpu", "--num_processes", "1", str(script), env=cli_env)
     assert out.returncode == code, out.stderr
     assert stderr in out.stderr
     assert "handlers ran" in out.stdout

@@ -35,14 +35,13 @@ def killed_in_all_reduce():
     return value
 
 
+@pytest.mark.timeout(120)  # far below the collective's timeout: no waiting for it
 def test_sigkill_of_a_worker_in_the_middle_of_a_collective():
-    started = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        notebook_launcher(killed_in_all_reduce, num_processes=2, timeout=60)
-    elapsed = time.monotonic() - started
+        notebook_launcher(killed_in_all_reduce, num_processes=2, timeout=600)
     message = str(info.value)
     assert "rank 1" in message and ("SIGKILL" in message or "signal 9" in message), message
-    assert elapsed < 30, f"took {elapsed:.0f}s: the peer waited for the collective timeout"
+    assert "timed out" not in message.lower(), message  # the peer was not left to time out
 
 
 def exits_zero_early():
@@ -58,13 +57,12 @@ def exits_zero_early():
     return value.item()
 
 
+@pytest.mark.timeout(120)  # far below the collective's timeout: no waiting for it
 def test_a_worker_that_exits_with_status_0_early():
-    started = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        notebook_launcher(exits_zero_early, num_processes=2, timeout=60)
+        notebook_launcher(exits_zero_early, num_processes=2, timeout=600)
     message = str(info.value)
     assert "rank 1" in message and "exit" in message and "0" in message, message
-    assert time.monotonic() - started < 30
 
 
 def unpicklable_result():

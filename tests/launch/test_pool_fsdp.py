@@ -26,6 +26,6 @@ def test_a_pool_started_with_strategy_fsdp_shards_in_every_call():
     config = LaunchConfig(strategy="fsdp", num_processes=2, compute_device="cpu")
     with start_workers(config=config, start_method="fork") as pool:
         for _call in range(2):  # the group lives on; each call's Accelerator shards again
-            results = pool.run(_shard_in_a_pool_call, return_all_ranks=True)
+            results = pool.call(_shard_in_a_pool_call, return_all_ranks=True)
             assert [kind for kind, _ in results] == ["FSDP", "FSDP"]
             assert sum(local for _, local in results) == 8 * 8 + 8 + 8 * 2 + 2

@@ -31,7 +31,7 @@ def all_reduce_ranks():
     dist.all_reduce(value)
     return [accelerator.process_index, accelerator.num_processes, value.item(), os.getpid()]
 
-results = [pool.run(all_reduce_ranks, return_all_ranks=True) for _ in range(2)]
+results = [pool.call(all_reduce_ranks, return_all_ranks=True) for _ in range(2)]
 """
 
 CELL = """%%distributed

@@ -56,7 +56,7 @@ def test_the_cpu_alternative_and_one_process_per_gpu_pass(gpus):
     plan = _preflight.plan_launch(
         print, num_processes=2, start_method="fork", config=LaunchConfig(compute_device="cpu")
     )
-    assert plan.num_processes == 2 and plan.env["NBACCEL_USE_CPU"] == "1"
+    assert plan.num_processes == 2 and plan.config.compute_device == "cpu"
     gpus(2)
     assert _preflight.plan_launch(print, num_processes=2, start_method="fork").num_processes == 2
     gpus(0)  # no GPU at all: CPU processes over gloo, as before

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from nbaccel import notebook_launcher
-from nbaccel.launch import _spawn
-from nbaccel.launch._spawn import WorkerProcess
+from nbaccel.launch import _process
+from nbaccel.launch._process import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -80,16 +80,18 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
     # A notebook interrupt that arrives while os.fork() runs is raised the moment the call
     # returns. Here the interrupt arrives just after the first fork: the launch must end
     # with KeyboardInterrupt and with that worker killed and reaped, not running on alone.
-    real_fork = _spawn._fork
+    real_fork = _process._fork
     forked: list[int] = []
 
-    def fork_then_interrupt(spec, function, args):
-        pid = real_fork(spec, function, args)
+    def fork_then_interrupt(spec, ends, job):
+        pid = real_fork(spec, ends, job)
         forked.append(pid)
         os.kill(os.getpid(), signal.SIGINT)
         return pid
 
-    monkeypatch.setattr(_spawn, "_fork", fork_then_interrupt)
+    monkeypatch.setattr(_process, "_fork", fork_then_interrupt)
+    # as in a kernel, SIGINT raises KeyboardInterrupt (a shell's background job ignores it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             notebook_launcher(_never_runs, num_processes=2, start_method="fork")
@@ -103,3 +105,4 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
             if _is_our_zombie_or_alive(pid):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
+        signal.signal(signal.SIGINT, previous)

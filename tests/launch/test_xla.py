@@ -57,7 +57,7 @@ def test_nothing_is_requested_without_torch_xla(monkeypatch: pytest.MonkeyPatch)
 def test_launch_without_torch_xla_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(xla_launch, "xla_available", lambda: False)
     with pytest.raises(LaunchError, match="torch_xla is not installed"):
-        xla_launch.launch_xla(print, (), 1, {})
+        xla_launch.launch_xla(print, (), 1)
 
 
 def test_helpers_do_nothing_when_torch_xla_is_not_loaded() -> None:

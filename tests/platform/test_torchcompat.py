@@ -29,6 +29,7 @@ def _all_reduce_then_leave() -> float:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
+    torchcompat.destroy_process_group()  # the teardown, right after the collective
     return total.item()
 
 

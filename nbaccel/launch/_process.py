@@ -1,24 +1,24 @@
 """Start worker processes: fork the kernel, or spawn fresh interpreters.
 
-Each worker gets four pipes whose write ends become its stdout, stderr,
-control channel (frames, see :mod:`nbaccel.launch._wire`) and faulthandler stack
-channel; the kernel keeps the non-blocking read ends.
+Each worker gets two pipes whose write ends become its stdout and stderr, and one end
+of a socket pair: its two-way channel to the supervisor. The kernel keeps the pipes'
+read ends and the other end of each channel. Every process forked from the kernel, by
+nbaccel or by anyone else, closes the kernel's ends at once (a hook installed by the
+first launch): a worker's channel reaches its end of file exactly when the supervisor's
+process is gone.
 
-* fork: ``os.fork()`` directly, so the child closes every pipe end that is not
-  its own (otherwise a sibling holding a write end would hide end-of-file) and
-  never returns into the kernel's code (:func:`nbaccel.launch._bootstrap.fork_main`).
-  Before forking, the kernel does once what every worker would otherwise repeat
-  (:mod:`nbaccel.launch._preload`, :func:`nbaccel.launch._worker_os.before_fork`).
-* spawn: ``python -c "...spawn_main()"`` with the pipes as fds 1/2 plus
-  ``pass_fds``; the job (spec, ``sys.path``, notebook cell sources for
-  tracebacks) and the dill payload (function and args, pickled with
-  ``recurse=True`` so globals, lambdas and classes of earlier cells come along)
-  are written to the child's stdin.
+* fork: ``os.fork()`` directly, so the child closes every end that is not its own and
+  never returns into the kernel's code (:func:`nbaccel.launch._worker.fork_main`); its
+  first job (the function and its arguments) is inherited, never pickled. Before forking,
+  the kernel does once what every worker would otherwise repeat (:mod:`._preload`).
+* spawn: ``python -c "...spawn_main(fd)"`` with the pipes as fds 1/2 and the channel
+  passed; its spec, ``sys.path`` and the notebook's cell sources are the channel's first
+  frame.
 
 Example:
-    >>> from nbaccel.launch._spawn import WorkerProcess
-    >>> WorkerProcess.__name__
-    'WorkerProcess'
+    >>> from nbaccel.launch._process import WorkerProcess
+    >>> WorkerProcess.KILL_WAIT
+    5.0
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
-import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,27 +38,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LaunchError
-from ._bootstrap import WorkerSpec, fork_main
+from . import _worker_os
 from ._preload import preload
-from ._wire import HEADER
-from ._worker_os import after_fork_in_kernel, before_fork
+from ._wire import Channel
+from ._worker import WorkerSpec, fork_main
 
-STREAMS = ("stdout", "stderr", "ctrl", "stack")
+_KERNEL_ENDS: set[int] = set()  # the kernel's ends of every live worker's pipes and channel
+_hook_installed = False
 
 
 @dataclass
 class WorkerProcess:
-    """Kernel-side view of one worker: pid, read ends, exit status."""
+    """Kernel-side view of one worker: pid, output pipes, channel, exit status."""
 
     rank: int
     local_rank: int
     pid: int
-    fds: dict[str, int]
+    fds: dict[str, int]  # read ends: "stdout", "stderr"
+    channel: Channel | None = None
     popen: subprocess.Popen[bytes] | None = None
     returncode: int | None = None
     exit_time: float | None = None
     killed_by_us: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
     # poll() may run in the kernel's thread and in a background reaper at once: one waitpid
     # at a time, so the exit status is read once and a reused pid is never waited for
     _reap_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -134,74 +135,118 @@ class WorkerProcess:
         except Exception:
             return []
 
-
-def _pipes(count: int) -> list[dict[str, tuple[int, int]]]:
-    out = []
-    for _ in range(count):
-        out.append({name: os.pipe() for name in STREAMS})
-    return out
+    def close(self) -> None:
+        """Close the kernel's ends of this worker's pipes and channel (idempotent)."""
+        close_ends({**self.fds, "channel": self.channel})
+        self.fds, self.channel = {}, None
 
 
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
+def close_ends(ends: dict[str, Any]) -> None:
+    """Close the kernel's ends: pipe fds, and the channel (its socket closes its own fd)."""
+    for end in ends.values():
+        if isinstance(end, Channel):
+            _KERNEL_ENDS.discard(end.fileno())
+            end.close()
+        elif isinstance(end, int) and end in _KERNEL_ENDS:
+            _KERNEL_ENDS.discard(end)
+            with contextlib.suppress(OSError):
+                os.close(end)
+
+
+def _close_kernel_ends() -> None:  # in every child forked from the kernel
+    for fd in list(_KERNEL_ENDS):
         with contextlib.suppress(OSError):
             os.close(fd)
+    _KERNEL_ENDS.clear()
 
 
-def start_workers(
+def start_processes(
     specs: list[WorkerSpec],
     method: str,
-    function: Any,
-    args: tuple[Any, ...],
-    payload: bytes | None = None,
+    first_job: tuple[Any, ...] | None,
     *,
     close_in_children: tuple[int, ...] = (),
 ) -> list[WorkerProcess]:
     """Start one worker per spec (``spec.fds`` is filled in here). Cleans up on failure."""
+    global _hook_installed
+    if not _hook_installed:  # channels reach their end exactly when the kernel is gone
+        os.register_at_fork(after_in_child=_close_kernel_ends)
+        _hook_installed = True
     if method == "fork":
-        preload(function, args)
+        preload()
         for stream in (sys.stdout, sys.stderr):  # nothing buffered may be written twice
             with contextlib.suppress(Exception):
                 stream.flush()  # once for all workers: in a notebook, a round trip (~1 ms)
-    pipes = _pipes(len(specs))
-    every_fd = [fd for p in pipes for pair in p.values() for fd in pair]
+    ends = [_ends() for _ in specs]
+    children = [fd for mine, _ in ends for fd in mine.values()]
     procs: list[WorkerProcess] = []
     if method == "fork":
-        before_fork()
+        _worker_os.before_fork()
     try:
-        for spec, pipe in zip(specs, pipes, strict=True):
-            spec.fds = {name: w for name, (_, w) in pipe.items()}
-            reads = {name: r for name, (r, _) in pipe.items()}
-            if method == "fork":
-                own = set(spec.fds.values())
-                spec.close_fds = [fd for fd in every_fd if fd not in own]
-                spec.close_fds += [fd for fd in close_in_children if fd != spec.store_fd]
-                with _interrupts_deferred():  # an interrupt now must not lose the pid
-                    pid = _fork(spec, function, args)
-                    procs.append(WorkerProcess(spec.rank, spec.local_rank, pid, reads))
-            else:
-                with _interrupts_deferred():
-                    popen = _spawn(spec)
-                    procs.append(WorkerProcess(spec.rank, spec.local_rank, popen.pid, reads, popen))
+        for spec, (mine, kernel) in zip(specs, ends, strict=True):
+            spec.fds = dict(mine)
+            spec.close_fds = [fd for fd in children if fd not in mine.values()]
+            spec.close_fds += [fd for fd in close_in_children if fd != spec.store_fd]
+            with _interrupts_deferred():  # an interrupt now must not lose the pid
+                pid, popen = _start(spec, method, mine, first_job)
+                pipes = {"stdout": kernel["stdout"], "stderr": kernel["stderr"]}
+                procs.append(
+                    WorkerProcess(spec.rank, spec.local_rank, pid, pipes, kernel["channel"], popen)
+                )
         if method != "fork":
-            assert payload is not None
             for spec, proc in zip(specs, procs, strict=True):
-                _send_job(proc, spec, payload)
+                _send_setup(proc, spec)
     except BaseException as err:
         for proc in procs:
             proc.kill()
-        _close_all(every_fd)
+            proc.close()
+        for _, kernel in ends[len(procs) :]:
+            close_ends(kernel)
         if isinstance(err, OSError):
             raise LaunchError(f"could not start the worker processes: {err}") from err
         raise
     finally:
-        # the kernel keeps only the read ends
-        _close_all([w for p in pipes for (_, w) in p.values()])
-        after_fork_in_kernel()
+        for fd in children:  # the kernel keeps only its own ends
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _worker_os.after_fork_in_kernel()
     for proc in procs:
         for fd in proc.fds.values():
             os.set_blocking(fd, False)
     return procs
+
+
+def _ends() -> tuple[dict[str, int], dict[str, Any]]:
+    """(the worker's ends, the kernel's ends) of two pipes and a socket pair."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    kernel_sock, worker_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    worker_fd = worker_sock.detach()
+    os.set_inheritable(worker_fd, True)
+    _KERNEL_ENDS.update((out_r, err_r, kernel_sock.fileno()))
+    kernel = {"stdout": out_r, "stderr": err_r, "channel": Channel(kernel_sock)}
+    return {"stdout": out_w, "stderr": err_w, "channel": worker_fd}, kernel
+
+
+def _start(
+    spec: WorkerSpec, method: str, mine: dict[str, int], job: tuple[Any, ...] | None
+) -> tuple[int, Any]:
+    if method == "fork":
+        return _fork(spec, mine, job), None
+    popen = _spawn(spec, mine)
+    return popen.pid, popen
+
+
+def _fork(spec: WorkerSpec, mine: dict[str, int], job: tuple[Any, ...] | None) -> int:
+    """The fork site: the child becomes the worker and never returns from here."""
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about fork() in a multi-threaded process (every kernel is
+        # one); the child only runs nbaccel's worker and the user's function.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child, which always os._exit()s
+        fork_main(spec, socket.socket(fileno=mine["channel"]), job)
+    return pid
 
 
 @contextlib.contextmanager
@@ -211,9 +256,9 @@ def _interrupts_deferred() -> Iterator[None]:
     An interrupt that lands while ``os.fork()`` runs raises KeyboardInterrupt as soon as
     the call returns, before its pid is stored anywhere: that worker would live on,
     unsupervised. Inside the block SIGINT is only recorded; after it, the kernel's own
-    handler gets the signal, where the cleanup in :func:`start_workers` knows every worker.
-    (Blocking the signal with ``pthread_sigmask`` would not do: the OS then hands it to
-    another of the kernel's threads, and Python still raises in this one.)
+    handler gets the signal, where the cleanup in :func:`start_processes` knows every
+    worker. (Blocking the signal with ``pthread_sigmask`` would not do: the OS then hands
+    it to another of the kernel's threads, and Python still raises in this one.)
     """
     if (
         threading.current_thread() is not threading.main_thread()  # handlers run there only
@@ -231,17 +276,6 @@ def _interrupts_deferred() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
-def _fork(spec: WorkerSpec, function: Any, args: tuple[Any, ...]) -> int:
-    with warnings.catch_warnings():
-        # Python >= 3.12 warns about fork() in a multi-threaded process (every kernel is
-        # one); the child only runs nbaccel's bootstrap and the user's function.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child, which always os._exit()s
-        fork_main(spec, function, args)
-    return pid
-
-
 def _package_root() -> str:
     """The folder that holds the ``nbaccel`` package (not the package itself: on the path,
     that one would shadow the standard library with ``nbaccel/logging.py``)."""
@@ -249,25 +283,26 @@ def _package_root() -> str:
     return os.path.dirname(package)
 
 
-def _spawn(spec: WorkerSpec) -> subprocess.Popen[bytes]:
+def _spawn(spec: WorkerSpec, mine: dict[str, int]) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
-    env.update(spec.env)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (env.get("PYTHONPATH", ""), _package_root()) if p
     )
     new_session, spec.new_session = spec.new_session, False  # Popen does the setsid
-    keep = (spec.fds["ctrl"], spec.fds["stack"])
+    channel = mine["channel"]
     store = (spec.store_fd,) if spec.store_fd is not None else ()
+    code = f"from nbaccel.launch._worker import spawn_main; spawn_main({channel})"
     popen = subprocess.Popen(
-        [sys.executable, "-c", "from nbaccel.launch._bootstrap import spawn_main; spawn_main()"],
-        stdin=subprocess.PIPE,
-        stdout=spec.fds["stdout"],
-        stderr=spec.fds["stderr"],
-        pass_fds=keep + store,
+        [sys.executable, "-c", code],
+        stdin=subprocess.DEVNULL,
+        stdout=mine["stdout"],
+        stderr=mine["stderr"],
+        pass_fds=(channel, *store),
         env=env,
         start_new_session=new_session,
     )
-    spec.fds = {"stdout": 1, "stderr": 2, "ctrl": keep[0], "stack": keep[1]}
+    spec.fds = {"stdout": 1, "stderr": 2, "channel": channel}
+    spec.close_fds = []
     return popen
 
 
@@ -280,15 +315,10 @@ def _notebook_sources() -> dict[str, Any]:
     }
 
 
-def _send_job(proc: WorkerProcess, spec: WorkerSpec, payload: bytes) -> None:
-    job = pickle.dumps({"spec": spec, "sys_path": list(sys.path), "linecache": _notebook_sources()})
-    assert proc.popen is not None and proc.popen.stdin is not None
-    try:
-        proc.popen.stdin.write(HEADER.pack(len(job)) + job + HEADER.pack(len(payload)) + payload)
-        proc.popen.stdin.close()
-    except BrokenPipeError:  # the child died at start-up; the supervisor reports its exit
-        with contextlib.suppress(OSError):
-            proc.popen.stdin.close()
+def _send_setup(proc: WorkerProcess, spec: WorkerSpec) -> None:
+    assert proc.channel is not None
+    with contextlib.suppress(OSError):  # it died at start-up: the supervisor reports its exit
+        proc.channel.send(("setup", spec, list(sys.path), _notebook_sources()))
 
 
-__all__ = ["WorkerProcess", "start_workers"]
+__all__ = ["WorkerProcess", "close_ends", "start_processes"]

@@ -1,0 +1,224 @@
+"""The machinery of a warm pool: its workers, their replacement, one call at a time.
+
+:class:`PoolWorkers` owns the pool's group of workers (:func:`~._start.start_group` with
+``persistent=True``) and runs each call on it through the one supervisor; when the
+workers cannot go on (a rank died, hung, did not come back from an interrupt, or the
+ranks ran different numbers of collectives) it replaces them and says so on stderr.
+:class:`~nbaccel.launch.pool.WorkerPool` is its public face.
+
+Example:
+    >>> PoolWorkers.__name__
+    'PoolWorkers'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import linecache
+import sys
+import threading
+import weakref
+from typing import Any
+
+from ..errors import LaunchError, Stopped, WorkerError
+from ..platform import environment
+from ._preflight import LaunchPlan
+from ._start import forwarder, start_group
+from ._status import Observed, RankStatus
+from ._supervisor import JobFailed, Supervisor
+from .handle import LaunchHandle
+
+_SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for the next call
+START_TIMEOUT = 120.0  # seconds the workers get to start (more if timeout= says so)
+
+
+class PoolWorkers(Observed):
+    """A pool's workers and its calls (one at a time)."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self._plan = plan
+        self.ranks: list[int] = plan.ranks
+        self.closed = False
+        self.restarts = 0
+        self._group: Supervisor | None = None
+        self._busy = threading.Lock()  # held by the call in progress
+        self._handle: LaunchHandle | None = None  # the call in progress
+        self._board = RankStatus(self.ranks, "starting", renamed=_SETTLED)
+        self._cells = itertools.count(1)
+        self._sent: set[str] = set()  # notebook cells whose source the workers have
+
+    # ------------------------------------------------------------------ workers
+    def _start(self) -> None:
+        self._sent = set()
+        if self._plan.method == "fork" and _fork_unsafe_now():
+            # CUDA (or a process group) appeared in the kernel since the pool started:
+            # forking now would hand the new workers a broken copy, so start them fresh.
+            self._plan = dataclasses.replace(self._plan, method="spawn")
+            _say(
+                "nbaccel: CUDA or a process group is now initialised in the kernel, so the "
+                "pool's workers are started with start_method='spawn' from now on."
+            )
+        pool = weakref.ref(self)  # the workers must not keep an unreferenced pool alive
+
+        def on_event(rank: int, kind: str, data: dict) -> None:
+            owner = pool()
+            if owner is not None:
+                owner._event(rank, kind, data)
+
+        group = start_group(self._plan, on_event=on_event, round_=self.restarts, persistent=True)
+        try:
+            group.wait_ready(max(START_TIMEOUT, self._plan.config.timeout or 0.0))
+        except BaseException:
+            group.terminate()
+            group.close()
+            raise
+        self._group = group
+
+    def _stop_workers(self, timeout: float) -> None:
+        group, self._group = self._group, None
+        if group is not None:  # serve() returns, the group is destroyed, the store shuts down
+            group.shutdown(timeout)
+
+    def _replace(self, reason: str | None, *, graceful: bool = False) -> None:
+        """End the current workers (children included) and start fresh ones."""
+        if reason:
+            _say(
+                f"nbaccel: {reason}; the pool restarted its workers (restart "
+                f"{self.restarts + 1}). Names set with push or in %%distributed cells are "
+                "gone; the process group forms again at the next Accelerator()."
+            )
+        self._stop_workers(5.0 if graceful else 0.0)
+        self.restarts += 1
+        self._start()
+
+    def _ensure_healthy(self) -> None:
+        """Replace the workers if one died while the pool was idle (e.g. SIGKILL, OOM)."""
+        if self._group is None:
+            self._start()
+            return
+        dead = self._group.dead()
+        if dead is not None:
+            self._replace(f"{dead.summary()} while the pool was idle")
+
+    # ------------------------------------------------------------------ internals
+    def _event(self, rank: int, kind: str, data: dict) -> None:
+        listeners = self._board.record(rank, kind, data)
+        handle = self._handle
+        if handle is not None and rank in handle.ranks:  # the call shows its own states
+            handle.on_event(rank, kind, data)
+        self._board.notify(listeners, rank, kind, data)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise LaunchError("this pool is closed; start a new one with start_workers(...).")
+
+    def _ranks(self, ranks: list[int] | None) -> list[int]:
+        if ranks is None:
+            return list(self.ranks)
+        bad = [r for r in ranks if r not in self.ranks]
+        if bad or not ranks:
+            raise ValueError(
+                f"rank(s) {bad or ranks} are not ranks of this pool's workers on this machine; "
+                f"choose from {self.ranks}."
+            )
+        return sorted(set(ranks))
+
+    def _new_sources(self) -> dict[str, Any]:
+        """Notebook cells not yet sent to these workers (for their tracebacks)."""
+        out = {}
+        for name, entry in list(linecache.cache.items()):
+            if len(entry) == 4 and entry[1] is None and name not in self._sent:
+                out[name] = entry
+                self._sent.add(name)
+        return out
+
+    def _submit(
+        self,
+        kind: str,
+        body: tuple[Any, ...],
+        targets: list[int] | None,
+        all_ranks: bool,
+        block: bool,
+        output: Any,
+        *,
+        want: list[int] | None = None,
+    ) -> Any:
+        self._check_open()
+        if output is not None and not (callable(output) or hasattr(output, "write")):
+            raise TypeError(f"output={output!r} must be a file-like object or a callable.")
+        targets = list(self.ranks) if targets is None else targets
+        wanted = set(targets if all_ranks else (want or targets[:1]))
+        if not self._busy.acquire(blocking=False):
+            raise LaunchError(
+                "the pool is busy with a call running in the background; wait for its "
+                "handle.result() or call handle.stop() first."
+            )
+        try:
+            self._ensure_healthy()
+            if kind == "run":
+                body = (*body, self._new_sources())
+            handle = LaunchHandle(targets, lambda h: self._call(h, kind, body, wanted, output),
+                                  all_ranks=all_ranks)  # fmt: skip
+        except BaseException:
+            self._busy.release()
+            raise
+        self._handle = handle
+        if not block:
+            handle.run_in_background()
+            return handle
+        handle.run()
+        try:
+            return handle.result()
+        except WorkerError as err:  # the remote traceback tells the story, not our frames
+            raise err.with_traceback(None) from None
+
+    def _call(
+        self, handle: LaunchHandle, kind: str, body: tuple[Any, ...], want: set[int], output: Any
+    ) -> dict[int, Any]:
+        """One call on the workers; replaces them when they cannot go on."""
+        try:
+            group = self._group
+            assert group is not None
+            group.forwarder = forwarder(self._plan, self.ranks, output)
+            job = group.new_job()
+            for rank in handle.ranks:
+                self._event(rank, "state", {"state": "running", "pid": group.procs[rank].pid})
+            try:
+                group.send(handle.ranks, ("job", job, kind, want, *body))
+                return group.run_job(job, handle.ranks, want, handle.stop_requested)
+            except JobFailed as failed:
+                for rank in handle.ranks:
+                    if self._board.snapshot()[rank]["state"] == "running":
+                        self._event(rank, "state", {"state": "failed"})
+                error = failed.error
+                if failed.broken:
+                    self._handle = None
+                    self._replace(failed.broken)
+                    if isinstance(error, Stopped):
+                        error = Stopped("the call was stopped; the pool restarted its workers")
+                elif isinstance(error, Stopped):
+                    error = Stopped("the call was stopped with LaunchHandle.stop(); the pool stays")
+                raise error from None
+            finally:
+                group.drain()
+        finally:
+            self._handle = None
+            self._busy.release()
+
+
+def _fork_unsafe_now() -> bool:
+    if environment.cuda_initialized() or environment.cuda_driver_loaded():
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(Exception):
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+__all__ = ["START_TIMEOUT", "PoolWorkers"]

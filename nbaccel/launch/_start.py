@@ -1,0 +1,160 @@
+"""Start one group of workers for a plan: rendezvous, specs, processes, their supervisor.
+
+The same for every launch; only the arguments differ: a one-shot group (notebook_launcher,
+``nbaccel launch``) gets its job as it starts, a pool's workers wait for jobs. Everything
+started here is either handed to the returned
+:class:`~nbaccel.launch._supervisor.Supervisor` or killed and reaped before the exception
+propagates; the kernel keeps no listening socket.
+
+Example:
+    >>> from nbaccel.launch._start import rank_environment
+    >>> rank_environment(1, 0, world_size=2, local_world_size=2, node_rank=0)["LOCAL_RANK"]
+    '0'
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ._output import LineForwarder
+from ._preflight import LaunchPlan
+from ._process import start_processes
+from ._rendezvous import Rendezvous
+from ._supervisor import Supervisor
+from ._worker import WorkerSpec
+
+
+def rank_environment(
+    rank: int, local_rank: int, *, world_size: int, local_world_size: int, node_rank: int
+) -> dict[str, str]:
+    """The torchrun-compatible rank variables of one worker (torch's env:// reads them)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+    }
+
+
+def forwarder(plan: LaunchPlan, ranks: list[int], output: Any) -> LineForwarder:
+    """Where the workers' lines go: ``output`` (None: the cell's streams, a file-like
+    object, or a callable ``output(rank, stream, line)``), with the plan's prefixes."""
+    if output is None:
+        streams: tuple[Any, Any] = (sys.stdout, sys.stderr)
+    else:
+        streams = (None, None) if callable(output) else (output, output)
+    cfg = plan.config
+    info = {r: (lr, cfg.node_rank, plan.world_size) for lr, r in enumerate(ranks)}
+    callback = output if callable(output) else None
+    return LineForwarder(
+        *streams, plan.template, callback=callback, rank_info=info, num_processes=len(ranks)
+    )
+
+
+def start_group(
+    plan: LaunchPlan,
+    *,
+    on_event: Callable[[int, str, dict], None],
+    round_: int = 0,
+    persistent: bool = False,
+    first_job: tuple[Any, ...] | None = None,
+    output: Any = None,
+) -> Supervisor:
+    """Reserve the rendezvous, start one worker per local rank, return their supervisor.
+
+    ``round_`` is the restart attempt: multi-node agreement keys carry it, so that a
+    restarted node never meets the previous attempt's keys (see ``_agreement``).
+    ``first_job`` reaches forked workers through the fork and spawned ones as their
+    first message.
+    """
+    cfg = plan.config
+    ranks = plan.ranks
+    rdzv = None
+    if plan.world_size > 1:
+        rdzv = Rendezvous.reserve(
+            cfg.master_addr, cfg.master_port, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank
+        )
+    try:
+        if rdzv is not None and cfg.node_rank != 0:
+            rdzv.check_reachable(cfg.timeout)  # before any worker exists
+        specs = _specs(plan, rdzv, round_, persistent)
+        listen_fd = rdzv.listen_fd() if rdzv is not None else None
+        procs = start_processes(
+            specs,
+            plan.method,
+            first_job,
+            close_in_children=(listen_fd,) if listen_fd is not None else (),
+        )
+    finally:
+        if rdzv is not None:
+            rdzv.close()  # rank 0 owns the listening socket now; the kernel keeps no copy
+    try:
+        supervisor = Supervisor(
+            procs,
+            forwarder(plan, ranks, output),
+            timeout=cfg.timeout,
+            interval=plan.monitor_interval,
+            on_event=on_event,
+            one_shot=not persistent,
+        )
+        if plan.method != "fork" and first_job is not None:
+            supervisor.send(ranks, first_job)
+        return supervisor
+    except BaseException:  # e.g. an interrupt right now: no unsupervised worker may remain
+        for proc in procs:
+            proc.kill()
+            proc.close()
+        raise
+
+
+def _specs(
+    plan: LaunchPlan, rdzv: Rendezvous | None, round_: int, persistent: bool
+) -> list[WorkerSpec]:
+    cfg = plan.config
+    # PR_SET_PDEATHSIG follows the *thread* that forks: only tie workers to the main one
+    # (the channel's end of file ends the others when the kernel's process is gone).
+    on_main = threading.current_thread() is threading.main_thread()
+    shared = {**plan.env, **(rdzv.worker_env() if rdzv is not None else {})}
+    specs = []
+    for local_rank, rank in enumerate(plan.ranks):
+        env = {
+            **shared,
+            **rank_environment(
+                rank,
+                local_rank,
+                world_size=plan.world_size,
+                local_world_size=len(plan.ranks),
+                node_rank=cfg.node_rank,
+            ),
+        }
+        spec = WorkerSpec(
+            rank,
+            local_rank,
+            plan.world_size,
+            len(plan.ranks),
+            cfg.node_rank,
+            cfg,
+            env,
+            plan.method,
+            round_,
+            plan.threads,
+            persistent,
+            new_session=not plan.block,  # background runs and pools ignore the kernel's ^C
+            die_with_parent=on_main,
+            parent_pid=os.getpid(),
+        )
+        specs.append(spec)
+    listen_fd = rdzv.listen_fd() if rdzv is not None else None
+    if rdzv is not None and listen_fd is not None:  # global rank 0 hosts the store on it
+        specs[0].store_fd, specs[0].store_host = listen_fd, rdzv.store_host()
+    return specs
+
+
+__all__ = ["forwarder", "rank_environment", "start_group"]

@@ -1,0 +1,341 @@
+"""The one supervisor: the kernel's side of a group of workers, for every kind of launch.
+
+One loop multiplexes every worker's output pipes and channel with ``selectors``: output
+lines go to the :class:`~nbaccel.launch._output.LineForwarder` (a tail of stderr is kept
+for fatal-error stacks), channel messages are hello/ready/event/done/fatal/probe answers.
+:meth:`Supervisor.run_job` waits for one job on some ranks and decides:
+
+* a failure (an exception, a death by signal, an unexpected exit) starts a short grace
+  period for the others' reports; then the *first real* failure is raised (secondary
+  "connection closed by peer"/timeout errors of healthy ranks count only when nothing
+  else went wrong);
+* only secondary failures while other ranks still run, or ranks still busy ``timeout``
+  seconds after a peer finished: those ranks hang; their stacks (:meth:`probe`) go into
+  a :class:`~nbaccel.errors.WorkerTimeoutError`;
+* a job on a subset of this node's ranks (``%%distributed --ranks 0``) whose rank enters
+  a torch.distributed call that needs a rank not running the job: an error naming it;
+* an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
+  terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back.
+
+:class:`JobFailed` carries the error and, when the workers cannot go on (a rank died,
+hung, did not come back, or the ranks ran different numbers of collectives), the reason.
+
+Example:
+    >>> Supervisor.GRACE
+    1.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..errors import LaunchError, Stopped, WorkerTimeoutError
+from ._failures import Failure, add_note, pick_failure, remote_exception, trim_stack
+from ._group import Group
+from ._output import LineForwarder
+from ._preload import IMPORTED_EVENT, remember_worker_imports
+from ._process import WorkerProcess
+from ._wire import loads
+
+EventCallback = Callable[[int, str, dict], None]
+
+
+class JobFailed(Exception):
+    """A job ended badly: ``error`` is for the user; ``broken`` says why the workers
+    cannot go on (None: they can)."""
+
+    def __init__(self, error: BaseException, broken: str | None) -> None:
+        super().__init__(str(error))
+        self.error, self.broken = error, broken
+
+
+class Supervisor(Group):
+    """Owns a group of started workers: reads them, runs jobs on them, ends them."""
+
+    GRACE = 1.0  # seconds to collect the other ranks' reports after a first failure
+    INTERRUPT_GRACE = 3.0  # seconds an interrupted pool rank gets to come back
+    PROBE_EVERY = 0.5  # seconds between looks at a subset job's ranks
+
+    def __init__(
+        self,
+        procs: list[WorkerProcess],
+        forwarder: LineForwarder,
+        *,
+        timeout: float | None,
+        interval: float,
+        on_event: EventCallback,
+        one_shot: bool,
+    ) -> None:
+        super().__init__(procs, forwarder, on_event)
+        self.timeout, self.interval, self.one_shot = timeout, interval, one_shot
+        self.ready: set[int] = set()
+        self._ids = itertools.count(2)  # 1 is the first job, made before the group started
+        self._job: int | None = None
+        self._done: dict[int, tuple[bool, Any, int | None, float]] = {}
+        self._fatal: dict[int, Failure] = {}
+        self._answers: dict[int, dict[int, dict[str, Any]]] = {}
+
+    def handle(self, proc: WorkerProcess, message: tuple[Any, ...]) -> None:
+        kind, rank = message[0], proc.rank
+        if kind == "hello":
+            state = "running" if self.one_shot else "idle"
+            self.on_event(rank, "state", {"state": state, "pid": message[1]})
+        elif kind == "ready":
+            self.ready.add(rank)
+        elif kind == "event" and message[1] == IMPORTED_EVENT:
+            remember_worker_imports(message[2].get("modules", []))  # pre-import next time
+        elif kind == "event":
+            self.on_event(rank, message[1], dict(message[2], time=message[3]))
+        elif kind == "done" and message[1] == self._job:  # a late answer is dropped
+            ok, payload, seq = message[2], message[3], message[4]
+            self._done[rank] = (ok, payload, seq, time.time())
+            if ok:
+                self.on_event(rank, "state", {"state": "finished"})
+            else:
+                summary = self._job_failure(rank).summary()
+                self.on_event(rank, "state", {"state": "failed", "error": summary})
+        elif kind == "fatal":
+            info = message[1]
+            self._fatal[rank] = Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
+            self.on_event(rank, "state", {"state": "failed", "error": self._fatal[rank].summary()})
+        elif kind == "probe" and message[1] in self._answers:
+            self._answers[message[1]][rank] = message[2]
+
+    # ------------------------------------------------------------------ looking inside
+    def probe(self, ranks: Iterable[int], wait: float = 1.0) -> dict[int, dict[str, Any]]:
+        """What each rank's main thread is doing now: ``{"stack", "waiting"}`` (see
+        :func:`nbaccel.launch._worker_os.main_thread_report`); answered by the worker's
+        channel thread, so also while the main thread is blocked in C++."""
+        asked = [self.procs[r] for r in ranks if self.procs[r].returncode is None]
+        request = next(self._ids)
+        answers = self._answers[request] = {}
+        for proc in asked:
+            with contextlib.suppress(OSError, AttributeError):
+                proc.channel.send(("probe", request))  # type: ignore[union-attr]
+        deadline = time.monotonic() + wait
+        while len(answers) < len(asked) and time.monotonic() < deadline:
+            self.pump(0.05)
+        return self._answers.pop(request)
+
+    def stacks(self, ranks: Iterable[int]) -> dict[int, str]:
+        answers = self.probe(ranks)
+        return {
+            r: answers[r]["stack"] if r in answers else "(no answer: not running Python code)"
+            for r in ranks
+        }
+
+    # ------------------------------------------------------------------ jobs
+    def new_job(self) -> int:
+        return next(self._ids)
+
+    def send(self, ranks: Iterable[int], message: tuple[Any, ...]) -> None:
+        """Send ``message`` to ``ranks``; JobFailed if a rank cannot take it."""
+        try:
+            for rank in ranks:
+                self.procs[rank].channel.send(message)  # type: ignore[union-attr]
+        except (OSError, AttributeError) as err:  # its channel is gone: the worker died
+            raise JobFailed(LaunchError(f"a worker is gone ({err})"), "a worker is gone") from err
+        except KeyboardInterrupt:  # some ranks may have the job, others not
+            raise JobFailed(KeyboardInterrupt(), "interrupted while sending a job") from None
+
+    def run_job(
+        self, job: int, ranks: list[int], want: set[int], stop: threading.Event
+    ) -> dict[int, Any]:
+        """Wait until every rank in ``ranks`` finished ``job`` (one-shot: and exited);
+        return the values of ``want``. Raises :class:`JobFailed`."""
+        self._job, self._done = job, {}
+        procs = [self.procs[r] for r in ranks]
+        subset = [r for r in self.procs if r not in ranks]
+        first_problem: float | None = None
+        last_look = time.monotonic()
+        try:
+            while True:
+                self.pump(self.interval)
+                now = time.time()
+                self._poll()
+                if stop.is_set():
+                    self._end_early(procs, Stopped("the run was stopped with stop()"))
+                busy = [p for p in procs if p.rank not in self._done]
+                problems = self.failures(procs)
+                if problems:
+                    first_problem = first_problem or now
+                    waiting = [p for p in busy if p.returncode is None]
+                    if waiting and now - first_problem < self.GRACE:
+                        continue
+                    self._failed(problems, procs)
+                if not busy and (not self.one_shot or all(self._exited(p) for p in procs)):
+                    return self._values(want)
+                if subset and busy and time.monotonic() - last_look > self.PROBE_EVERY:
+                    last_look = time.monotonic()
+                    self._check_subset(busy, ranks, subset, procs)
+                finished = [t for ok, _, _, t in self._done.values() if ok]
+                stuck = [p for p in busy if p.returncode is None]
+                if self.timeout and finished and stuck and now - min(finished) > self.timeout:
+                    reason = (
+                        f"rank(s) {sorted(self._done)} finished more than timeout="
+                        f"{self.timeout:g}s ago and these ranks are still running (waiting "
+                        "for a peer that is gone?)"
+                    )
+                    self._hang(stuck, reason, {})
+        except KeyboardInterrupt:
+            self._end_early(procs, KeyboardInterrupt())
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _job_failure(self, rank: int) -> Failure:
+        _, info, _, _ = self._done[rank]
+        proc = self.procs[rank]
+        return Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
+
+    def failures(self, procs: list[WorkerProcess]) -> list[Failure]:
+        """The job's failed ranks, and every rank of the group that failed or died."""
+        out = [self._job_failure(p.rank) for p in procs if not self._done.get(p.rank, (1,))[0]]
+        out += [f for r, f in self._fatal.items() if r not in {f.rank for f in out}]
+        for proc in self.procs.values():
+            if not self._exited(proc) or proc.rank in {f.rank for f in out}:
+                continue
+            assert proc.exit_time is not None and proc.returncode is not None
+            if proc.returncode < 0:
+                stack = trim_stack(self._tails[proc.rank].decode(errors="replace"))
+                code = -proc.returncode
+                out.append(
+                    Failure(proc.rank, proc.pid, proc.exit_time, "signal", code=code, stack=stack)
+                )
+            elif not self.one_shot or proc.returncode > 0 or proc.rank not in self._done:
+                code = proc.returncode
+                out.append(Failure(proc.rank, proc.pid, proc.exit_time, "exit", code=code))
+        return out
+
+    def dead(self) -> Failure | None:
+        """How a worker that died while the group was idle died (None: all alive)."""
+        self._poll()
+        if all(p.returncode is None for p in self.procs.values()):
+            return None
+        deadline = time.time() + 1.0  # its last output, messages and stack arrive first
+        gone = [p for p in self.procs.values() if p.returncode is not None]
+        while time.time() < deadline and not all(self._exited(p) for p in gone):
+            self.pump(0.05)
+        found = [f for f in self.failures([]) if f.kind != "exception"] or self.failures([])
+        return pick_failure(found) if found else Failure(gone[0].rank, gone[0].pid, 0.0, "exit")
+
+    def _failed(self, problems: list[Failure], procs: list[WorkerProcess]) -> None:
+        chosen = pick_failure(problems)
+        failed = {f.rank for f in problems}
+        stuck = [p for p in procs if p.returncode is None and p.rank not in self._done]
+        stuck = [p for p in stuck if p.rank not in failed]
+        if chosen.secondary and stuck:
+            reason = (
+                f"{chosen.summary()} (timeout={self.timeout}s) while rank(s) "
+                f"{[p.rank for p in stuck]} had not reached that point"
+            )
+            tracebacks = {f.rank: f.info.get("traceback") or f.stack for f in problems}
+            self._hang(stuck, reason, tracebacks)
+        error = remote_exception(chosen)
+        others = [f.summary() for f in problems if f is not chosen]
+        if others:
+            add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
+        dead = [f for f in problems if f.kind != "exception"]
+        self._end_early(procs, error, dead[0].summary() if dead else None)
+
+    def _hang(self, stuck: list[WorkerProcess], reason: str, stacks: dict[int, str]) -> None:
+        found = self.stacks([p.rank for p in stuck])
+        error = WorkerTimeoutError(
+            [p.rank for p in stuck], {**stacks, **found}, reason, stuck[0].pid
+        )
+        self._end_early([], error, f"rank(s) {[p.rank for p in stuck]} hung")
+
+    def _check_subset(
+        self,
+        busy: list[WorkerProcess],
+        ranks: list[int],
+        idle: list[int],
+        procs: list[WorkerProcess],
+    ) -> None:
+        for rank, report in self.probe([p.rank for p in busy], wait=0.5).items():
+            waiting = report.get("waiting")
+            needs = idle if waiting is None or waiting["ranks"] is None else waiting["ranks"]
+            missing = sorted(set(needs) & set(idle)) if waiting else []
+            if missing:
+                error = LaunchError(
+                    f"rank {rank} entered {waiting['call']} (a call that needs rank(s) "  # type: ignore[index]
+                    f"{missing} too) in a job run on rank(s) {ranks} only: rank(s) {missing} "
+                    "do not run it, so it can never complete. Run the cell on every rank "
+                    "(without --ranks), or keep collectives out of cells run on some ranks."
+                    f"\n--- where rank {rank} was ---\n{report['stack']}"
+                )
+                self._end_early(procs, error)
+
+    def _end_early(
+        self, procs: list[WorkerProcess], error: BaseException, broken: str | None = None
+    ) -> None:
+        """A one-shot group is terminated; a pool's busy ranks are interrupted and given
+        time to come back. Raises JobFailed(error, why the workers cannot go on)."""
+        if self.one_shot or broken:
+            self.terminate() if self.one_shot else None
+            raise JobFailed(error, broken or "one-shot")
+        busy = [p for p in procs if p.rank not in self._done and p.returncode is None]
+        for proc in busy:
+            proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + self.INTERRUPT_GRACE
+        with contextlib.suppress(KeyboardInterrupt):  # pressed again: stop waiting
+            while time.monotonic() < deadline and any(p.rank not in self._done for p in busy):
+                self.pump(0.05)
+                if any(p.poll() is not None for p in self.procs.values()):
+                    break
+        stuck = [p.rank for p in busy if p.rank not in self._done]
+        if stuck:
+            broken = (
+                f"rank(s) {stuck} did not come back within {self.INTERRUPT_GRACE:g}s of an "
+                "interrupt (stuck in a collective?)"
+            )
+        else:
+            seqs = {r: s for r, (_, _, s, _) in self._done.items() if s is not None}
+            if len(set(seqs.values())) > 1:
+                counts = ", ".join(f"rank {r}: {s}" for r, s in sorted(seqs.items()))
+                broken = (
+                    f"the ranks ran different numbers of collectives ({counts}), so the "
+                    "process group is out of step"
+                )
+        raise JobFailed(error, broken)
+
+    def _values(self, want: set[int]) -> dict[int, Any]:
+        values = {}
+        for rank in sorted(want):
+            codec, data = self._done[rank][1]
+            try:
+                values[rank] = loads(codec, data)
+            except Exception as err:
+                raise JobFailed(
+                    LaunchError(
+                        f"rank {rank}'s return value could not be loaded in the kernel "
+                        f"({type(err).__name__}: {err}); return plain data (numbers, tensors, "
+                        "dicts, lists) from the training function."
+                    ),
+                    None,
+                ) from err
+        return values
+
+    # ------------------------------------------------------------------ ending
+    def wait_ready(self, seconds: float) -> None:
+        """Until every worker said ready (rendezvous and agreement done); raise otherwise."""
+        deadline = time.monotonic() + seconds
+        while len(self.ready) < len(self.procs):
+            self.pump(0.05)
+            self._poll()
+            problems = self.failures([])
+            if problems:
+                raise remote_exception(pick_failure(problems))
+            if time.monotonic() > deadline:
+                missing = sorted(set(self.procs) - self.ready)
+                raise LaunchError(
+                    f"worker(s) {missing} did not start within {seconds:g}s; the machine may "
+                    "be overloaded. Try again, or pass timeout=... to start_workers."
+                )
+
+
+__all__ = ["JobFailed", "Supervisor"]

@@ -1,0 +1,319 @@
+"""One worker's life: set up, join the rendezvous, run jobs until told to stop.
+
+Every launch starts its workers the same way, by forking the kernel (:func:`fork_main`)
+or as fresh interpreters (:func:`spawn_main`, whose spec arrives as the channel's first
+frame). Then:
+
+1. set-up: output onto the supervisor's pipes, signals, faulthandler (fatal errors on
+   stderr), the typed :class:`~nbaccel.config.LaunchConfig` and rank facts installed as
+   the process's state (the runtime reads them, never environment text), the events sink,
+   a thread that reads the channel (it answers "what are you doing?" at once, and ends the
+   worker when the channel ends: the supervisor is gone);
+2. the rendezvous store (global rank 0 hosts it on the socket the kernel reserved) and,
+   across nodes, the agreement check; then "ready";
+3. the loop: a job comes in (``run``/``call`` a function, ``exec`` a cell, ``push``/
+   ``pull``/``names``, ``script``), runs, and its outcome goes back as one ``done``
+   message (value or error, and the collective count that reveals ranks out of step).
+   A one-shot worker (notebook_launcher, nbaccel launch) leaves after its job; a pool
+   worker waits for the next one. Job kinds are a table (:data:`JOBS`): a new kind is a
+   new entry;
+4. leaving: the exit barrier, then the process group torn down (or, once every rank has
+   left, skipped), and ``os._exit``.
+
+Example:
+    >>> from nbaccel.launch._worker import JOBS
+    >>> sorted(JOBS)[:3]
+    ['call', 'exec', 'names']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import linecache
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import LaunchConfig, install_launch_config
+from ..platform import forksafe, torchcompat
+from ..platform.process_env import EnvironmentSnapshot, install_process_facts
+from ..tracking import events, progress  # progress (tqdm) here: workers inherit it imported
+from . import _agreement, _jobs, _preload, _rendezvous
+from . import _worker_os as wos
+from ._wire import Channel, dumps
+
+
+@dataclass
+class WorkerSpec:
+    """Everything one worker needs (the function travels as its first job)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    config: LaunchConfig
+    env: dict[str, str]  # torch's rendezvous contract (RANK, MASTER_ADDR, ...) and threads
+    method: str  # "fork" or "spawn": the nodes compare it
+    round: int = 0  # restart round: multi-node agreement keys carry it
+    threads: int | None = None
+    persistent: bool = False  # a pool worker: wait for the next job
+    new_session: bool = False
+    die_with_parent: bool = True
+    parent_pid: int = 0
+    fds: dict[str, int] = field(default_factory=dict)  # "stdout", "stderr", "channel"
+    close_fds: list[int] = field(default_factory=list)
+    store_fd: int | None = None  # global rank 0: the rendezvous socket the kernel reserved
+    store_host: str = ""
+
+    def facts(self) -> EnvironmentSnapshot:
+        cfg = self.config
+        return EnvironmentSnapshot(
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            self.local_world_size,
+            self.node_rank,
+            self.env.get("MASTER_ADDR"),
+            self.env.get("MASTER_PORT"),
+            use_cpu=cfg.compute_device == "cpu",
+            timeout=cfg.timeout,
+            debug=cfg.debug,
+        )
+
+
+_inbox: queue.Queue[Any] = queue.Queue()
+_busy = False  # SIGINT raises KeyboardInterrupt only while a job runs
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    if _busy:
+        raise KeyboardInterrupt
+
+
+def _setup(spec: WorkerSpec, channel: Channel) -> None:
+    if spec.new_session:
+        os.setsid()
+    for fd in spec.close_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    wos.reset_signals()
+    signal.signal(signal.SIGINT, _on_sigint)
+    if spec.die_with_parent:
+        wos.die_with_parent(spec.parent_pid)
+    wos.redirect_output(spec.fds["stdout"], spec.fds["stderr"])
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # fatal errors: stack on stderr
+    os.environ.update(spec.env)  # torch's own env:// rendezvous reads these
+    install_launch_config(spec.config)  # the process's state: the runtime reads these two
+    install_process_facts(spec.facts())
+    events.install_sink(lambda kind, data: channel.send(("event", kind, data, time.time())))
+    with contextlib.suppress(Exception):  # never fail a launch over a progress bar
+        progress.use_text_bars_in_worker()  # tqdm.auto bars: text on rank 0, into the cell
+    os.register_at_fork(after_in_child=_forget_channel)
+    state = sys.modules.get("nbaccel.runtime.state")
+    if state is not None:
+        state.reset_state()  # never the kernel's inherited process state
+    threading.Thread(target=_read, args=(channel, spec.rank), daemon=True).start()
+
+
+def _forget_channel() -> None:
+    """In the worker's own children (DataLoader workers): the channel is not theirs."""
+    events.install_sink(None)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError):
+        os.close(_fds["channel"])
+
+
+_fds: dict[str, int] = {}
+
+
+def _read(channel: Channel, rank: int) -> None:
+    """The channel's reader: questions answered here, jobs queued for the main thread."""
+    while True:
+        message = channel.next()
+        if message is None:  # the supervisor is gone (killed, or closed the channel)
+            wos.die(1)
+        elif message[0] == "probe":
+            channel.send(("probe", message[1], wos.main_thread_report(rank)))
+        else:
+            _inbox.put(message)
+
+
+def error_info(exc: BaseException, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An exception as the kernel gets it: type, message, traceback, own attributes."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in skip):
+        tb = tb.tb_next  # the traceback starts in the user's code
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<unprintable {type(exc).__name__}>"
+    attributes: dict[str, tuple[str, bytes]] = {}
+    for name, value in getattr(exc, "__dict__", {}).items():
+        with contextlib.suppress(Exception):
+            attributes[name] = dumps(value)
+    return {
+        "type_module": type(exc).__module__,
+        "type_qualname": type(exc).__qualname__,
+        "message": message,
+        "traceback": text,
+        "time": time.time(),
+        "attributes": attributes,
+    }
+
+
+def _run_job(worker: _jobs.Worker, channel: Channel, job: tuple[Any, ...]) -> int:
+    """Run one job and send its ``done``; return the exit code a one-shot worker takes."""
+    global _busy
+    _kind, job_id, kind, want, *body = job
+    code = 0
+    try:
+        _busy = True
+        try:
+            value = JOBS[kind](worker, *body)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+            value = None  # sys.exit(0) ends a function as returning does
+        finally:
+            _busy = False
+        payload: Any = _jobs.ship(value, kind) if worker.rank in want else ("none", b"")
+        ok = True
+    except BaseException as exc:  # every failure is reported; a pool's loop goes on
+        _busy = False
+        ok, payload = False, error_info(exc, skip=(__file__, _jobs.__file__))
+        if isinstance(exc, SystemExit) and isinstance(exc.code, int):
+            code = payload["exit_code"] = exc.code
+        else:
+            code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    for stream in (sys.stdout, sys.stderr):  # the job's output first, then its "done"
+        with contextlib.suppress(Exception):
+            stream.flush()
+    wos.flush_c_stdio()
+    channel.send(("done", job_id, ok, payload, _jobs.collective_count()))
+    return code
+
+
+JOBS = _jobs.JOBS
+
+
+def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forked: bool) -> int:
+    """The worker's life after set-up; returns its exit code. Never raises."""
+    channel.send(("hello", os.getpid()))
+    worker = _jobs.Worker(spec.rank)
+    learn = _preload.Learner(forked)
+    code, store = 0, None
+    try:
+        if spec.store_fd is not None:
+            store = _rendezvous.host_store(
+                spec.store_fd, spec.store_host, int(spec.env["MASTER_PORT"]), spec.config.timeout
+            )
+        elif spec.world_size > 1 and "MASTER_PORT" in spec.env:
+            store = _rendezvous.connect_exit_client(
+                spec.env["MASTER_ADDR"], int(spec.env["MASTER_PORT"]), spec.config.timeout
+            )
+        _agreement.agree(store, spec)  # several nodes: the same job everywhere, or an error
+        if forked:  # torch 2.4: a multi-threaded op would hang (see the function)
+            forksafe.keep_forked_worker_single_threaded()
+        torch = sys.modules.get("torch")
+        if spec.threads and torch is not None:
+            with contextlib.suppress(Exception):
+                torch.set_num_threads(spec.threads)
+        channel.send(("ready",))
+        while True:
+            job = job if job is not None else _inbox.get()
+            if job[0] == "exit":
+                break
+            if job[0] != "job":  # a kind this worker does not know: not for it
+                job = None
+                continue
+            code = _run_job(worker, channel, job)
+            job = None
+            learn.report(channel)
+            if not spec.persistent:
+                break
+    except BaseException as exc:  # set-up, rendezvous or agreement failed
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        with contextlib.suppress(Exception):
+            channel.send(("fatal", error_info(exc, skip=(__file__,))))
+    finally:
+        code = _leave(store, spec, forked, code)
+    return code
+
+
+def _leave(store: Any, spec: WorkerSpec, forked: bool, code: int) -> int:
+    try:
+        everyone_left = _rendezvous.leave(
+            store, is_host=spec.store_fd is not None, world_size=spec.world_size
+        )
+        # Tearing a gloo group down costs ~20 ms per launch (its threads wind down in step
+        # with the peers'). A forked worker ends in os._exit right after this, and once
+        # every rank has passed the exit barrier no peer needs the group any more: exiting
+        # closes its sockets just the same. Anything less sure tears down.
+        if forked and everyone_left:
+            torchcompat.skip_teardown_at_exit()  # nor when the exit handlers run
+        else:
+            torchcompat.destroy_process_group()
+        del store  # stops rank 0's store server
+    except BaseException:
+        code = code or 1
+    return code
+
+
+def _finish(code: int) -> None:
+    """Exit handlers the user's code registered here, flushed streams, then ``os._exit``
+    with whatever this worker started (never the C++ teardown of an interpreter with
+    torch threads: an abort, code 134)."""
+    import atexit
+
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    wos.die(code)
+
+
+def fork_main(spec: WorkerSpec, sock: socket.socket, job: tuple[Any, ...] | None) -> None:
+    """Body of a forked worker. Never returns into the kernel's code."""
+    code = 70
+    try:
+        import atexit
+
+        atexit._clear()  # the kernel's exit handlers are not ours to run
+        _fds["channel"] = sock.fileno()
+        channel = Channel(sock)
+        _setup(spec, channel)
+        code = serve(spec, channel, job, forked=True)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        _finish(code)
+
+
+def spawn_main(fd: int) -> None:
+    """Entry point of a spawned worker (``python -c ...``): the spec is the first frame."""
+    sock = socket.socket(fileno=fd)
+    channel = Channel(sock)
+    first = channel.next()
+    if first is None or first[0] != "setup":
+        os._exit(70)  # the supervisor is gone already
+    _, spec, sys_path, sources = first
+    sys.path[:] = sys_path
+    linecache.cache.update(sources)  # notebook cells have no file on disk
+    _fds["channel"] = fd
+    _setup(spec, channel)
+    _finish(serve(spec, channel, None, forked=False))
+
+
+__all__ = ["JOBS", "WorkerSpec", "error_info", "fork_main", "serve", "spawn_main"]
