@@ -256,3 +256,19 @@ def test_every_name_public_scripts_use_resolves_or_is_listed():
         "used by public scripts, missing in nbaccel and not in the table:\n"
         + "\n".join(unexplained)
     )
+
+
+def test_the_porting_rule_is_stated_one_way():
+    """``import accelerate`` ports to ``from nbaccel import accelerate`` (whose ``__version__``
+    is Accelerate's API version, so version gates take Accelerate's path); ``import nbaccel as
+    accelerate`` would silently give nbaccel's own version to those gates."""
+    wrong = "import nbaccel as accelerate"
+    places = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "notebooks").glob("*")]
+    places += [*(ROOT / "nbaccel").rglob("*.py"), *(ROOT / "tests" / "scripts").rglob("*")]
+    stating = [p for p in places if p.is_file() and wrong in p.read_text(errors="replace")]
+    assert not stating, (
+        f"{wrong!r} is stated in {stating}; the rule is 'from nbaccel import accelerate'"
+    )
+    assert "`import accelerate` → **`from nbaccel import accelerate`**" in (
+        (ROOT / "README.md").read_text()
+    )

@@ -2,8 +2,9 @@
 
 Written like diffusers' ``examples/unconditional_image_generation/train_unconditional.py`` and
 ``examples/text_to_image/train_text_to_image.py`` (a ``UNet2DModel`` built from a small config,
-random 8x8 images made here) and ported by the import only (``import accelerate`` -> ``from nbaccel import accelerate``, the
-README's porting rule, whose ``__version__`` is the Accelerate API version nbaccel follows):
+random 8x8 images made here) and ported by the import only (``import accelerate`` ->
+``from nbaccel import accelerate``, the README's porting rule, whose ``__version__`` is the
+Accelerate API version nbaccel follows):
 
 * save/load hooks registered only ``if version.parse(accelerate.__version__) >= "0.16.0"``; they
   write ``unet/`` and ``unet_ema/`` into each checkpoint and pop the weights Accelerate would save;
