@@ -335,6 +335,35 @@ def test_profiler_writes_a_trace_per_rank(tmp_path):
         assert json.loads((tmp_path / "trace" / name).read_text())["traceEvents"]
 
 
+# --------------------------------------------------------------------------- Accelerate's own state
+
+
+def _accelerate_use_cpu() -> str | None:
+    return os.environ.get("ACCELERATE_USE_CPU")
+
+
+@pytest.mark.skipif(UNDER_ACCELERATE, reason="checks nbaccel's launcher, not torchrun's")
+def test_cpu_workers_tell_accelerates_own_state_to_join_the_group(tmp_path):
+    """A transformers Trainer in the workers builds Hugging Face Accelerate's state, which joins
+    a multi-process CPU group only under ACCELERATE_USE_CPU; both launch paths set it."""
+    from nbaccel import notebook_launcher
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, pathlib\n"
+        "out = pathlib.Path(os.getcwd(), f\"rank{os.environ['RANK']}.txt\")\n"
+        "out.write_text(os.environ.get('ACCELERATE_USE_CPU', 'unset'))\n"
+    )
+    launch(str(probe), tmp_path=tmp_path)  # nbaccel launch (the environment has no ACCELERATE_*)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["true", "true"]
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("ACCELERATE_")}
+    try:
+        values = notebook_launcher(_accelerate_use_cpu, num_processes=2, return_all_ranks=True)
+    finally:
+        os.environ.update(saved)
+    assert values == ["true", "true"]
+
+
 # --------------------------------------------------------------------------- the package itself
 
 
