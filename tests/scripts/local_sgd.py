@@ -12,10 +12,10 @@ import os
 
 import torch
 import torch.nn.functional as F
-from nbaccel.local_sgd import LocalSGD
 from torch.utils.data import DataLoader, TensorDataset
 
 from nbaccel import Accelerator
+from nbaccel.local_sgd import LocalSGD
 
 
 def make_data():
