@@ -53,7 +53,22 @@ _EXPORTS: dict[str, str] = {
     "LaunchError": "errors",
     "CUDAInitializedError": "errors",
     "WorkerError": "errors",
+    "RanksMissingError": "errors",
     "WorkerTimeoutError": "errors",
+    # more of Accelerate's top-level names (issue 25)
+    "DDPCommunicationHookType": "runtime.comm_hooks",
+    "ProfileKwargs": "runtime.options",
+    "synchronize_rng_states": "runtime.rng",
+    "init_empty_weights": "runtime.not_applicable",
+    "init_on_device": "runtime.not_applicable",
+    "DeepSpeedPlugin": "runtime.not_applicable",
+    "dispatch_model": "runtime.not_applicable",
+    "infer_auto_device_map": "runtime.not_applicable",
+    "load_checkpoint_and_dispatch": "runtime.not_applicable",
+    "cpu_offload": "runtime.not_applicable",
+    "cpu_offload_with_hook": "runtime.not_applicable",
+    "disk_offload": "runtime.not_applicable",
+    "prepare_pippy": "runtime.not_applicable",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__", "load_ipython_extension"]

@@ -1,8 +1,10 @@
-"""Dataloader helpers at the path scripts know from ``accelerate.data_loader``.
+"""Dataloader names at the path scripts know from ``accelerate.data_loader``.
 
-Names only: :func:`prepare_data_loader` (the peer's positional signature) and
-:func:`skip_first_batches`; nbaccel's own prepared loader is
-:class:`~nbaccel.runtime.data.PreparedDataLoader`.
+Names only: :func:`prepare_data_loader` (the peer's positional signature),
+:func:`skip_first_batches`, the shard classes and ``SeedableRandomSampler``.
+``DataLoaderShard`` and ``DataLoaderDispatcher`` are nbaccel's one prepared loader class,
+:class:`~nbaccel.runtime.data.PreparedDataLoader` (``isinstance`` checks work; build
+loaders with ``prepare`` rather than with these constructors).
 
 Example:
     >>> from torch.utils.data import DataLoader
@@ -10,7 +12,21 @@ Example:
     [[0, 1], [2, 3]]
 """
 
+from .runtime._loader_parts import SeedableRandomSampler
 from .runtime.compat import prepare_data_loader
 from .runtime.data import PreparedDataLoader, skip_first_batches
+from .runtime.sharding import BatchSamplerShard, IterableDatasetShard
 
-__all__ = ["PreparedDataLoader", "prepare_data_loader", "skip_first_batches"]
+DataLoaderShard = PreparedDataLoader
+DataLoaderDispatcher = PreparedDataLoader
+
+__all__ = [
+    "BatchSamplerShard",
+    "DataLoaderDispatcher",
+    "DataLoaderShard",
+    "IterableDatasetShard",
+    "PreparedDataLoader",
+    "SeedableRandomSampler",
+    "prepare_data_loader",
+    "skip_first_batches",
+]

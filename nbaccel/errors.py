@@ -45,6 +45,19 @@ class CUDAInitializedError(LaunchError):
     """
 
 
+class RanksMissingError(NbaccelError, RuntimeError):
+    """An operation that needs every rank was entered by some ranks only (e.g. inside
+    ``if accelerator.is_main_process:``); ``missing`` lists the ranks that did not come,
+    when this rank knows them."""
+
+    def __init__(self, message: str, missing: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+
+    def __reduce__(self):  # keep picklable across process boundaries
+        return (type(self), (str(self), self.missing))
+
+
 def too_few_gpus_error(processes: int, gpus: int) -> ConfigError:
     """The error for more NCCL processes on one machine than it has GPUs.
 
@@ -143,6 +156,7 @@ __all__ = [
     "ConfigError",
     "LaunchError",
     "NbaccelError",
+    "RanksMissingError",
     "Stopped",
     "WorkerError",
     "WorkerTimeoutError",

@@ -11,7 +11,7 @@ Example:
 """
 
 from .runtime.accumulation import GradientState
-from .runtime.partial_state import AcceleratorState, PartialState
+from .runtime.partial_state import AcceleratorState, PartialState, is_initialized
 from .runtime.state import (
     DistributedType,
     EnvironmentSnapshot,
@@ -31,6 +31,7 @@ __all__ = [
     "ProcessState",
     "current_state",
     "get_state",
+    "is_initialized",
     "read_environment",
     "reset_state",
 ]

@@ -32,9 +32,12 @@ ALLOWED: dict[str, set[str]] = {
 ROOT_MODULES = {
     "__init__",
     "__main__",
+    "accelerate",
     "accelerator",
     "data_loader",
     "launcher",
+    "launchers",
+    "local_sgd",
     "logging",
     "monitor",
     "state",
@@ -80,9 +83,9 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return ""  # the package root
-    if parts[1] in ALLOWED or len(parts) > 2:
-        return parts[1]
-    return "" if parts[1] in ROOT_MODULES else parts[1]
+    if parts[1] in ROOT_MODULES:  # a name-only module, or package (utils/: its submodules)
+        return ""
+    return parts[1]
 
 
 def graph() -> dict[str, set[tuple[str, int]]]:

@@ -24,7 +24,16 @@ import torch
 from .._version import __version__
 from ..errors import ConfigError
 from ..platform.process_env import distributed_active
-from .durable import exchange, fsync_path, fsync_tree
+from .durable import exchange, fsync_path, fsync_tree, make_dirs
+from .rank_files import (
+    RANK_FILE,
+    carry_rank_files,
+    manifest_save_id,
+    pending_dir,
+    publish_lock,
+    rank_file_name,
+    write_file,
+)
 from .weights import CheckpointError
 
 MANIFEST = "nbaccel_checkpoint.json"
@@ -224,11 +233,12 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-def _manifest(acc: Any, tmp: Path, safe_serialization: bool) -> dict[str, Any]:
+def _manifest(acc: Any, tmp: Path, safe_serialization: bool, save_id: str) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "version": VERSION,
         "nbaccel_version": __version__,
+        "save_id": save_id,  # the rank files of this save carry it too
         "step": int(acc.step),
         "world_size": acc.state.world_size,
         "safe_serialization": safe_serialization,
@@ -249,40 +259,96 @@ def _manifest(acc: Any, tmp: Path, safe_serialization: bool) -> dict[str, Any]:
     }
 
 
-def publish(acc: Any, tmp: Path, target: Path, token: str, safe_serialization: bool) -> None:
+def place_rank_file(
+    target: Path, save_id: str, rank: int, payload: dict[str, Any]
+) -> tuple[Path, str | None]:
+    """Write this rank's file of save ``save_id`` where its checkpoint will pick it up.
+
+    Into ``target`` when it holds this save's checkpoint (published already) or none
+    yet, else next to it (:func:`~nbaccel.checkpoint.rank_files.pending_dir`), so an
+    older checkpoint stays intact; :func:`publish` gathers the files. Needs no other
+    rank. ``payload`` gets ``save_id`` and ``rank`` added. Returns the path written and
+    the save id ``target`` held at that moment (``None``: no checkpoint yet).
+    """
+    make_dirs(target.parent)
+    body = {**payload, "save_id": save_id, "rank": rank}
+    with publish_lock(target.parent):
+        if not target.exists():
+            recover(target)  # an overwrite that died between its two renames
+        published = manifest_save_id(target)
+        if published is None or published == save_id:
+            make_dirs(target)
+            return write_file(target, rank_file_name(rank), body), published
+        pending = pending_dir(target, save_id)
+        make_dirs(pending)
+        return write_file(pending, rank_file_name(rank), body), published
+
+
+def publish(acc: Any, tmp: Path, target: Path, save_id: str, safe_serialization: bool) -> None:
     """Write the manifest into ``tmp`` and move it to ``target`` with no gap in between.
 
     An existing ``target`` is swapped with ``tmp`` in one atomic exchange where the
     filesystem allows it; elsewhere it is moved aside first and :func:`recover` puts
     it back if the process dies before the new copy is in place. Either way some
-    complete checkpoint is at (or recoverable for) ``target`` at every moment.
+    complete checkpoint is at (or recoverable for) ``target`` at every moment. The
+    rank files of this save that other ranks wrote so far move in first; if another
+    writer (another node's main on a shared filesystem) published this save already,
+    only ``tmp``'s rank files join it.
     """
     if not tmp.is_dir():  # another node's main already renamed it (shared filesystem)
         return
     (tmp / VISIBILITY_MARKER).unlink(missing_ok=True)
-    manifest_path = tmp / MANIFEST
-    manifest_path.write_text(json.dumps(_manifest(acc, tmp, safe_serialization), indent=2) + "\n")
-    fsync_tree(tmp)
+    fsync_tree(tmp)  # the big writes reach the disk before the lock is taken
+    with publish_lock(target.parent):
+        if manifest_save_id(target) == save_id:
+            for child in tmp.iterdir():
+                if RANK_FILE.fullmatch(child.name) and not (target / child.name).exists():
+                    os.replace(child, target / child.name)
+            fsync_path(target)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        if not target.exists():
+            recover(target)
+        carry_rank_files(target, tmp, save_id)
+        manifest_path = tmp / MANIFEST
+        manifest = _manifest(acc, tmp, safe_serialization, save_id)
+        manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+        fsync_path(manifest_path)
+        fsync_path(tmp)
+        _swap_in(tmp, target, save_id)
+
+
+def _swap_in(tmp: Path, target: Path, save_id: str) -> None:
     displaced = None
     if target.exists() and exchange(tmp, target):
         displaced = tmp  # now holds the old checkpoint
     else:
         if target.exists():
-            displaced = target.parent / f".{target.name}.old-{token}"
+            displaced = target.parent / f".{target.name}.old-{save_id}"
             os.replace(target, displaced)
             fsync_path(target.parent)
         os.replace(tmp, target)
         fsync_path(target.parent)
-    # this save's displaced copy, and leftovers of earlier saves to the same place that died
-    leftovers = [*target.parent.glob(f".{glob.escape(target.name)}.tmp-*"), *_displaced(target)]
-    for stale in {p for p in (displaced, *leftovers) if p is not None}:
+    # this save's displaced copy, and leftovers of earlier saves to the same place that
+    # died (not this save's: another node's main may still be writing its copy)
+    ours = f".{target.name}.tmp-{save_id}"
+    leftovers = [
+        p
+        for p in target.parent.glob(f".{glob.escape(target.name)}.tmp-*")
+        if p.name != ours and not p.name.startswith(ours + ".")
+    ]
+    for stale in {p for p in (displaced, *leftovers, *_displaced(target)) if p is not None}:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def prune(acc: Any, root: Path) -> None:
-    """Drop stale temporary dirs and the oldest checkpoints beyond ``total_limit``."""
+def prune(acc: Any, root: Path, current: str | None = None) -> None:
+    """Drop stale temporary dirs and the oldest checkpoints beyond ``total_limit``;
+    the temporary dirs of ``current`` (the save just made) stay: another node's main
+    process may still be writing its copy of it."""
     for child in root.iterdir() if root.is_dir() else ():
         if not child.name.startswith(".checkpoint_"):
+            continue
+        if current is not None and child.name.startswith(f".{current}.tmp-"):
             continue
         if ".tmp-" in child.name or (
             # a displaced copy is only stale once its checkpoint is back in place

@@ -139,6 +139,21 @@ def _check_rendezvous(backend: Any, conf: Any, run_id: Any) -> None:
         )
 
 
+def _accelerate_env(cfg: LaunchConfig) -> dict[str, str]:
+    """Hugging Face Accelerate's own state (transformers' Trainer builds one in the worker)
+    joins a multi-process CPU group only when told so; otherwise each CPU worker would
+    silently train alone on the whole data set. An environment variable: nothing imported.
+    Only for started workers (counting GPUs may start a subprocess; an in-kernel run needs
+    no environment)."""
+    if cfg.compute_device == "cpu" or (
+        cfg.compute_device == "auto"
+        and not environment.xla_requested()
+        and environment.gpu_count() == 0
+    ):
+        return {"ACCELERATE_USE_CPU": "true"}
+    return {}
+
+
 def _count_processes(cfg: LaunchConfig) -> int:
     if cfg.num_processes is not None:
         return cfg.num_processes
@@ -318,6 +333,8 @@ def _decide(
         threads = fork_safe_threads(threads)
     payload = _spawn_payload(function, args) if method == "spawn" else None
     env = process_env(cfg, threads)
+    if not in_kernel:
+        env.update(_accelerate_env(cfg))
     return LaunchPlan(function, args, cfg, nproc, method, env, threads, payload, **common)
 
 
@@ -330,7 +347,7 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     check_platform(cfg.start_method)
     check_gpus_per_process(cfg, nproc)
     threads = worker_threads(nproc)
-    env = process_env(cfg, threads)
+    env = process_env(cfg, threads) | _accelerate_env(cfg)
     if tpu:
         env["PJRT_DEVICE"] = os.environ.get("PJRT_DEVICE", "TPU")
     method = "fork" if cfg.start_method == "fork" else "spawn"

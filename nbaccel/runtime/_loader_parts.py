@@ -10,10 +10,11 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader
+import torch
+from torch.utils.data import DataLoader, RandomSampler
 
 
 class FirstItem:
@@ -59,4 +60,30 @@ def samplers_of(*roots: Any) -> list[Any]:
     return found
 
 
-__all__ = ["FirstItem", "loader_kwargs", "samplers_of"]
+class SeedableRandomSampler(RandomSampler):
+    """A ``RandomSampler`` whose order depends only on ``(initial_seed, epoch)``: the same
+    on every rank and in every run (``set_epoch(e)`` picks the epoch).
+
+    Example:
+        >>> a, b = SeedableRandomSampler(range(5)), SeedableRandomSampler(range(5))
+        >>> list(a) == list(b)
+        True
+    """
+
+    def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch = 0
+        self.initial_seed = 0 if data_seed is None else int(data_seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.generator is None:
+            self.generator = torch.Generator()
+        self.generator.manual_seed(self.initial_seed + self.epoch)
+        yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
+
+
+__all__ = ["FirstItem", "SeedableRandomSampler", "loader_kwargs", "samplers_of"]

@@ -97,7 +97,7 @@ class ProcessAPI:
 
     def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """Like :meth:`main_process_first`, once per machine."""
-        return ops.first(self.is_local_main_process)
+        return ops.first(self.is_local_main_process, "local_main_process_first")
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,10 +38,12 @@ import torch
 
 from ..config import launch_config, normalize_precision
 from ..errors import ConfigError
-from ..tracking import events, steps
-from . import checkpointing, dynamo, join, model_io
+from ..tracking import steps as step_clock
+from . import dynamo, join
+from ._accelerate_attrs import AccelerateAttributes
+from ._checkpoint_api import CheckpointAPI
 from ._collective_api import CollectiveAPI
-from ._process_api import ProcessAPI
+from ._tracking_api import TrackingAPI
 from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
 from .data import PreparedDataLoader, prepare_data_loader, skip_first_batches
 from .fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
@@ -59,12 +62,14 @@ from .options import (
     resolve_dataloader_config,
 )
 from .partial_state import AcceleratorState
-from .precision import make_precision
+from .precision import autocast_context, make_precision
 from .rng import set_seed, validate_rng_types
 from .state import DistributedType, ProcessState, get_state
 from .strategy import Strategy, select_strategy
 from .triggers import Trigger
 from .wrappers import PreparedOptimizer, PreparedScheduler, is_scheduler, prepare_model
+
+_SERIALS = itertools.count()
 
 
 def _accumulation_plugin(
@@ -93,7 +98,7 @@ def _launch_defaults(mixed_precision: Any, steps: Any) -> tuple[str, int]:
     return cfg.mixed_precision, cfg.gradient_accumulation_steps
 
 
-class Accelerator(ProcessAPI, CollectiveAPI):
+class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAPI):
     """Prepare a model, optimizer, dataloaders and scheduler for whatever hardware runs this.
 
     Args:
@@ -120,6 +125,7 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         gradient_accumulation_plugin: a ``GradientAccumulationPlugin`` (instead of
             ``gradient_accumulation_steps``).
         dynamo_backend: ``torch.compile`` backend applied to prepared models ("no": none).
+        dynamo_plugin: a ``TorchDynamoPlugin`` (backend, mode, fullgraph, dynamic, options).
         fsdp_plugin: a ``FullyShardedDataParallelPlugin``: shard models with FSDP2 (``None``
             reads ``strategy="fsdp"`` from the launch configuration when several processes run).
 
@@ -148,6 +154,7 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         dispatch_batches: bool | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         dynamo_backend: Any = None,
+        dynamo_plugin: dynamo.TorchDynamoPlugin | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         **unexpected: Any,
     ) -> None:
@@ -155,7 +162,7 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         if unexpected:  # inspect.signature costs ~1 ms: only when there is something to report
             valid = [p for p in inspect.signature(Accelerator).parameters if p != "unexpected"]
             check_unexpected_keywords("Accelerator", unexpected, valid)
-        handlers = parse_kwargs_handlers(kwargs_handlers)
+        handlers = self._handlers = parse_kwargs_handlers(kwargs_handlers)
         self.dataloader_config = resolve_dataloader_config(
             dataloader_config, split_batches, even_batches, dispatch_batches
         )
@@ -172,7 +179,8 @@ class Accelerator(ProcessAPI, CollectiveAPI):
             )
         mixed_precision, steps = _launch_defaults(mixed_precision, steps)
         self.rng_types = validate_rng_types(rng_types)
-        self.dynamo_backend = dynamo.normalize_backend(dynamo_backend)
+        self.dynamo_plugin = dynamo.resolve_plugin(dynamo_backend, dynamo_plugin)
+        self.dynamo_backend = self.dynamo_plugin.backend
         init = handlers.get(InitProcessGroupKwargs)
         process = get_state(cpu=cpu, init_kwargs=init.to_kwargs() if init else None)
         self.strategy: Strategy = select_strategy(
@@ -209,18 +217,19 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
         self._custom_objects: list[Any] = []
+        self._serial = next(_SERIALS)  # the same on every rank: names this one's checkpoints
+        self._ready = True  # from now on assignments follow AccelerateAttributes' policy
         # parameters the precision replaced in models (fp8), so optimizers can follow them
         self._replaced_params: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
 
     # -- process facts -------------------------------------------------------------------
 
     split_batches = property(lambda self: self.dataloader_config.split_batches)
-    even_batches = property(lambda self: self.dataloader_config.even_batches)
     dispatch_batches = property(lambda self: bool(self.dataloader_config.dispatch_batches))
     project_dir = property(lambda self: self.project_configuration.project_dir)
     logging_dir = property(lambda self: self.project_configuration.logging_dir)
     sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
-    gradient_accumulation_steps = property(lambda self: self.gradient_state.num_steps)
+    distributed_type = property(lambda self: self.state.distributed_type)
 
     def _new_gradient_state(self) -> GradientState:
         plugin = self.gradient_accumulation_plugin
@@ -293,8 +302,14 @@ class Accelerator(ProcessAPI, CollectiveAPI):
             return "scheduler"
         return "other"  # passed through unchanged
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> Any:
-        """Prepare one model (see :meth:`prepare`)."""
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+    ) -> Any:
+        """Prepare one model (see :meth:`prepare`); ``evaluation_mode``: for inference only,
+        placed and under autocast but not wrapped for distributed training."""
         for prepared in self._models:
             if model is prepared or model is self.strategy.unwrap_model(prepared):
                 return prepared
@@ -305,9 +320,11 @@ class Accelerator(ProcessAPI, CollectiveAPI):
             precision=self.precision,
             device_placement=placement,
             ddp_kwargs=self.ddp_kwargs,
+            autocast=self.native_amp,
+            wrap=not evaluation_mode,
         )
         self._replaced_params.update(replaced)
-        prepared = dynamo.compile_model(prepared, self.dynamo_backend)
+        prepared = dynamo.compile_model(prepared, self.dynamo_plugin)
         self._models.append(prepared)
         return prepared
 
@@ -348,8 +365,9 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         self._schedulers.append(prepared)
         return prepared
 
-    def prepare_data_loader(self, dataloader: Any, device_placement: bool | None = None) -> Any:
+    def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None) -> Any:
         """Prepare one DataLoader (see :meth:`prepare`); a collective when distributed."""
+        dataloader = data_loader
         if isinstance(dataloader, PreparedDataLoader):
             return dataloader
         placement = self.device_placement if device_placement is None else device_placement
@@ -365,6 +383,7 @@ class Accelerator(ProcessAPI, CollectiveAPI):
             rng_types=self.rng_types,
             dispatch_batches=self.dispatch_batches,
             data_seed=self.dataloader_config.data_seed,
+            use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
         )
         self._dataloaders.append(prepared)
         return prepared
@@ -379,9 +398,9 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         """``loss.backward()`` scaled for accumulation and (fp16) loss scaling."""
         if self.gradient_state.num_steps > 1:
             loss = loss / self.gradient_state.num_steps
-        steps.backward_started()  # the live monitor's step timing (no-op outside a launch)
+        step_clock.backward_started()  # the live monitor's step timing (no-op outside a launch)
         self.precision.backward(loss, **kwargs)
-        steps.backward_finished()
+        step_clock.backward_finished()
 
     def accumulate(self, *models: Any) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-step of gradient accumulation (all prepared models if none)."""
@@ -392,9 +411,12 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         """Skip the gradient all-reduce inside the block (no-op for a single process)."""
         return self.strategy.no_sync(model)
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The mixed-precision autocast context (prepared models already run under it)."""
-        return self.precision.autocast()
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
+        """The mixed-precision autocast context (prepared models already run under it);
+        ``autocast_handler`` overrides the ``AutocastKwargs`` inside the block."""
+        if not self.native_amp:
+            return contextlib.nullcontext()
+        return autocast_context(self.precision, autocast_handler)
 
     def _unscale_for(self, parameters: list[torch.Tensor]) -> None:
         wanted = {id(p) for p in parameters}
@@ -438,7 +460,10 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         """Context for ranks with different numbers of batches (DDP ``Join``); ``even_batches``
         overrides the prepared loaders' setting inside the block."""
         return join.join_uneven_inputs(
-            joinables, loaders=self._dataloaders, even_batches=even_batches
+            joinables,
+            loaders=self._dataloaders,
+            even_batches=even_batches,
+            distributed_type=self.distributed_type,
         )
 
     def trigger_sync_in_backward(self, model: Any) -> contextlib.AbstractContextManager[None]:
@@ -468,10 +493,6 @@ class Accelerator(ProcessAPI, CollectiveAPI):
 
         return dynamo.unwrap(model, inner, keep_torch_compile)
 
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Any:
-        """The model's full state dict (FSDP: gathered on the main process; call on every rank)."""
-        return self.strategy.model_state_dict(model)
-
     def set_seed(self, seed: int, device_specific: bool = False) -> None:
         """Seed python, numpy and torch (plus the process index if ``device_specific``)."""
         set_seed(seed, device_specific=device_specific)
@@ -492,90 +513,6 @@ class Accelerator(ProcessAPI, CollectiveAPI):
         return [None] * len(objects)
 
     clear = free_memory
-
-    # -- checkpoints (nbaccel.runtime.checkpointing) --------------------------------------------------
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include ``objects`` (each with ``state_dict``/``load_state_dict``) in save_state."""
-        for i, obj in enumerate(objects):
-            missing = [
-                m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))
-            ]
-            if missing:
-                raise TypeError(
-                    f"register_for_checkpointing argument {i} ({type(obj).__name__}) lacks "
-                    f"{' and '.join(missing)}(); give it state_dict() and load_state_dict(state)."
-                )
-        self._custom_objects.extend(objects)
-
-    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
-        """Call ``hook(models, weights, output_dir)`` in :meth:`save_state` before weights are
-        written (remove an entry of ``weights`` to skip it); returns a removable handle."""
-        return self._hooks.add_save(hook)
-
-    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
-        """Call ``hook(models, input_dir)`` in :meth:`load_state` before weights are read
-        (remove a model from ``models`` to skip it); returns a removable handle."""
-        return self._hooks.add_load(hook)
-
-    def save_state(self, output_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
-        """Atomically save models, optimizers, schedulers, scaler, RNG and loader positions."""
-
-        return checkpointing.save_state(self, output_dir, **kwargs)
-
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
-        """Restore what :meth:`save_state` wrote (the latest checkpoint if ``input_dir`` is None)."""
-
-        return checkpointing.load_state(self, input_dir, **kwargs)
-
-    def save_model(
-        self,
-        model: torch.nn.Module,
-        save_directory: str | os.PathLike[str],
-        max_shard_size: int | str = "10GB",
-        safe_serialization: bool = True,
-    ) -> Any:
-        """Write the unwrapped model's weights (main process), sharded when large."""
-
-        return model_io.save_model(self, model, save_directory, max_shard_size, safe_serialization)
-
-    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> Any:
-        """``torch.save`` once per machine (safetensors with ``safe_serialization``)."""
-
-        return model_io.save(self, obj, f, safe_serialization=safe_serialization)
-
-    # -- trackers (nbaccel.tracking.trackers) -------------------------------------------------------
-
-    def init_trackers(
-        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: Any = None
-    ) -> None:
-        """Start the ``log_with`` trackers on the main process and store ``config``."""
-        from ..tracking import trackers
-
-        if self.is_main_process and self.log_with is not None:
-            self.trackers = trackers.start_trackers(
-                self.log_with, project_name, self.logging_dir, config, init_kwargs or {}
-            )
-
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: Any = None) -> None:
-        """Log ``values`` to every tracker (main process) and to the launcher's live view."""
-        for tracker in self.trackers:
-            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
-        events.publish("log", step=self.step if step is None else step, values=dict(values))
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The started tracker called ``name`` (its raw object if ``unwrap``); ``None`` off-main."""
-        from ..tracking import trackers
-
-        if not self.is_main_process:
-            return None
-        return trackers.find_tracker(self.trackers, name, unwrap=unwrap)
-
-    def end_training(self) -> None:
-        """Finish every tracker (flush files, close runs)."""
-        for tracker in self.trackers:
-            tracker.finish()
-        self.trackers = []
 
 
 __all__ = ["Accelerator", "AcceleratorState", "DistributedType"]

@@ -63,6 +63,18 @@ class GradientState:
                 break
 
     @property
+    def in_dataloader(self) -> bool:
+        """True while a prepared dataloader is being iterated."""
+        return bool(self._loaders)
+
+    @property
+    def dataloader_references(self) -> list[Any]:
+        """The prepared dataloaders being iterated, outermost first."""
+        return list(self._loaders)
+
+    initialized = True  # Accelerate's GradientState is a lazily filled singleton
+
+    @property
     def active_dataloader(self) -> Any:
         return self._loaders[-1] if self._loaders else None
 

@@ -1,27 +1,34 @@
-"""Atomic training checkpoints (save_state / load_state) and model export (save_model).
+"""Atomic training checkpoints: ``save_state`` / ``load_state``.
 
 A checkpoint directory holds the unwrapped models (safetensors), optimizers,
-schedulers, the GradScaler, every registered custom object, and one file per
-rank with that rank's RNG states and dataloader positions, plus a manifest
-(``nbaccel_checkpoint.json``) listing every file and its size.
+schedulers, the GradScaler, every registered custom object, a manifest
+(``nbaccel_checkpoint.json``) listing every file and its size, and one file per rank
+with that rank's RNG states and dataloader positions (``rank_{r}.pt``).
 
-Atomicity: all ranks write into ``.<name>.tmp-<token>`` next to the target (the
-token is agreed via broadcast), every file is fsynced, the ranks exchange a
-success flag, then the main process (each node's, with ``save_on_each_node``)
-writes the manifest and swaps the directory into place (an atomic exchange where
-the filesystem allows it, see :func:`nbaccel.checkpoint.directory.publish`). A
-process killed at any point leaves the previous checkpoint loadable and no
-directory that :func:`load_state` accepts: it refuses anything without a valid
-manifest. A write that fails (full disk, read-only directory) raises a
-``CheckpointError`` naming the path, the reason and the fix.
+Who must call what follows from the state that must be written, not from who calls:
 
-Nodes without a shared filesystem: global rank 0 first puts a marker into the
-temporary directory; the local main of every node whose ranks cannot see it
-writes the shared files itself and publishes a complete copy on its own disk, so
-``load_state`` finds everything each rank needs on every node.
+* replicated training (one process, DDP, XLA): ``save_state``, ``load_state`` work on
+  any subset of ranks, e.g. the main process alone inside ``if
+  accelerator.is_main_process:`` as in Accelerate; no rank waits for another
+  (:mod:`nbaccel.runtime._checkpoint_write`). When every rank calls them, every rank's
+  RNG state is saved and restored; a rank that finds no state of its own for that save
+  keeps its RNG state and gets a warning.
+* FSDP: every rank holds a shard, so every rank must call them; a call made by some
+  ranks only fails within the process-group timeout with an error naming the ranks
+  that did not come (:mod:`nbaccel.runtime.rank_check`,
+  :mod:`nbaccel.runtime._checkpoint_collective`).
 
-Every function that takes ``acc`` must be called on every rank, except
-``save_model`` and ``save``, which only write on the main process.
+Either way the directory appears atomically (temporary name, fsync, manifest,
+exchange): a process killed at any point leaves the previous checkpoint loadable, and
+``load_state`` refuses anything without a valid manifest. A write that fails (full
+disk, read-only directory) raises a ``CheckpointError`` naming the path, the reason
+and the fix.
+
+Loaders: ``load_state`` restores each prepared loader's epoch, seed and shuffle
+generators, and the loader starts at the beginning of that epoch (scripts skip what
+they saw, e.g. with ``skip_first_batches``), as in Accelerate; with
+``DataLoaderConfiguration(use_stateful_dataloader=True)`` it also resumes at the
+saved position inside the epoch.
 
 Example:
     >>> path = accelerator.save_state("ckpt")  # doctest: +SKIP
@@ -30,11 +37,8 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import os
-import re
-import shutil
-import uuid
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,80 +46,23 @@ from typing import Any
 from ..checkpoint.directory import (
     AUTO_NAME,
     MANIFEST,
-    VISIBILITY_MARKER,
     all_ok,
     checkpoints_root,
     decode,
-    encode,
-    from_main,
     latest_checkpoint,
     prune,
-    publish,
     read_manifest,
 )
-from ..checkpoint.durable import make_dirs
-from ..checkpoint.weights import (
-    CheckpointError,
-    dedupe_tied,
-    read_weights,
-    torch_load,
-    torch_save,
-    write_safetensors,
-)
+from ..checkpoint.rank_files import manifest_save_id, read_rank_file
+from ..checkpoint.weights import CheckpointError, read_weights, torch_load
 from ..errors import ConfigError
-from ..platform.process_env import distributed_active
-from .hooks import models_to_load, weights_to_save
-from .sharded_state import holds_sharded, load_sharded, save_sharded
+from . import rank_check
+from ._checkpoint_collective import FIX, save_collective
+from ._checkpoint_write import save_replicated, suffix
+from .hooks import models_to_load
+from .sharded_state import holds_sharded, load_sharded
 
 # -- save_state ---------------------------------------------------------------------------
-
-
-def _suffix(i: int) -> str:
-    return "" if i == 0 else f"_{i}"
-
-
-def _gather_states(acc: Any, tmp: Path) -> tuple[list[Any], list[Any]]:
-    """Model and optimizer states, made on every rank (FSDP gathers them with collectives);
-    a strategy with sharded checkpoints has every rank write its shard instead."""
-    if acc.strategy.sharded_checkpoints:
-        save_sharded(acc, tmp)
-        return [], []
-    models = weights_to_save(acc, tmp)  # after the save pre-hooks (on every rank, as the peer)
-    return models, [acc.strategy.optimizer_state_dict(opt) for opt in acc._optimizers]
-
-
-def _write_shared(
-    acc: Any, tmp: Path, safe_serialization: bool, models: list[Any], optimizers: list[Any]
-) -> None:
-    """Files that are identical on every rank: written once (per node with save_on_each_node)."""
-    for i, state in enumerate(models):
-        if safe_serialization:
-            tensors, aliases = dedupe_tied(state)
-            write_safetensors(tensors, tmp / f"model{_suffix(i)}.safetensors", aliases)
-        else:
-            torch_save(
-                {k: v.detach().cpu() for k, v in state.items()},
-                tmp / f"pytorch_model{_suffix(i)}.bin",
-            )
-    for i, optimizer_state in enumerate(optimizers):
-        torch_save(optimizer_state, tmp / f"optimizer{_suffix(i)}.bin")
-    for i, scheduler in enumerate(acc._schedulers):
-        torch_save(scheduler.state_dict(), tmp / f"scheduler{_suffix(i)}.bin")
-    scaler_state = acc.precision.state_dict()
-    if scaler_state:
-        torch_save(scaler_state, tmp / "scaler.pt")
-    for i, obj in enumerate(acc._custom_objects):
-        torch_save(encode(obj.state_dict()), tmp / f"custom_checkpoint_{i}.pkl")
-
-
-def _write_rank(acc: Any, tmp: Path) -> None:
-    from .rng import get_rng_state
-
-    state = {
-        "rng": get_rng_state(),
-        "dataloaders": [dl.state_dict() for dl in acc._dataloaders],
-    }
-    torch_save(encode(state), tmp / f"rank_{acc.state.rank}.pt")
 
 
 def save_state(
@@ -124,7 +71,7 @@ def save_state(
     """Save everything needed to resume training; return the checkpoint directory.
 
     Args:
-        acc: the Accelerator (call on every rank).
+        acc: the Accelerator (replicated training: any ranks; FSDP: every rank).
         output_dir: where to save; ``None`` with automatic naming means
             ``project_dir/checkpoints/checkpoint_{iteration}``.
         safe_serialization: models as safetensors (default) or torch ``.bin``.
@@ -141,126 +88,25 @@ def save_state(
     else:
         target = Path(output_dir)
     target = target.absolute()
-    token = from_main(acc, uuid.uuid4().hex[:12])
-    tmp = target.parent / f".{target.name}.tmp-{token}"
-    state = acc.state
-    # Phase 1: global rank 0 creates the temporary directory with a marker in it. A node
-    # whose ranks cannot see the marker shares no filesystem with node 0: its local main
-    # then writes the shared files and publishes a complete copy there itself, so every
-    # node finds what its ranks need (as with save_on_each_node).
-    error: BaseException | None = None
-    if state.is_main_process:
-        try:
-            _check_target(target)
-            make_dirs(tmp)
-            (tmp / VISIBILITY_MARKER).write_bytes(b"")
-        except Exception as err:
-            error = _write_error(err, target)
-    try:
-        all_ok(acc, error, "save_state")
-    except BaseException:
-        if state.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    separate = _nodes_without_node0_files(acc, tmp / VISIBILITY_MARKER)
-    writes_shared = state.is_main_process or (
-        state.is_local_main_process and (config.save_on_each_node or state.node_rank in separate)
-    )
-    error = None
-    try:
-        if writes_shared and not state.is_main_process:
-            _check_target(target)
-        make_dirs(tmp)
-        models, optimizers = _gather_states(acc, tmp)
-        if writes_shared:
-            _write_shared(acc, tmp, safe_serialization, models, optimizers)
-        _write_rank(acc, tmp)
-    except Exception as err:
-        error = _write_error(err, target)
-    try:
-        all_ok(acc, error, "save_state")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # rename node by node so that mains sharing one filesystem never race
-    for node in range(state.num_nodes):
-        error = None
-        if writes_shared and state.node_rank == node:
-            try:
-                publish(acc, tmp, target, token, safe_serialization)
-            except Exception as err:
-                shutil.rmtree(tmp, ignore_errors=True)
-                error = _write_error(err, target)
-        all_ok(acc, error, "save_state (publishing)")
+    collective = acc.strategy.collective_state
+    if collective:
+        rank_check.all_ranks_enter("save_state", FIX)
+        save_collective(acc, target, safe_serialization)
+    else:
+        save_replicated(acc, target, safe_serialization)
     if auto:
         config.iteration += 1
         error = None
-        if state.is_main_process:
+        if acc.state.is_main_process:
             try:
-                prune(acc, target.parent)
+                prune(acc, target.parent, current=target.name)
             except Exception as err:
                 error = err
-        # nobody looks for "the latest checkpoint" while old ones are being removed
-        all_ok(acc, error, "save_state (pruning)")
+        if collective:  # nobody looks for "the latest checkpoint" while old ones go
+            all_ok(acc, error, "save_state (pruning)")
+        elif error is not None:
+            raise error
     return str(target)
-
-
-_WRITE_FIXES = {
-    errno.ENOSPC: "free disk space (or save elsewhere; total_limit keeps fewer checkpoints)",
-    errno.EDQUOT: "free space within your disk quota",
-    errno.EFBIG: "raise the file size limit (ulimit -f) or save elsewhere",
-    errno.EACCES: "make the directory writable for this user or choose another project_dir",
-    errno.EPERM: "make the directory writable for this user or choose another project_dir",
-    errno.EROFS: "the filesystem is read-only: choose a project_dir on a writable one",
-}
-
-
-def _os_errno(err: BaseException) -> int | None:
-    """The errno behind ``err``: its own, a chained OSError's, or "(os error N)" in Rust text."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno is not None:
-            return seen.errno
-        seen = seen.__cause__ or seen.__context__
-    match = re.search(r"os error (\d+)", str(err))
-    return int(match.group(1)) if match else None
-
-
-def _write_error(err: Exception, target: Path) -> Exception:
-    """A save that could not write: say where, why, that the previous copy is intact, the fix."""
-    if isinstance(err, ConfigError | CheckpointError):
-        return err
-    code = _os_errno(err)
-    reason = os.strerror(code) if code is not None else f"{type(err).__name__}: {err}"
-    fix = _WRITE_FIXES.get(code or -1, "check the directory and the disk")
-    wrapped = CheckpointError(
-        f"save_state could not write {str(target)!r}: {reason} ({type(err).__name__}: "
-        f"{str(err).splitlines()[0] if str(err) else ''}). The previous checkpoint is "
-        f"untouched and still loads; nothing half-written is left. Fix: {fix}."
-    )
-    wrapped.__cause__ = err
-    return wrapped
-
-
-def _check_target(target: Path) -> None:
-    occupied = target.exists() and (not target.is_dir() or any(target.iterdir()))
-    if occupied and not (target / MANIFEST).is_file():
-        raise ConfigError(
-            f"save_state will not overwrite {str(target)!r}: it exists and is not an nbaccel "
-            "checkpoint. Choose an empty or new directory."
-        )
-
-
-def _nodes_without_node0_files(acc: Any, marker: Path) -> set[int]:
-    """Node ranks on which some rank cannot see ``marker`` (written on node 0)."""
-    import torch
-
-    seen = (acc.state.node_rank, marker.is_file())
-    if not distributed_active():
-        return set() if seen[1] else {seen[0]}
-    views: list[Any] = [None] * acc.state.world_size
-    torch.distributed.all_gather_object(views, seen)
-    return {node for node, visible in views if not visible}
 
 
 # -- load_state ---------------------------------------------------------------------------
@@ -282,6 +128,20 @@ def _check_counts(acc: Any, manifest: dict[str, Any], source: Path) -> None:
             )
 
 
+def _source(acc: Any, input_dir: str | os.PathLike[str] | None) -> Path:
+    if input_dir is not None:
+        return Path(input_dir)
+    if not acc.project_configuration.automatic_checkpoint_naming:
+        raise ConfigError(
+            "load_state() needs input_dir unless ProjectConfiguration("
+            "automatic_checkpoint_naming=True) is set."
+        )
+    source = latest_checkpoint(checkpoints_root(acc))
+    if source is None:
+        raise FileNotFoundError(f"no complete checkpoint under {str(checkpoints_root(acc))!r}.")
+    return source
+
+
 def load_state(
     acc: Any,
     input_dir: str | os.PathLike[str] | None = None,
@@ -292,40 +152,92 @@ def load_state(
     """Restore what :func:`save_state` wrote; return the directory loaded.
 
     Args:
-        acc: the Accelerator (call on every rank, after ``prepare``).
+        acc: the Accelerator, after ``prepare`` (replicated training: any ranks; FSDP:
+            every rank).
         input_dir: a checkpoint directory; ``None`` with automatic naming loads the latest
             complete ``checkpoint_{i}`` and continues numbering after it.
         weights_only: keep True; False lets torch unpickle arbitrary objects (trusted files only).
         strict: model keys must match exactly.
     """
-    config = acc.project_configuration
+    collective = acc.strategy.collective_state
+    if collective:
+        rank_check.all_ranks_enter("load_state", FIX)
     error: BaseException | None = None
     source: Path | None = None
     try:
-        if input_dir is None:
-            if not config.automatic_checkpoint_naming:
-                raise ConfigError(
-                    "load_state() needs input_dir unless ProjectConfiguration("
-                    "automatic_checkpoint_naming=True) is set."
-                )
-            source = latest_checkpoint(checkpoints_root(acc))
-            if source is None:
-                raise FileNotFoundError(
-                    f"no complete checkpoint under {str(checkpoints_root(acc))!r}."
-                )
+        if not collective:
+            _await_own_save(acc, input_dir)
+        source = _source(acc, input_dir)
+        if _rank_files_only(acc, source):
+            _restore_rank(acc, source, None, weights_only=weights_only)
         else:
-            source = Path(input_dir)
-        manifest = read_manifest(source)
-        _check_counts(acc, manifest, source)
-        _load_into(acc, source, manifest, weights_only=weights_only, strict=strict)
+            manifest = read_manifest(source)
+            _check_counts(acc, manifest, source)
+            _load_into(acc, source, manifest, weights_only=weights_only, strict=strict)
     except Exception as err:
         error = err
-    all_ok(acc, error, "load_state")
+    if collective:  # a rank that failed would leave the others in the shards' collectives
+        all_ok(acc, error, "load_state")
+    elif error is not None:
+        raise error
     assert source is not None
     match = AUTO_NAME.fullmatch(source.name)
-    if config.automatic_checkpoint_naming and match:
-        config.iteration = int(match.group(1)) + 1
+    if acc.project_configuration.automatic_checkpoint_naming and match:
+        acc.project_configuration.iteration = int(match.group(1)) + 1
     return str(source)
+
+
+def _await_own_save(acc: Any, input_dir: str | os.PathLike[str] | None) -> None:
+    """Before loading a checkpoint this rank helped save, wait until it is published.
+
+    A rank other than the main process returns from ``save_state`` as soon as its own
+    file is written; a ``load_state`` right after (of that checkpoint, or of the latest
+    one) must not read the previous checkpoint while the main process still writes the
+    new one. Bounded by the process-group timeout: a main process that never saves it
+    gives an error, not a hang.
+    """
+    pending = getattr(acc, "_unpublished_save", None)
+    if pending is None:
+        return
+    target, before = pending  # what the target held when this rank wrote its file
+    if input_dir is not None and Path(input_dir).absolute() != target:
+        return
+    if not _needs_shared(acc):
+        return  # nothing shared to wait for (e.g. each rank saved to its own directory)
+    seconds = rank_check.timeout_seconds()
+    deadline, pause = time.monotonic() + seconds, 0.01
+    while manifest_save_id(target) == before:  # until this save (or a later one) is in
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"rank {acc.state.rank} saved its part of {str(target)!r} but the main process "
+                f"did not publish that checkpoint within {seconds:g} s (the process-group "
+                "timeout). Call save_state on the main process too (every rank, or the main "
+                "process alone), or load a checkpoint the main process saved."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+    acc._unpublished_save = None
+
+
+def _needs_shared(acc: Any) -> bool:
+    """True if loading restores more than this rank's own RNG and loader state."""
+    shared = [acc._models, acc._optimizers, acc._schedulers, acc._custom_objects]
+    return any(shared) or bool(acc.precision.state_dict())
+
+
+def _rank_files_only(acc: Any, source: Path) -> bool:
+    """True for a directory in which this rank saved alone (no manifest: e.g. each rank
+    passed its own temporary directory); fine while nothing shared is to be restored."""
+    if (source / MANIFEST).exists() or not (source / f"rank_{acc.state.rank}.pt").is_file():
+        return False
+    if _needs_shared(acc):
+        raise CheckpointError(
+            f"{str(source)!r} holds only rank {acc.state.rank}'s own state (RNG, dataloader "
+            "positions), not the models and optimizers: the main process saved those in the "
+            "directory it was given. Pass the same directory to save_state and load_state on "
+            "every rank."
+        )
+    return True
 
 
 def _load_full(
@@ -333,16 +245,16 @@ def _load_full(
 ) -> None:
     for i, model in enumerate(models_to_load(acc, source)):  # after the load pre-hooks
         name = (
-            f"model{_suffix(i)}.safetensors"
+            f"model{suffix(i)}.safetensors"
             if manifest.get("safe_serialization", True)
-            else f"pytorch_model{_suffix(i)}.bin"
+            else f"pytorch_model{suffix(i)}.bin"
         )
         acc.strategy.load_model_state_dict(
             model, read_weights(source / name, weights_only=weights_only), strict=strict
         )
     for i, optimizer in enumerate(acc._optimizers):
         acc.strategy.load_optimizer_state_dict(
-            optimizer, torch_load(source / f"optimizer{_suffix(i)}.bin", weights_only=weights_only)
+            optimizer, torch_load(source / f"optimizer{suffix(i)}.bin", weights_only=weights_only)
         )
 
 
@@ -355,7 +267,7 @@ def _load_into(
         _load_full(acc, source, manifest, weights_only=weights_only, strict=strict)
     for i, scheduler in enumerate(acc._schedulers):
         scheduler.load_state_dict(
-            torch_load(source / f"scheduler{_suffix(i)}.bin", weights_only=weights_only)
+            torch_load(source / f"scheduler{suffix(i)}.bin", weights_only=weights_only)
         )
     if manifest.get("scaler"):
         acc.precision.load_state_dict(torch_load(source / "scaler.pt", weights_only=weights_only))
@@ -363,28 +275,63 @@ def _load_into(
         obj.load_state_dict(
             decode(torch_load(source / f"custom_checkpoint_{i}.pkl", weights_only=weights_only))
         )
-    rank_file = source / f"rank_{acc.state.rank}.pt"
-    if not rank_file.is_file():
-        warnings.warn(
-            f"{source} has no state for rank {acc.state.rank} (saved with world size "
-            f"{manifest.get('world_size')}); RNG states and dataloader positions are not restored.",
-            stacklevel=3,
-        )
-    else:
-        from .rng import set_rng_state
-
-        per_rank = decode(torch_load(rank_file, weights_only=weights_only))
-        loaders = per_rank.get("dataloaders", [])
-        if len(loaders) != len(acc._dataloaders):
-            warnings.warn(
-                f"{source} holds {len(loaders)} dataloader positions, this Accelerator prepared "
-                f"{len(acc._dataloaders)}; restoring the first {min(len(loaders), len(acc._dataloaders))}.",
-                stacklevel=3,
-            )
-        for dataloader, state in zip(acc._dataloaders, loaders, strict=False):
-            dataloader.load_state_dict(state)
-        set_rng_state(per_rank["rng"])  # last: nothing above may consume the restored streams
+    _restore_rank(acc, source, manifest, weights_only=weights_only)
     acc.step = int(manifest.get("step", 0))
+
+
+def _rank_state(source: Path, rank: int, save_id: str, weights_only: bool) -> dict[str, Any] | None:
+    """Rank ``rank``'s file of this save (``None``: absent, or left by another save)."""
+    if not (source / f"rank_{rank}.pt").is_file():
+        return None
+    if weights_only:
+        state = read_rank_file(source, rank)
+    else:
+        state = torch_load(source / f"rank_{rank}.pt", weights_only=False)
+    if state is None or (save_id and state.get("save_id") != save_id):
+        return None
+    decoded: dict[str, Any] = decode(state)
+    return decoded
+
+
+def _restore_rank(
+    acc: Any, source: Path, manifest: dict[str, Any] | None, *, weights_only: bool
+) -> None:
+    from .rng import set_rng_state
+
+    rank = acc.state.rank
+    save_id = str(manifest.get("save_id", "")) if manifest is not None else ""
+    own = _rank_state(source, rank, save_id, weights_only)
+    if own is None:
+        main = _rank_state(source, 0, save_id, weights_only) if manifest is not None else None
+        saved_by = "the main process alone" if main is not None else "no rank"
+        warnings.warn(
+            f"{source} has no RNG state of rank {rank} for this save (saved by {saved_by}, with "
+            f"world size {(manifest or {}).get('world_size')}): rank {rank} keeps its current "
+            "RNG state. Call save_state on every rank to save every rank's RNG state.",
+            stacklevel=4,
+        )
+        if main is not None:  # positions are the same on every rank: the main's serve
+            _restore_loaders(acc, source, main.get("dataloaders", []))
+        return
+    _restore_loaders(acc, source, own.get("dataloaders", []))
+    if manifest is None:
+        acc.step = int(own.get("step", acc.step))
+    set_rng_state(own["rng"])  # last: nothing above may consume the restored streams
+
+
+def _restore_loaders(acc: Any, source: Path, states: list[Any]) -> None:
+    """Epoch, seed and generators of every prepared loader; the position inside the epoch
+    only for loaders prepared with ``use_stateful_dataloader=True`` (Accelerate's rule)."""
+    if len(states) != len(acc._dataloaders):
+        warnings.warn(
+            f"{source} holds {len(states)} dataloader states, this Accelerator prepared "
+            f"{len(acc._dataloaders)}; restoring the first {min(len(states), len(acc._dataloaders))}.",
+            stacklevel=4,
+        )
+    for dataloader, state in zip(acc._dataloaders, states, strict=False):
+        if not getattr(dataloader, "use_stateful_dataloader", False):
+            state = {**state, "batches_yielded": 0}  # the epoch starts over
+        dataloader.load_state_dict(state)
 
 
 __all__ = [

@@ -87,11 +87,15 @@ def _is_oom(error: BaseException) -> bool:
 
 
 def find_executable_batch_size(
-    function: Callable[..., Any] | None = None, starting_batch_size: int = 128
+    function: Callable[..., Any] | None = None,
+    starting_batch_size: int = 128,
+    reduce_batch_size_fn: Callable[[], int] | None = None,
 ) -> Any:
-    """Decorator: call ``function(batch_size, ...)``, halving ``batch_size`` after each OOM.
+    """Decorator: call ``function(batch_size, ...)``, with a smaller batch after each OOM.
 
     The decorated function takes ``batch_size`` as its first parameter; callers omit it.
+    After an out-of-memory error the batch size becomes ``int(batch_size * 0.9)``
+    (Accelerate's rule), or what ``reduce_batch_size_fn()`` returns.
 
     Raises:
         RuntimeError: the batch size reached zero.
@@ -99,28 +103,34 @@ def find_executable_batch_size(
     """
     if function is None:
         return functools.partial(
-            find_executable_batch_size, starting_batch_size=starting_batch_size
+            find_executable_batch_size,
+            starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn,
         )
+    wrapped = function
 
-    @functools.wraps(function)
+    @functools.wraps(wrapped)
     def run(*args: Any, **kwargs: Any) -> Any:
         batch_size = starting_batch_size
-        params = list(inspect.signature(function).parameters)
+        params = list(inspect.signature(wrapped).parameters)
         if len(params) < len(args) + 1:
             raise TypeError(
-                f"{function.__name__}() receives batch_size from find_executable_batch_size: "
+                f"{wrapped.__name__}() receives batch_size from find_executable_batch_size: "
                 f"call it without that first argument (got {len(args)} positional arguments)."
             )
         while True:
             if batch_size == 0:
                 raise RuntimeError("No executable batch size found, reached zero.")
             try:
-                return function(batch_size, *args, **kwargs)
+                return wrapped(batch_size, *args, **kwargs)
             except Exception as err:
                 if not _is_oom(err):
                     raise
                 release_memory()
-                batch_size //= 2
+                if reduce_batch_size_fn is not None:
+                    batch_size = int(reduce_batch_size_fn())
+                else:
+                    batch_size = int(batch_size * 0.9)
 
     return run
 
@@ -140,15 +150,70 @@ def patch_environment(**values: Any) -> Iterator[None]:
                 os.environ[key] = old
 
 
+class PrepareForLaunch:
+    """Wrap ``launcher`` for ``torch.multiprocessing.start_processes``: each child gets its
+    rank variables from its index, then runs ``launcher(*args)``.
+
+    ``RANK = NODE_RANK * NPROC + index`` and ``LOCAL_RANK = index`` (``NPROC``: processes
+    per node, default ``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, else 1); with
+    ``distributed_type="NO"`` nothing is set. ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``
+    come from the caller's environment, as with Accelerate. ``debug=True`` runs the
+    children on the CPU (``NBACCEL_USE_CPU=1``).
+
+    Example:
+        >>> PrepareForLaunch(print, distributed_type="MULTI_CPU").distributed_type.value
+        'MULTI_CPU'
+    """
+
+    def __init__(
+        self, launcher: Callable[..., Any], distributed_type: Any = "NO", debug: bool = False
+    ) -> None:
+        from .state import DistributedType
+
+        self.launcher = launcher
+        self.distributed_type = DistributedType(
+            str(getattr(distributed_type, "value", distributed_type))
+        )
+        self.debug = debug
+
+    def __call__(self, index: int, *args: Any) -> Any:
+        from .state import DistributedType, reset_state
+
+        if self.distributed_type is not DistributedType.NO or self.debug:
+            env = os.environ
+            nproc = int(env.get("NPROC", env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
+            node_rank = int(env.get("NODE_RANK", env.get("GROUP_RANK", "0")))
+            env.update(LOCAL_RANK=str(index), RANK=str(node_rank * nproc + index))
+            env.setdefault("LOCAL_WORLD_SIZE", str(nproc))
+            if self.debug:
+                env["NBACCEL_USE_CPU"] = "1"
+        os.environ["FORK_LAUNCHED"] = "1"  # Accelerate's marker (PartialState.fork_launched)
+        reset_state()  # a forked child must not reuse its parent's process facts
+        return self.launcher(*args)
+
+
 def extract_model_from_parallel(
-    model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    model: Any,
+    keep_fp32_wrapper: bool = True,
+    keep_torch_compile: bool = True,
+    recursive: bool = False,
 ) -> Any:
-    """The user's module inside DDP/DataParallel (and ``torch.compile`` unless kept)."""
+    """The user's module inside DDP/DataParallel (and ``torch.compile`` unless kept);
+    ``recursive``: DDP/DataParallel wrappers nested inside it are replaced by their modules
+    too (in place)."""
 
     def inner(m: Any) -> Any:
         return unwrap_model(m, keep_fp32_wrapper=keep_fp32_wrapper)
 
-    return dynamo.unwrap(model, inner, keep_torch_compile)
+    unwrapped = dynamo.unwrap(model, inner, keep_torch_compile)
+    if recursive:
+        for parent in list(unwrapped.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(
+                    child, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel
+                ):
+                    setattr(parent, name, inner(child))
+    return unwrapped
 
 
 def prepare_data_loader(
@@ -172,8 +237,8 @@ def prepare_data_loader(
 
     ``num_processes`` / ``process_index`` default to this process's state; batches move
     to ``device`` (default: this process's) only with ``put_on_device=True``.
-    ``use_seedable_sampler`` and ``use_stateful_dataloader`` are accepted: nbaccel's
-    prepared loaders always shuffle reproducibly and resume mid-epoch.
+    ``use_seedable_sampler`` is accepted (nbaccel's prepared loaders always shuffle
+    reproducibly); ``use_stateful_dataloader`` makes ``load_state`` resume mid-epoch.
 
     Raises:
         ConfigError: ``slice_fn_for_dispatch`` or ``torch_device_mesh``, which nbaccel lacks.
@@ -197,11 +262,13 @@ def prepare_data_loader(
         rng_types=validate_rng_types(rng_types),
         dispatch_batches=bool(dispatch_batches),
         data_seed=data_seed,
+        use_stateful_dataloader=use_stateful_dataloader,
     )
 
 
 __all__ = [
     "PrecisionType",
+    "PrepareForLaunch",
     "RNGType",
     "extract_model_from_parallel",
     "find_executable_batch_size",

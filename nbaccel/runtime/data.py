@@ -85,6 +85,7 @@ class PreparedDataLoader(DataLoader):
         dispatcher: BatchDispatcher | None = None,
         progress: LoaderProgress | None = None,
         skip_once: int | None = None,
+        use_stateful_dataloader: bool = False,
         **loader_kwargs: Any,
     ) -> None:
         if isinstance(shard, BatchSamplerShard):
@@ -102,8 +103,11 @@ class PreparedDataLoader(DataLoader):
             seeded=tuple(seeded),
             synced=tuple(synced),
             dispatcher=dispatcher,
+            use_stateful_dataloader=use_stateful_dataloader,
             **loader_kwargs,
         )
+        # load_state restores the position inside the epoch only for stateful loaders
+        self.use_stateful_dataloader = use_stateful_dataloader
         self.device = device
         self.non_blocking = non_blocking
         self.gradient_state = gradient_state
@@ -256,6 +260,7 @@ def prepare_data_loader(
     rng_types: Sequence[str] = ("generator",),
     dispatch_batches: bool = False,
     data_seed: int | None = None,
+    use_stateful_dataloader: bool = False,
 ) -> PreparedDataLoader:
     """Return a :class:`PreparedDataLoader` reading this rank's share of ``dataloader``.
 
@@ -275,7 +280,11 @@ def prepare_data_loader(
     kwargs = loader_kwargs(dataloader)
     collate = dataloader.collate_fn
     common: dict[str, Any] = dict(
-        device=device, non_blocking=non_blocking, gradient_state=gradient_state, rng_types=rng_types
+        device=device,
+        non_blocking=non_blocking,
+        gradient_state=gradient_state,
+        rng_types=rng_types,
+        use_stateful_dataloader=use_stateful_dataloader,
     )
     dataset = dataloader.dataset
     dispatcher = None

@@ -72,18 +72,21 @@ def _rebuild(batch: Any, values: Iterable[Any]) -> Any:
     return _map(lambda _leaf: next(it), batch)
 
 
-def concatenate(batches: list[Any]) -> Any:
-    """Concatenate collated batches along the sample dimension (tensors and lists).
+def concatenate(data: list[Any], dim: int = 0) -> Any:
+    """Concatenate collated batches (tensors along ``dim``, lists end to end).
 
     Example:
         >>> concatenate([(torch.ones(1), ["a"]), (torch.zeros(2), ["b", "c"])])
         (tensor([1., 0., 0.]), ['a', 'b', 'c'])
     """
+    batches = data
     if len(batches) == 1:
         return batches[0]
     columns = zip(*(_leaves(b) for b in batches), strict=True)
     merged = [
-        torch.cat(col) if isinstance(col[0], torch.Tensor) else type(col[0])(itertools.chain(*col))
+        torch.cat(col, dim=dim)
+        if isinstance(col[0], torch.Tensor)
+        else type(col[0])(itertools.chain(*col))
         for col in columns
     ]
     return _rebuild(batches[0], merged)

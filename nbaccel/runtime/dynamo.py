@@ -1,13 +1,17 @@
-"""``dynamo_backend=``: ``torch.compile`` applied to every model ``prepare`` returns.
+"""``dynamo_backend=`` / ``dynamo_plugin=``: ``torch.compile`` applied to every prepared model.
 
 Example:
     >>> normalize_backend(None), normalize_backend("INDUCTOR")
     ('no', 'inductor')
+    >>> TorchDynamoPlugin(backend="inductor", mode="max-autotune").compile_kwargs()
+    {'backend': 'inductor', 'mode': 'max-autotune', 'fullgraph': False, 'dynamic': None}
 """
 
 from __future__ import annotations
 
 import copy
+import enum
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,16 +35,95 @@ def normalize_backend(backend: Any) -> str:
     return name
 
 
+class DynamoBackend(str, enum.Enum):
+    """``torch.compile`` backends by Accelerate's names (``dynamo_backend=DynamoBackend.INDUCTOR``)."""
+
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    ONNXRT = "ONNXRT"
+    TVM = "TVM"
+    IPEX = "IPEX"
+    TENSORRT = "TENSORRT"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(kw_only=True)
+class TorchDynamoPlugin:
+    """How prepared models are compiled (``Accelerator(dynamo_plugin=...)``): the arguments
+    of ``torch.compile``. ``backend="no"`` (the default) compiles nothing.
+
+    Raises:
+        ConfigError: an unknown backend, ``mode`` together with ``options`` (torch.compile
+            takes one of them), or ``use_regional_compilation`` (not supported: compile
+            the repeated blocks yourself with ``torch.compile``).
+    """
+
+    backend: Any = "no"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    options: dict[str, Any] | None = field(default=None)
+    disable: bool = False
+    use_regional_compilation: bool = False
+
+    def __post_init__(self) -> None:
+        self.backend = normalize_backend(self.backend)
+        if self.mode is not None and self.options:
+            raise ConfigError(
+                "TorchDynamoPlugin(mode=..., options=...): torch.compile accepts one of them; "
+                "drop mode or put its settings into options."
+            )
+        if self.use_regional_compilation:
+            raise ConfigError(
+                "TorchDynamoPlugin(use_regional_compilation=True) is not supported: compile the "
+                "repeated blocks with torch.compile(block) before prepare(), or compile the model."
+            )
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for ``torch.compile``."""
+        kwargs: dict[str, Any] = {"backend": self.backend}
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        if self.options:
+            kwargs["options"] = dict(self.options)
+        kwargs.update(fullgraph=self.fullgraph, dynamic=self.dynamic)
+        if self.disable:
+            kwargs["disable"] = True
+        return kwargs
+
+
+def resolve_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin:
+    """One ``TorchDynamoPlugin`` from ``dynamo_backend=`` and ``dynamo_plugin=`` (not both)."""
+    if plugin is None:
+        return TorchDynamoPlugin(backend=backend)
+    if not isinstance(plugin, TorchDynamoPlugin):
+        raise TypeError(f"dynamo_plugin={plugin!r}: pass a TorchDynamoPlugin(...).")
+    if backend is not None and normalize_backend(backend) != plugin.backend:
+        raise ConfigError(
+            f"dynamo_backend={backend!r} conflicts with dynamo_plugin.backend="
+            f"{plugin.backend!r}; set the backend in one place only."
+        )
+    return plugin
+
+
 def is_compiled(model: Any) -> bool:
     """True for the module ``torch.compile`` returns."""
     return isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)
 
 
-def compile_model(model: torch.nn.Module, backend: str) -> torch.nn.Module:
-    """``torch.compile(model, backend=backend)`` unless off or already compiled."""
-    if backend == "no" or is_compiled(model):
+def compile_model(model: torch.nn.Module, plugin: TorchDynamoPlugin | str) -> torch.nn.Module:
+    """``torch.compile(model, ...)`` as ``plugin`` (or a backend name) says, unless off or
+    already compiled."""
+    if isinstance(plugin, str):
+        plugin = TorchDynamoPlugin(backend=plugin)
+    if plugin.backend == "no" or is_compiled(model):
         return model
-    compiled: torch.nn.Module = torch.compile(model, backend=backend)  # type: ignore[assignment]
+    compiled: torch.nn.Module = torch.compile(model, **plugin.compile_kwargs())  # type: ignore[assignment]
     return compiled
 
 
@@ -65,4 +148,12 @@ def unwrap(model: Any, unwrap_inner: Any, keep_torch_compile: bool) -> Any:
     return wrapper
 
 
-__all__ = ["compile_model", "is_compiled", "normalize_backend", "unwrap"]
+__all__ = [
+    "DynamoBackend",
+    "TorchDynamoPlugin",
+    "compile_model",
+    "is_compiled",
+    "normalize_backend",
+    "resolve_plugin",
+    "unwrap",
+]

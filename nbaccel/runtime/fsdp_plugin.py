@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,10 @@ class FullyShardedDataParallelPlugin:
         cpu_ram_efficient_loading: only rank 0 holds real weights; the other ranks build
             the model on the ``meta`` device and receive their shards from rank 0 in
             ``prepare``.
+        ignored_modules: modules (or a regular expression matched against module names)
+            whose parameters FSDP leaves alone: not sharded, and their gradients not
+            reduced (``fully_shard(ignored_params=...)``; keep them frozen, or synchronise
+            them yourself).
 
     Raises:
         ConfigError: an unknown wrap policy or state-dict type, ``fsdp_version=1``, or a
@@ -89,6 +94,7 @@ class FullyShardedDataParallelPlugin:
     activation_checkpointing: bool = False
     state_dict_type: str = "SHARDED_STATE_DICT"
     cpu_ram_efficient_loading: bool = False
+    ignored_modules: Any = None
     # legacy FullyShardedDataParallel-only settings: None, or a ConfigError naming the fix
     sharding_strategy: Any = field(default=None, repr=False)
     backward_prefetch: Any = field(default=None, repr=False)
@@ -170,6 +176,24 @@ class FullyShardedDataParallelPlugin:
             )
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
         return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+
+    def ignored_params(self, model: torch.nn.Module) -> set[torch.nn.Parameter]:
+        """The parameters of ``ignored_modules`` in ``model`` (a regex matches module names)."""
+        spec = self.ignored_modules
+        if spec is None:
+            return set()
+        if isinstance(spec, str):
+            pattern = re.compile(spec)
+            modules = [m for name, m in model.named_modules() if pattern.fullmatch(name)]
+        else:
+            modules = list(spec)
+            wrong = [type(m).__name__ for m in modules if not isinstance(m, torch.nn.Module)]
+            if wrong:
+                raise ConfigError(
+                    f"ignored_modules holds {wrong}: pass torch modules, or a regular "
+                    "expression matching module names (e.g. 'lm_head|.*norm')."
+                )
+        return {p for m in modules for p in m.parameters()}
 
     def offload_policy(self) -> Any:
         """The ``OffloadPolicy`` for ``fully_shard`` (``CPUOffloadPolicy`` when offloading)."""

@@ -1,7 +1,7 @@
 """Hooks run by ``save_state`` / ``load_state`` before the models are written or read.
 
 ``register_save_state_pre_hook(hook)``: ``hook(models, weights, output_dir)`` runs before
-the model weights are written; ``weights`` holds one state dict per prepared model and a
+the model weights are written (``models``: the user's modules, unwrapped from DDP); ``weights`` holds one state dict per prepared model and a
 hook may remove entries (it saved that model itself, e.g. with ``save_pretrained``) or
 edit them. ``register_load_state_pre_hook(hook)``: ``hook(models, input_dir)`` runs before
 the weights are read; removing a model from ``models`` skips loading it (the hook loaded
@@ -64,18 +64,24 @@ class HookRegistry:
             hook(models, input_dir)
 
 
+def _user_models(acc: Any) -> list[Any]:
+    # As in Accelerate, hooks get the user's modules, not the DDP wrappers around them
+    # (diffusers' hooks call model.save_pretrained / register_to_config on them).
+    return [acc.strategy.unwrap_model(model) for model in acc._models]
+
+
 def weights_to_save(acc: Any, output_dir: Any) -> list[dict[str, Any]]:
     """The models' state dicts after the save pre-hooks had their say."""
     weights = [acc.strategy.model_state_dict(model) for model in acc._models]
     registry = getattr(acc, "_hooks", None)
     if registry is not None:
-        registry.run_save(list(acc._models), weights, str(output_dir))
+        registry.run_save(_user_models(acc), weights, str(output_dir))
     return weights
 
 
 def models_to_load(acc: Any, input_dir: Any) -> list[Any]:
-    """The prepared models still to load after the load pre-hooks had their say."""
-    models = list(acc._models)
+    """The models (the user's modules) still to load after the load pre-hooks had their say."""
+    models = _user_models(acc)
     registry = getattr(acc, "_hooks", None)
     if registry is not None:
         registry.run_load(models, str(input_dir))

@@ -7,18 +7,24 @@
   backward all-reduce the gradients (DDP prepares its reducer during forward, so a
   forward under ``no_sync`` leaves it unprepared).
 
-Both do nothing for a single process or a model that is not DDP-wrapped.
+Both do nothing for a single process or a model that is not DDP-wrapped
+(``join_uneven_inputs`` warns then, as Accelerate does).
 
 Example:
-    >>> import torch
+    >>> import torch, warnings
     >>> model = torch.nn.Linear(2, 2)
-    >>> with join_uneven_inputs([model], loaders=[], even_batches=None):
-    ...     pass
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     with join_uneven_inputs([model], loaders=[], distributed_type=DistributedType.NO):
+    ...         pass
+    >>> "only supported" in str(caught[-1].message)
+    True
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,11 +32,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..platform.process_env import distributed_active
 from .sharding import BatchSamplerShard
+from .state import DistributedType
+
+_JOINABLE_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 @contextlib.contextmanager
 def join_uneven_inputs(
-    joinables: Sequence[Any], *, loaders: Sequence[Any], even_batches: bool | None = None
+    joinables: Sequence[Any],
+    *,
+    loaders: Sequence[Any],
+    even_batches: bool | None = None,
+    distributed_type: DistributedType = DistributedType.MULTI_CPU,
 ) -> Iterator[None]:
     """Run the block under ``torch.distributed.algorithms.Join(joinables)``.
 
@@ -39,11 +52,19 @@ def join_uneven_inputs(
             objects such as ``ZeroRedundancyOptimizer``).
         loaders: the prepared dataloaders whose ``even_batches`` may be overridden.
         even_batches: if not None, the prepared loaders use it inside the block.
+        distributed_type: how the Accelerator runs; ``Join`` applies to DDP only (one
+            process, FSDP: a warning, and the block runs as it is, as in Accelerate).
 
     Raises:
         TypeError: an object in ``joinables`` is not joinable.
     """
-    if not distributed_active():
+    if distributed_type not in _JOINABLE_TYPES or not distributed_active():
+        warnings.warn(
+            "join_uneven_inputs is only supported for multi-GPU and multi-CPU (DDP) training; "
+            f"with distributed_type={distributed_type.value} it has no effect.",
+            UserWarning,
+            stacklevel=3,
+        )
         yield
         return
     from torch.distributed.algorithms import Join, Joinable
@@ -56,11 +77,21 @@ def join_uneven_inputs(
         )
     saved: list[tuple[BatchSamplerShard, bool]] = []
     if even_batches is not None:
+        iterable = False
         for loader in loaders:
             shard = getattr(loader, "_shard", None)
             if isinstance(shard, BatchSamplerShard):
                 saved.append((shard, shard.even_batches))
                 shard.even_batches = even_batches
+            else:
+                iterable = True
+        if iterable:
+            warnings.warn(
+                "Overriding even_batches is only supported for map-style datasets; the "
+                "prepared loaders over iterable datasets keep their setting.",
+                UserWarning,
+                stacklevel=3,
+            )
     try:
         with Join(list(joinables)):
             yield

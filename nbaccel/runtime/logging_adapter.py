@@ -32,7 +32,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
                 if rank == ops.process_index():
                     msg_, kwargs_ = self.process(msg, kwargs)
                     self.logger.log(level, msg_, *args, **kwargs_)
-                ops.barrier()
+                ops.barrier("logging with in_order=True")
             return
         if not main_process_only or ops.process_index() == 0:
             msg_, kwargs_ = self.process(msg, kwargs)
@@ -40,6 +40,21 @@ class MultiProcessAdapter(logging.LoggerAdapter):
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
         return msg, kwargs
+
+    def warning_once(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        """``warning``, once per distinct message (and arguments) in this process."""
+        key = (str(msg), args, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        self.warning(msg, *args, **kwargs)
+
+    @property
+    def _warned(self) -> set[Any]:
+        seen: set[Any] | None = self.__dict__.get("_seen")
+        if seen is None:
+            seen = self.__dict__["_seen"] = set()
+        return seen
 
 
 def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAdapter:

@@ -34,6 +34,8 @@ from ..checkpoint.weights import (
     write_safetensors,
 )
 from ..errors import ConfigError
+from . import rank_check
+from ._checkpoint_collective import FIX as COLLECTIVE_FIX
 from .sharded_state import is_sharded_model, load_weights_into_sharded
 from .wrappers import unwrap_model
 
@@ -70,12 +72,34 @@ def _place(model: torch.nn.Module, device_map: Any) -> None:
         module.to(torch.device(device))
 
 
+def _cast(state: dict[str, Any], dtype: Any, keep_fp32: list[str] | None) -> dict[str, Any]:
+    if dtype is None:
+        return state
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""))
+    kept = list(keep_fp32 or [])
+
+    def target_dtype(name: str) -> Any:
+        parts = name.split(".")
+        return torch.float32 if any(k in parts for k in kept) else dtype
+
+    return {k: v.to(target_dtype(k)) if torch.is_floating_point(v) else v for k, v in state.items()}
+
+
 def load_checkpoint_in_model(
     model: torch.nn.Module,
     checkpoint: str | os.PathLike[str],
     device_map: Any = None,
-    *,
+    offload_folder: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
+    keep_in_fp32_modules: list[str] | None = None,
+    offload_8bit_bnb: bool = False,
     strict: bool = True,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
+    *,
     weights_only: bool = True,
 ) -> LoadResult:
     """Load weights into ``model`` in place from a file, a sharded folder or an index JSON.
@@ -87,18 +111,37 @@ def load_checkpoint_in_model(
             written by ``save_model``, or a ``*.index.json``.
         device_map: ``None`` (leave parameters where they are), a device, or a dict
             ``{module_name: device}`` (``""`` is the whole model) applied after loading.
-        strict: raise if keys are missing or unexpected.
+        offload_folder, offload_buffers, offload_8bit_bnb: disk/CPU offload of a dispatched
+            model (Accelerate's big-model inference): not in nbaccel, an error if set.
+        dtype: cast floating-point weights to this dtype (``"float16"`` or a torch dtype),
+            except those of modules named in ``keep_in_fp32_modules``.
+        keep_in_fp32_modules: module name parts whose weights stay float32 with ``dtype``.
+        strict: raise if keys are missing or unexpected (Accelerate's default is False:
+            nbaccel raises, naming the keys, instead of loading part of a model silently).
+        offload_state_dict, full_state_dict, broadcast_from_rank0: accepted; the result
+            is the same (every rank reads what it needs, sharded models their rows).
         weights_only: keep ``True`` unless you trust a torch file that holds more than tensors.
 
     Example:
         >>> load_checkpoint_in_model(model, "out/model")  # doctest: +SKIP
     """
+    for name, value in (
+        ("offload_folder", offload_folder),
+        ("offload_buffers", offload_buffers),
+        ("offload_8bit_bnb", offload_8bit_bnb),
+    ):
+        if value:
+            raise ConfigError(
+                f"load_checkpoint_in_model({name}=...) offloads a dispatched model, which "
+                "nbaccel does not do: load the weights and model.to(device), or shard a model "
+                "too big for one device with FSDP2 (FullyShardedDataParallelPlugin(cpu_offload=True))."
+            )
     target = unwrap_model(model)
     if is_sharded_model(target):  # FSDP: each rank reads only its shard's rows
         missing, unexpected = load_weights_into_sharded(target, checkpoint, strict=strict)
         _place(target, device_map)
         return LoadResult(missing, unexpected)
-    state = read_weights(checkpoint, weights_only=weights_only)
+    state = _cast(read_weights(checkpoint, weights_only=weights_only), dtype, keep_in_fp32_modules)
     expected = set(target.state_dict())
     result = LoadResult(sorted(expected - set(state)), sorted(set(state) - expected))
     if strict and (result.missing_keys or result.unexpected_keys):
@@ -121,11 +164,17 @@ def save_model(
 ) -> list[Path]:
     """Write ``model``'s unwrapped weights from the main process; shards + index when large.
 
-    Call on every rank (under FSDP the full weights are gathered to the main process).
-    Returns the files written (empty on other ranks).
+    Replicated training: call it on every rank or on the main process alone. FSDP: call
+    it on every rank (the full weights are gathered to the main process); a call made
+    on some ranks only fails with an error naming the others. Returns the files written
+    (empty on other ranks).
     """
     parse_size(max_shard_size)  # validate on every rank, not only where it writes
-    state = acc.strategy.model_state_dict(model)  # FSDP gathers it: every rank takes part
+    if acc.strategy.collective_state:  # FSDP gathers the weights: every rank takes part
+        rank_check.all_ranks_enter("save_model", COLLECTIVE_FIX)
+    elif not acc.state.is_main_process:
+        return []  # replicated weights: the main process writes them, alone if need be
+    state = acc.strategy.model_state_dict(model)
     if not acc.state.is_main_process:
         return []
     return save_model_files(
@@ -166,4 +215,43 @@ def save(acc: Any, obj: Any, f: Any, safe_serialization: bool = False) -> None:
             tmp.unlink()
 
 
-__all__ = ["LoadResult", "load_checkpoint_in_model", "save", "save_model"]
+def merge_fsdp_weights(
+    checkpoint_dir: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    safe_serialization: bool = True,
+    remove_checkpoint_dir: bool = False,
+) -> list[Path]:
+    """Turn the sharded model of an FSDP checkpoint into full weights files (one process).
+
+    Args:
+        checkpoint_dir: a checkpoint written by ``save_state`` under FSDP (its ``model.dcp``
+            folder is read), or such a ``*.dcp`` folder itself.
+        output_path: the folder for the weights (safetensors shards + index, as
+            ``save_model`` writes them).
+        safe_serialization: safetensors (default) or torch ``.bin`` files.
+        remove_checkpoint_dir: delete the ``.dcp`` folder afterwards.
+    """
+    import shutil
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    source = Path(checkpoint_dir)
+    if (source / "model.dcp").is_dir():
+        source = source / "model.dcp"
+    if not source.is_dir():
+        raise CheckpointError(
+            f"{str(checkpoint_dir)!r} holds no sharded model: pass a checkpoint saved by "
+            "save_state under FSDP (SHARDED_STATE_DICT), or its model.dcp folder."
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(source, Path(tmp) / "full.pt")
+        state = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
+    state = state.get("model", state)
+    written = save_model_files(state, output_path, safe_serialization=safe_serialization)
+    if remove_checkpoint_dir:
+        shutil.rmtree(source)
+    return written
+
+
+__all__ = ["LoadResult", "load_checkpoint_in_model", "merge_fsdp_weights", "save", "save_model"]

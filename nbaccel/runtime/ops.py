@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..platform.process_env import distributed_active
 from . import _packed_gather as packing
+from . import rank_check
 from .splitting import split_between_processes
 from .state import barrier_kwargs
 from .tree import _leaves, _rebuild, is_tensor_tree, recursively_apply, send_to_device
@@ -90,11 +91,12 @@ def _mismatch_error(what: str, everyone: list[Any], detail: str, fix: str) -> Va
 # ----------------------------------------------------------------------------- collectives
 
 
-def gather(data: Any, *, allow_uneven: bool = False) -> Any:
+@rank_check.names_timeouts("gather")
+def gather(tensor: Any, *, allow_uneven: bool = False) -> Any:
     """Concatenate every rank's tensors along dim 0 (0-d tensors become 1-d first).
 
     Args:
-        data: a tensor or nested structure of tensors, same structure on every rank.
+        tensor: a tensor or nested structure of tensors, same structure on every rank.
         allow_uneven: accept different sizes along dim 0 (other dims must match); the
             result is still the rank-ordered concatenation.
 
@@ -105,6 +107,7 @@ def gather(data: Any, *, allow_uneven: bool = False) -> Any:
         >>> gather(torch.tensor(3.0))
         tensor([3.])
     """
+    data = tensor
     data = recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
     if not distributed_active():
         return data
@@ -128,13 +131,15 @@ def gather(data: Any, *, allow_uneven: bool = False) -> Any:
     return _rebuild(data, packing.collect(leaves, everyone, handle))
 
 
-def gather_object(obj: Any) -> list[Any]:
+@rank_check.names_timeouts("gather_object")
+def gather_object(object: Any) -> list[Any]:
     """Gather picklable objects: lists/tuples are concatenated, anything else is listed per rank.
 
     Example:
         >>> gather_object(["a", "b"])
         ['a', 'b']
     """
+    obj = object
     is_seq = isinstance(obj, list | tuple)
     if not distributed_active():
         return list(obj) if is_seq else [obj]
@@ -148,11 +153,12 @@ def gather_object(obj: Any) -> list[Any]:
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
-def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+@rank_check.names_timeouts("reduce")
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """All-reduce every tensor across ranks; returns copies multiplied by ``scale``.
 
     Args:
-        data: a tensor or nested tensors (same shapes on every rank).
+        tensor: a tensor or nested tensors (same shapes on every rank).
         reduction: ``"mean"``, ``"sum"``, ``"none"`` (this rank's values, unreduced) or
             ``"max"``, ``"min"``, ``"product"``; case-insensitive.
         scale: factor applied after the reduction.
@@ -161,6 +167,7 @@ def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         >>> reduce(torch.tensor([2.0]), "mean")
         tensor([2.])
     """
+    data = tensor
     mode = reduction.lower() if isinstance(reduction, str) else reduction
     if mode not in (*_REDUCE_OPS, "none"):
         raise ValueError(
@@ -195,13 +202,15 @@ def _check_same(data: Any, what: str) -> None:
         )
 
 
-def broadcast(data: Any, from_process: int = 0) -> Any:
+@rank_check.names_timeouts("broadcast")
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Send ``from_process``'s tensors to every rank (in place where possible); returns ``data``.
 
     Example:
         >>> broadcast(torch.tensor([1.0]))
         tensor([1.])
     """
+    data = tensor
     if not distributed_active():
         return data
     _check_same(data, "broadcast")
@@ -216,20 +225,23 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
     return recursively_apply(one, data)
 
 
-def broadcast_object_list(objects: list[Any], from_process: int = 0) -> list[Any]:
+@rank_check.names_timeouts("broadcast_object_list")
+def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
     """Replace ``objects``' items in place with ``from_process``'s; returns the list."""
+    objects = object_list
     if distributed_active():
         dist.broadcast_object_list(objects, src=from_process)
     return objects
 
 
+@rank_check.names_timeouts("pad_across_processes")
 def pad_across_processes(
-    data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
+    tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
 ) -> Any:
     """Pad every tensor along ``dim`` to the largest size any rank has, so it can be gathered.
 
     Args:
-        data: tensor or nested tensors (same structure on every rank).
+        tensor: a tensor or nested tensors (same structure on every rank).
         dim: the dimension to pad.
         pad_index: the fill value.
         pad_first: pad at the beginning instead of the end.
@@ -238,6 +250,7 @@ def pad_across_processes(
         >>> pad_across_processes(torch.ones(2, 3), dim=1).shape
         torch.Size([2, 3])
     """
+    data = tensor
     leaves = _leaves(data)
     if not distributed_active() or not leaves:
         return data
@@ -262,20 +275,33 @@ def pad_across_processes(
     return _rebuild(data, padded)
 
 
-def barrier() -> None:
-    """Wait until every process arrives (no-op without a multi-process group)."""
+def barrier(operation: str = "wait_for_everyone") -> None:
+    """Wait until every process arrives (no-op without a multi-process group).
+
+    The ranks meet in a monitored barrier first (:mod:`nbaccel.runtime.rank_check`): one
+    called inside ``if accelerator.is_main_process:`` raises, naming ``operation`` and
+    the ranks that never came, instead of waiting forever. On NCCL a device barrier
+    follows, so the GPU streams are in step as after a plain barrier.
+    """
     if distributed_active():
-        dist.barrier(**barrier_kwargs(str(dist.get_backend())))
+        rank_check.all_ranks_enter(
+            operation,
+            f"call {operation} on every rank, not inside `if accelerator.is_main_process:` "
+            "or another block that only some ranks run.",
+        )
+        backend = str(dist.get_backend())
+        if "nccl" in backend:
+            dist.barrier(**barrier_kwargs(backend))
 
 
 @contextlib.contextmanager
-def first(goes_first: bool) -> Iterator[None]:
+def first(goes_first: bool, operation: str = "main_process_first") -> Iterator[None]:
     """Context: processes with ``goes_first`` run the block, then the others do."""
     if not goes_first:
-        barrier()
+        barrier(operation)
     yield
     if goes_first:
-        barrier()
+        barrier(operation)
 
 
 __all__ = [

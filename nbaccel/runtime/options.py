@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import ConfigError
+from .comm_hooks import DDPCommunicationHookType, check_hook_options
 
 
 class KwargsHandler:
@@ -40,7 +41,10 @@ class KwargsHandler:
 
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
-    """Keyword arguments forwarded to ``torch.nn.parallel.DistributedDataParallel``."""
+    """Keyword arguments forwarded to ``torch.nn.parallel.DistributedDataParallel``, plus a
+    gradient communication hook (:mod:`nbaccel.runtime.comm_hooks`): ``comm_hook``,
+    ``comm_wrapper`` (a :class:`DDPCommunicationHookType` or its value) and
+    ``comm_state_option`` (PowerSGD settings)."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -49,6 +53,12 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: Any = DDPCommunicationHookType.NO
+    comm_wrapper: Any = DDPCommunicationHookType.NO
+    comm_state_option: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_hook_options(self.comm_hook, self.comm_wrapper, self.comm_state_option)
 
 
 @dataclass
@@ -79,6 +89,28 @@ class InitProcessGroupKwargs(KwargsHandler):
     timeout: timedelta | None = None
 
 
+@dataclass
+class ProfileKwargs(KwargsHandler):
+    """``accelerator.profile()`` settings: the arguments of ``torch.profiler.profile``.
+
+    ``activities``: ``"cpu"``, ``"cuda"``, ``"xpu"``... (default: the CPU, plus CUDA when
+    available); ``schedule_option``: ``torch.profiler.schedule`` fields (``wait``,
+    ``warmup``, ``active``, ``repeat``, ``skip_first``); ``on_trace_ready``: called with the
+    profiler when a trace is ready; ``output_trace_dir``: every rank writes its chrome
+    trace there, ``profile_{rank}.json``.
+    """
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Any = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | os.PathLike[str] | None = None
+
+
 @dataclass(kw_only=True)
 class DataLoaderConfiguration:
     """How prepared dataloaders shard and iterate.
@@ -94,8 +126,11 @@ class DataLoaderConfiguration:
             depend only on (seed, epoch), or follow the loader's own ``generator``.
         data_seed: the seed of those shuffles (default: drawn once from rank 0's RNG).
         non_blocking: use ``non_blocking`` copies when moving batches to the device.
-        use_stateful_dataloader: accepted for compatibility: prepared loaders always have
-            ``state_dict()``/``load_state_dict()`` and resume mid-epoch.
+        use_stateful_dataloader: ``load_state`` also restores the position inside the
+            epoch (exact resume, no skipping in the script). False (Accelerate's default):
+            the loader restarts at the beginning of the saved epoch, in the same order,
+            and the script skips what it saw (``skip_first_batches``). Prepared loaders
+            always have ``state_dict()``/``load_state_dict()``.
 
     Example:
         >>> DataLoaderConfiguration(dispatch_batches=True, data_seed=3).data_seed
@@ -207,7 +242,6 @@ PEER_ONLY_KEYWORDS: dict[str, str] = {
         "default DDP; drop megatron_lm_plugin."
     ),
     "torch_tp_plugin": "tensor parallelism is not part of nbaccel: use fsdp_plugin=... or DDP.",
-    "dynamo_plugin": "use dynamo_backend='inductor' (or another torch.compile backend).",
     "parallelism_config": "use the default DDP, or fsdp_plugin=... for sharding.",
 }
 
@@ -216,6 +250,7 @@ HANDLER_TYPES: tuple[type[KwargsHandler], ...] = (
     GradScalerKwargs,
     AutocastKwargs,
     InitProcessGroupKwargs,
+    ProfileKwargs,
 )
 
 
@@ -291,12 +326,14 @@ __all__ = [
     "HANDLER_TYPES",
     "PEER_ONLY_KEYWORDS",
     "AutocastKwargs",
+    "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "check_unexpected_keywords",
     "parse_kwargs_handlers",

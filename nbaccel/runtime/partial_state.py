@@ -20,11 +20,16 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import torch
+
 from ..config import normalize_precision
+from ..platform import torchcompat
+from . import rank_check
 from ._process_api import ProcessAPI
-from .state import ProcessState, get_state
+from .state import DistributedType, ProcessState, get_state, reset_state
 
 _INIT_KEYWORDS = ("backend", "init_method", "timeout")
+
 _LAST_PRECISION: dict[str, str] = {}  # the most recent Accelerator's, for AcceleratorState()
 
 
@@ -62,6 +67,39 @@ class PartialState(ProcessAPI):
     def initialized(self) -> bool:
         """Always True: constructing the state initialises it."""
         return True
+
+    @property
+    def default_device(self) -> torch.device:
+        """The device this process computes on (Accelerate's name)."""
+        return self._process.device
+
+    def set_device(self) -> None:
+        """Make :attr:`default_device` the current CUDA device (done already on creation)."""
+        if self._process.device.type == "cuda":
+            torch.cuda.set_device(self._process.device)
+
+    @property
+    def fork_launched(self) -> bool:
+        """Whether ``PrepareForLaunch`` started this process (its ``FORK_LAUNCHED=1``)."""
+        import os
+
+        return os.environ.get("FORK_LAUNCHED") == "1"
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Forget this process's state, so the next one is read afresh (test suites call it
+        between tests); a running process group stays and is adopted again."""
+        reset_state()
+        _LAST_PRECISION.clear()
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Tear down ``group`` (default: the process group, and this process's state)."""
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
+            return
+        torchcompat.destroy_process_group()
+        rank_check.forget()
+        reset_state()
 
     def __getattr__(self, name: str) -> Any:
         # nbaccel's own field names (rank, world_size, local_rank...) keep working
@@ -119,6 +157,31 @@ class AcceleratorState(PartialState):
         if mixed_precision is None:
             mixed_precision = _LAST_PRECISION.get("mode", "no")
         self.mixed_precision: str = normalize_precision(mixed_precision)
+        _LAST_PRECISION.setdefault("mode", self.mixed_precision)
+
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Forget the training settings (and, with ``reset_partial_state``, the process
+        state too), as test suites do between tests."""
+        _LAST_PRECISION.clear()
+        if reset_partial_state:
+            reset_state()
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """True under FSDP (nbaccel's FSDP is FSDP2)."""
+        return self.distributed_type is DistributedType.FSDP
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """How this process takes part; assignable, as Accelerate's test suites do (it then
+        changes what is reported and ``join_uneven_inputs``' check, not the strategy)."""
+        override = self.__dict__.get("_distributed_type")
+        return override if override is not None else self._process.distributed_type
+
+    @distributed_type.setter
+    def distributed_type(self, value: DistributedType) -> None:
+        self.__dict__["_distributed_type"] = DistributedType(value)
 
     @classmethod
     def for_accelerator(cls, process: ProcessState, mixed_precision: str) -> AcceleratorState:
@@ -133,4 +196,9 @@ class AcceleratorState(PartialState):
         return f"{super().__repr__()[:-1]}, mixed_precision={self.mixed_precision!r})"
 
 
-__all__ = ["AcceleratorState", "PartialState"]
+def is_initialized() -> bool:
+    """True once an ``Accelerator`` (or ``AcceleratorState``) exists in this process."""
+    return "mode" in _LAST_PRECISION
+
+
+__all__ = ["AcceleratorState", "PartialState", "is_initialized"]

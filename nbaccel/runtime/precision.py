@@ -280,6 +280,15 @@ class Fp8Precision(AutocastPrecision):
         return convert_to_float8_training(model, module_filter_fn=eligible)
 
 
+def autocast_context(precision: Any, handler: Any = None) -> contextlib.AbstractContextManager[Any]:
+    """``precision``'s autocast, with ``handler``'s (an ``AutocastKwargs``) settings if given."""
+    if handler is None or not hasattr(precision, "device_type"):
+        return precision.autocast()
+    kwargs = {**getattr(precision, "autocast_kwargs", {}), **handler.to_kwargs()}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    return torch.autocast(precision.device_type, dtype=precision.dtype, **kwargs)
+
+
 def make_precision(
     mode: str | None,
     device: torch.device,

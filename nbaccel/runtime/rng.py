@@ -103,14 +103,26 @@ def validate_rng_types(rng_types: Iterable[str] | None) -> tuple[str, ...]:
     return names
 
 
-def synchronize_rng_states(rng_types: Iterable[str]) -> None:
-    """Copy rank 0's global RNG states (``torch``, ``cuda``, ``python``, ``numpy``) to every rank.
+def synchronize_rng_state(rng_type: str | None = None, generator: Any = None) -> None:
+    """Copy rank 0's state of one RNG (or of ``generator`` for ``"generator"``) to every rank."""
+    if rng_type in (None, "generator") and generator is not None:
+        synchronize_generators([generator])
+        return
+    synchronize_rng_states([rng_type or "torch"])
 
-    A collective: every rank must call it at the same point. ``"generator"`` needs no
-    collective (dataloaders seed their samplers from a seed agreed at prepare time).
+
+def synchronize_rng_states(rng_types: Iterable[str], generator: Any = None) -> None:
+    """Copy rank 0's global RNG states (``torch``, ``cuda``, ``python``, ``numpy``) to every rank,
+    and ``generator``'s state when ``"generator"`` is asked for with one.
+
+    A collective: every rank must call it at the same point. ``"generator"`` alone needs
+    no collective (dataloaders seed their samplers from a seed agreed at prepare time).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
+    rng_types = [str(getattr(t, "value", t)).lower() for t in rng_types]
+    if generator is not None and "generator" in rng_types:
+        synchronize_generators([generator])
     wanted = [t for t in rng_types if t in ("torch", "cuda", "python", "numpy")]
     if not wanted:
         return
@@ -156,6 +168,7 @@ __all__ = [
     "set_rng_state",
     "set_seed",
     "synchronize_generators",
+    "synchronize_rng_state",
     "synchronize_rng_states",
     "validate_rng_types",
 ]

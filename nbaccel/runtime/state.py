@@ -35,7 +35,7 @@ from ..errors import ConfigError, LaunchError, too_few_gpus_error
 from ..platform import torchcompat
 from ..platform.process_env import EnvironmentSnapshot, read_environment
 from ..platform.xla import xla_requested
-from . import xla
+from . import rank_check, xla
 
 
 class DistributedType(str, enum.Enum):
@@ -50,6 +50,13 @@ class DistributedType(str, enum.Enum):
     # the peer's types nbaccel never runs as; scripts compare against them
     DEEPSPEED = "DEEPSPEED"
     MEGATRON_LM = "MEGATRON_LM"
+    TP = "TP"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_HPU = "MULTI_HPU"
 
 
 @dataclass(frozen=True)
@@ -361,6 +368,8 @@ def get_state(
             )
         assert backend is not None
         _init_process_group(env, backend, device, _timeout_for(env, timeout), init_kwargs)
+    if env.world_size > 1:  # every rank is here now: form the group that checks entries
+        rank_check.form(_timeout_for(env, timeout))
     state = ProcessState(
         rank=env.rank,
         world_size=env.world_size,

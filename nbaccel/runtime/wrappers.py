@@ -34,8 +34,9 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in _LOW_PRECISION else t
 
 
-def convert_to_fp32(data: Any) -> Any:
-    """float16/bfloat16 tensors in ``data`` become float32 (other tensors are untouched)."""
+def convert_to_fp32(tensor: Any) -> Any:
+    """float16/bfloat16 tensors in ``tensor`` (a tree) become float32 (others are untouched)."""
+    data = tensor
     if type(data) is torch.Tensor:  # the usual model output: no tree walk
         return _to_fp32(data)
     return recursively_apply(_to_fp32, data)
@@ -100,17 +101,21 @@ def prepare_model(
     precision: Any,
     device_placement: bool = True,
     ddp_kwargs: Mapping[str, Any] | None = None,
+    autocast: bool = True,
+    wrap: bool = True,
 ) -> tuple[torch.nn.Module, dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]]]:
-    """Place, convert and wrap ``model`` (the wrapping is the ``strategy``'s); also return
-    ``{id(old): (old, new)}`` for the parameters the precision replaced (so optimizers can be
-    pointed at the new ones)."""
+    """Place, convert and wrap ``model`` (the wrapping is the ``strategy``'s; none with
+    ``wrap=False``); forward under the precision's autocast unless ``autocast=False``; also
+    return ``{id(old): (old, new)}`` for the parameters the precision replaced (so
+    optimizers can be pointed at the new ones)."""
     before = dict(model.named_parameters())
     if device_placement:
         model = strategy.place_model(model)
     hook = getattr(precision, "prepare_model", None)
     if callable(hook):
         model = hook(model)
-    model = strategy.wrap_model(model, ddp_kwargs=ddp_kwargs)
+    if wrap:
+        model = strategy.wrap_model(model, ddp_kwargs=ddp_kwargs)
     # fp8 swaps layers and FSDP shards parameters: both replace Parameter objects
     after = dict(strategy.unwrap_model(model).named_parameters())
     replaced = {
@@ -118,7 +123,7 @@ def prepare_model(
         for name, old in before.items()
         if name in after and after[name] is not old
     }
-    if getattr(precision, "mode", "no") != "no":
+    if autocast and getattr(precision, "mode", "no") != "no":
         # on the outermost module: DDP keeps its class name, the user's module stays clean
         model.forward = AutocastForward(model.forward, precision)
     return model, replaced

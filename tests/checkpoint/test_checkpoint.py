@@ -78,16 +78,23 @@ def _weights(acc, model):
     return [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
 
 
+def _stateful():
+    from nbaccel.runtime.options import DataLoaderConfiguration
+
+    # load_state restores the position inside the epoch only when asked (Accelerate's rule)
+    return DataLoaderConfiguration(use_stateful_dataloader=True)
+
+
 def _resume_worker(root, k):
-    acc, model, optimizer, scheduler, loader = _build(0)
+    acc, model, optimizer, scheduler, loader = _build(0, dataloader_config=_stateful())
     uninterrupted = _train(acc, model, optimizer, scheduler, _stream(loader), 2 * k)
     expected = _weights(acc, model)
 
-    acc, model, optimizer, scheduler, loader = _build(0)
+    acc, model, optimizer, scheduler, loader = _build(0, dataloader_config=_stateful())
     before = _train(acc, model, optimizer, scheduler, _stream(loader), k)
     path = acc.save_state(root)
     # a "restarted" run: other initial weights, other RNG streams
-    acc, model, optimizer, scheduler, loader = _build(1234)
+    acc, model, optimizer, scheduler, loader = _build(1234, dataloader_config=_stateful())
     torch.manual_seed(999 + acc.process_index)
     acc.load_state(path)
     assert acc.step == k
@@ -189,7 +196,7 @@ def _save_and_get_killed(root, ready):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
     torch.set_num_threads(1)  # a fresh OpenMP pool, as run_on_workers does
-    import nbaccel.runtime.checkpointing as checkpoint
+    import nbaccel.runtime._checkpoint_write as checkpoint
 
     acc, model, optimizer, scheduler, loader = _build(0, project_config=_auto(root))
     batches = _stream(loader)

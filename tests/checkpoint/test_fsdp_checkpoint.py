@@ -39,10 +39,12 @@ def _plugin(state_dict_type="SHARDED_STATE_DICT", **kwargs):
 
 def _build(seed, state_dict_type="SHARDED_STATE_DICT", fsdp=True, **kwargs):
     """A fresh FSDP Accelerator with a dropout model, AdamW, a scheduler, a shuffled loader."""
-    from nbaccel import Accelerator
+    from nbaccel import Accelerator, DataLoaderConfiguration
     from nbaccel.runtime.state import reset_state
 
     reset_state()
+    # the tests resume mid-epoch without skipping: the stateful loader restores the position
+    kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_stateful_dataloader=True))
     acc = Accelerator(fsdp_plugin=_plugin(state_dict_type) if fsdp else None, **kwargs)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
@@ -293,3 +295,28 @@ def test_cpu_ram_efficient_loading_shards_rank0_weights_out():
     expected = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 2)).state_dict()
     assert not meta0 and not meta1
     assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+# -- merge_fsdp_weights: a sharded checkpoint into full weights --------------------------------
+
+
+def _merge_worker(root):
+    from nbaccel.utils import load_checkpoint_in_model, merge_fsdp_weights
+
+    acc, model, optimizer, scheduler, loader = _build(0, "SHARDED_STATE_DICT")
+    _train(acc, model, optimizer, scheduler, _stream(loader), 2)
+    acc.save_state(os.path.join(root, "ckpt"))
+    full = _full(acc, model)  # every rank; the full weights on the main process
+    if not acc.is_main_process:
+        return True
+    merge_fsdp_weights(os.path.join(root, "ckpt"), os.path.join(root, "merged"))
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+    )
+    load_checkpoint_in_model(plain, os.path.join(root, "merged"))
+    return all(torch.equal(plain.state_dict()[k], full[k]) for k in full)
+
+
+def test_merge_fsdp_weights_writes_the_full_model(tmp_path):
+    assert run_on_workers(_merge_worker, 2, args=(str(tmp_path),)) == [True, True]
+    assert "model.safetensors" in os.listdir(tmp_path / "merged")

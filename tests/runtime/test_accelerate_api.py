@@ -349,7 +349,21 @@ def test_find_executable_batch_size_and_release_memory():
             raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
         return batch_size * scale
 
-    assert train(10) == 40 and tried == [16, 8, 4]
+    # Accelerate's rule: 0.9 times the last size after each out-of-memory error
+    assert train(10) == 40 and tried == [16, 14, 12, 10, 9, 8, 7, 6, 5, 4]
+
+    halved = []
+
+    @find_executable_batch_size(
+        starting_batch_size=16, reduce_batch_size_fn=lambda: halved[-1] // 2
+    )
+    def halving(batch_size):
+        halved.append(batch_size)
+        if batch_size > 4:
+            raise RuntimeError("CUDA out of memory.")
+        return batch_size
+
+    assert halving() == 4 and halved == [16, 8, 4]  # the custom rule, also as a decorator
     a, b = release_memory(torch.ones(1), torch.ones(1))
     assert a is None and b is None
 

@@ -33,6 +33,9 @@ class SingleProcess:
     name = "single"
     #: save_state writes one shard per rank (torch.distributed.checkpoint) instead of full files
     sharded_checkpoints = False
+    #: model/optimizer state dicts need every rank (collectives): checkpoint calls must be
+    #: made on every rank. False: the state is replicated, any rank can save it alone.
+    collective_state = False
 
     def __init__(self, state: ProcessState) -> None:
         self.state = state

@@ -16,6 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ...platform import torchcompat
+from ..comm_hooks import register_comm_hook
 from .base import SingleProcess
 
 
@@ -33,11 +34,15 @@ class DDP(SingleProcess):
             return model  # nothing to synchronise (a frozen teacher, a metric module)
         torchcompat.check_ddp_debug_level()  # an error, not torch's crash
         kwargs = dict(ddp_kwargs or {})
+        hook = [kwargs.pop(k, None) for k in ("comm_hook", "comm_wrapper", "comm_state_option")]
         device = self.state.device
         if device.type == "cuda":
             kwargs.setdefault("device_ids", [device.index])
             kwargs.setdefault("output_device", device.index)
-        return DistributedDataParallel(model, **kwargs)
+        wrapped = DistributedDataParallel(model, **kwargs)
+        if hook[0] is not None:  # torch's own gradient communication hook
+            register_comm_hook(wrapped, hook[0], hook[1] or "no", hook[2])
+        return wrapped
 
     def no_sync(self, model: Any) -> contextlib.AbstractContextManager[Any]:
         if isinstance(model, DistributedDataParallel):

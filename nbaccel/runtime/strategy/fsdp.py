@@ -58,6 +58,8 @@ class FSDP(SingleProcess):
     name = "fsdp"
     #: save_state writes one shard per rank (torch.distributed.checkpoint) when True
     sharded_checkpoints = True
+    #: state dicts are gathered or written shard by shard: every rank takes part
+    collective_state = True
 
     def __init__(
         self,
@@ -124,22 +126,33 @@ class FSDP(SingleProcess):
             return model
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to train (a frozen teacher): left as it is
-        targets = wrap_targets(model, self.plugin)
+        ignored = self.plugin.ignored_params(model)
+        # a unit whose parameters are all ignored has nothing to shard
+        targets = [
+            t
+            for t in wrap_targets(model, self.plugin)
+            if not ignored or any(p not in ignored for p in t.parameters())
+        ]
         if self.plugin.activation_checkpointing:
             checkpoint_activations(targets)
-        before = dict(model.named_parameters())
+        before = {n: p for n, p in model.named_parameters() if p not in ignored}
         full = self._rank0_weights(model)
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "mesh": self.mesh,
             "reshard_after_forward": self.plugin.reshard_after_forward,
             "mp_policy": self.mp_policy,
             "offload_policy": self.plugin.offload_policy(),
         }
+        if ignored:  # left alone by FSDP: not sharded, gradients not reduced
+            kwargs["ignored_params"] = ignored
         for module in targets:  # bottom-up: a unit is sharded before the unit around it
             fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
         device = torch.device("cpu") if self.plugin.cpu_offload else self.state.device
         materialize(model, device, full)
+        for param in ignored:  # FSDP does not place them: they stay whole, on this device
+            if not param.is_meta:
+                param.data = param.data.to(self.state.device)
         for old in before.values():  # the optimizer still points here until prepared:
             if not old.is_meta:  # keep the objects (ids), drop the unsharded storage
                 old.data = torch.empty(0, dtype=old.dtype, device=old.device)

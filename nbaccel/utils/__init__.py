@@ -1,8 +1,10 @@
 """The names scripts import from the best-known peer's ``accelerate.utils``.
 
 Names only: every object is defined in :mod:`nbaccel.runtime`, :mod:`nbaccel.config` or
-:mod:`nbaccel.tracking`, and is loaded on first access (importing this module stays
-cheap and side-effect free).
+:mod:`nbaccel.tracking`, and is loaded on first access. The submodules scripts import
+from (``accelerate.utils.constants``, ``.dataclasses``, ``.operations``, ``.imports``,
+``.memory``, ``.random``, ``.other``, ``.modeling``, ``.versions``) are here too:
+``constants`` holds nbaccel's file names, the others are views of this module.
 
 Example:
     >>> from nbaccel.utils import ProjectConfiguration, set_seed
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from ..runtime import availability as _availability
+from ..runtime import not_applicable as _not_applicable
 
 # name -> module under nbaccel that defines it
 _EXPORTS: dict[str, str] = {
@@ -59,6 +64,41 @@ _EXPORTS: dict[str, str] = {
     "skip_first_batches": "runtime.data",
     # progress
     "tqdm": "tracking.progress",
+    # more option objects and enums
+    "DDPCommunicationHookType": "runtime.comm_hooks",
+    "ProfileKwargs": "runtime.options",
+    "TorchDynamoPlugin": "runtime.dynamo",
+    "DynamoBackend": "runtime.dynamo",
+    # launching
+    "PrepareForLaunch": "runtime.compat",
+    # building models without memory
+    "init_empty_weights": "runtime.not_applicable",
+    "init_on_device": "runtime.not_applicable",
+    # small helpers
+    "clear_environment": "runtime.helpers",
+    "convert_outputs_to_fp32": "runtime.helpers",
+    "get_max_memory": "runtime.helpers",
+    "listify": "runtime.helpers",
+    "load": "runtime.helpers",
+    "save": "runtime.helpers",
+    "slice_tensors": "runtime.helpers",
+    "merge_fsdp_weights": "runtime.model_io",
+    "synchronize_rng_state": "runtime.rng",
+    "SeedableRandomSampler": "runtime._loader_parts",
+    # versions and availability
+    "compare_versions": "runtime.availability",
+    "is_bf16_available": "runtime.availability",
+    "is_compiled_module": "runtime.availability",
+    "is_cuda_available": "runtime.availability",
+    "is_fp8_available": "runtime.availability",
+    "is_mps_available": "runtime.availability",
+    "is_peft_model": "runtime.availability",
+    "is_torch_version": "runtime.availability",
+    "is_torch_xla_available": "runtime.availability",
+    "is_tpu_available": "runtime.availability",
+    **dict.fromkeys(_availability.HELPERS, "runtime.availability"),
+    # what nbaccel does not do: importable, and an error naming the way when used
+    **dict.fromkeys(_not_applicable.ALTERNATIVES, "runtime.not_applicable"),
 }
 
 __all__ = sorted(_EXPORTS)
