@@ -5,7 +5,8 @@
 # the hosted-notebook stacks (scripts/stacks.env: Colab-like and Kaggle-like, in Debian roots
 # with their Python), and print one summary line per torch version and stack at the end.
 # Extra arguments go to the main pytest run (e.g. `bash scripts/test.sh -k launcher`);
-# NBACCEL_TORCH_MATRIX=0 skips the matrix runs, NBACCEL_STACKS=0 the stacks.
+# NBACCEL_TORCH_MATRIX=0 skips the matrix runs, NBACCEL_STACKS=0 the stacks. The matrix
+# versions and the stacks run at the same time, after the main run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh          # .venv: torch==2.13.0 (CPU), nbaccel -e [notebook,test]
@@ -26,12 +27,25 @@ DEV_TORCH=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
 main_summary=$(grep -E '^=*\s*[0-9]+ (passed|failed|error)' "$LOG" | tail -n1 | sed -E 's/^=+ //; s/ =+$//')
 echo "torch $DEV_TORCH (dev pin, whole suite): ${main_summary:-no summary}" >"$SUMMARY"
 
+# The torch matrix and the stacks run side by side (their tests mostly wait on processes and
+# kernels; see scripts/test_torch_matrix.sh), each log printed whole when both have ended.
+PARTS=$(mktemp -d)
+trap 'rm -rf "$SUMMARY" "$LOG" "$PARTS"' EXIT
 if [ "${NBACCEL_TORCH_MATRIX:-1}" != "0" ]; then
-  NBACCEL_SUMMARY_FILE=$SUMMARY bash scripts/test_torch_matrix.sh || status=1
+  (NBACCEL_SUMMARY_FILE=$PARTS/matrix.summary bash scripts/test_torch_matrix.sh \
+    >"$PARTS/matrix.log" 2>&1; echo $? >"$PARTS/matrix.code") &
 fi
 if [ "${NBACCEL_STACKS:-1}" != "0" ]; then
-  NBACCEL_SUMMARY_FILE=$SUMMARY bash scripts/test_stacks.sh || status=1
+  (NBACCEL_SUMMARY_FILE=$PARTS/stacks.summary bash scripts/test_stacks.sh \
+    >"$PARTS/stacks.log" 2>&1; echo $? >"$PARTS/stacks.code") &
 fi
+wait
+for part in matrix stacks; do
+  [ -e "$PARTS/$part.log" ] || continue
+  cat "$PARTS/$part.log"
+  cat "$PARTS/$part.summary" >>"$SUMMARY" 2>/dev/null || true
+  [ "$(cat "$PARTS/$part.code" 2>/dev/null || echo 1)" -eq 0 ] || status=1
+done
 
 echo
 echo "============ test summary: passed tests per torch version and hosted-notebook stack ============"
