@@ -646,6 +646,25 @@ class KernelSession:
         return False
 
 
+def module_kernel(tmp_path_factory: Any, setup: str) -> Iterator[KernelSession]:
+    """A kernel for one test module: started in a fresh folder, ``setup`` run, then stopped.
+
+    Example (a module-scoped fixture)::
+
+        @pytest.fixture(scope="module")
+        def kernel(tmp_path_factory):
+            yield from module_kernel(tmp_path_factory, SETUP)
+    """
+    workdir = tmp_path_factory.mktemp("kernel")
+    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
+    session.start()
+    try:
+        session.run(setup, timeout=120)
+        yield session
+    finally:
+        session.stop()
+
+
 __all__ = [
     "CellError",
     "CellResult",
@@ -653,6 +672,7 @@ __all__ = [
     "KernelSession",
     "describe_processes",
     "isolated_env",
+    "module_kernel",
     "strip_ansi",
     "wait_gone",
 ]

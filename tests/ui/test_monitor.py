@@ -176,16 +176,9 @@ KERNEL_SETUP = textwrap.dedent(
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     pytest.importorskip("ipywidgets")
-    from kernel_harness import KernelSession, isolated_env
+    from kernel_harness import module_kernel
 
-    workdir = tmp_path_factory.mktemp("monitor-kernel")
-    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
-    session.start()
-    try:
-        session.run(KERNEL_SETUP, timeout=120)
-        yield session
-    finally:
-        session.stop()
+    yield from module_kernel(tmp_path_factory, KERNEL_SETUP)
 
 
 @pytest.mark.kernel

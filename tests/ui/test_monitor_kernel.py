@@ -53,23 +53,9 @@ SETUP = textwrap.dedent(
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     pytest.importorskip("ipywidgets")
-    from kernel_harness import KernelSession, isolated_env
+    from kernel_harness import module_kernel
 
-    workdir = tmp_path_factory.mktemp("monitor-kernel")
-    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
-    session.start()
-    try:
-        session.run(SETUP, timeout=120)
-        yield session
-    finally:
-        session.stop()
-
-
-def _all_text(cell) -> str:
-    """Everything a cell shows as text: streams and every output's text/plain."""
-    texts = [cell.stdout, cell.stderr]
-    texts += [str(out["data"].get("text/plain", "")) for out in cell.outputs]
-    return "\n".join(texts)
+    yield from module_kernel(tmp_path_factory, SETUP)
 
 
 def test_watch_draws_the_charts_and_leaves_the_final_image_in_the_cell(kernel):
