@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-from kernel_harness import KernelSession, describe_processes, isolated_env
+from kernel_harness import KernelSession, describe_processes, isolated_env, module_kernel
 
 pytestmark = [pytest.mark.faults, pytest.mark.kernel]
 
@@ -46,12 +46,7 @@ flood_handle = notebook_launcher(flood, args=({seconds}, {limit}), num_processes
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
-    workdir = tmp_path_factory.mktemp("kernel-faults")
-    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
-    session.start()
-    session.run(SETUP, timeout=120)
-    yield session
-    session.stop()
+    yield from module_kernel(tmp_path_factory, SETUP)
 
 
 @pytest.fixture(autouse=True)

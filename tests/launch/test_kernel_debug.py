@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-from kernel_harness import KernelSession, describe_processes, isolated_env
+from kernel_harness import KernelSession, describe_processes, module_kernel
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -39,12 +39,7 @@ def train():
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
-    workdir = tmp_path_factory.mktemp("kernel-debug")
-    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
-    session.start()
-    session.run(SETUP, timeout=120)
-    yield session
-    session.stop()
+    yield from module_kernel(tmp_path_factory, SETUP)
 
 
 @pytest.fixture(autouse=True)

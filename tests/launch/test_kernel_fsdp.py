@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kernel_harness import KernelSession, isolated_env
+from kernel_harness import KernelSession, module_kernel
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -71,14 +71,7 @@ CONFIG = LaunchConfig(
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
-    workdir = tmp_path_factory.mktemp("kernel-fsdp")
-    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
-    session.start()
-    try:
-        session.run(SETUP, timeout=120)
-        yield session
-    finally:
-        session.stop()
+    yield from module_kernel(tmp_path_factory, SETUP)
 
 
 @pytest.mark.timeout(240)

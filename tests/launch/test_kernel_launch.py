@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-from kernel_harness import KernelSession, describe_processes, isolated_env, wait_gone
+from kernel_harness import KernelSession, describe_processes, module_kernel, wait_gone
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -32,12 +32,7 @@ os.register_at_fork(before=lambda: FORKS.__setitem__(0, FORKS[0] + 1))
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
-    workdir = tmp_path_factory.mktemp("kernel-launch")
-    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
-    session.start()
-    session.run(SETUP, timeout=120)
-    yield session
-    session.stop()
+    yield from module_kernel(tmp_path_factory, SETUP)
 
 
 @pytest.fixture(autouse=True)

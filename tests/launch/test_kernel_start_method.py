@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kernel_harness import KernelSession, isolated_env
+from kernel_harness import KernelSession, module_kernel
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -39,12 +39,7 @@ def launch(**kwargs):
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
-    workdir = tmp_path_factory.mktemp("kernel-start-method")
-    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
-    session.start()
-    session.run(SETUP, timeout=120)
-    yield session
-    session.stop()
+    yield from module_kernel(tmp_path_factory, SETUP)
 
 
 def _launch(kernel: KernelSession, kwargs: str = "") -> dict:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from kernel_harness import KernelSession, describe_processes, isolated_env
+from kernel_harness import KernelSession, describe_processes, module_kernel
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -54,12 +54,7 @@ def assert_no_workers_left(kernel: KernelSession) -> None:
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
-    workdir = tmp_path_factory.mktemp("fork-warning")
-    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
-    session.start()
-    session.run(SETUP, timeout=120)
-    yield session
-    session.stop()
+    yield from module_kernel(tmp_path_factory, SETUP)
 
 
 def test_a_fork_checked_safe_shows_nothing_in_the_cell(kernel: KernelSession) -> None:
