@@ -19,6 +19,8 @@ for fatal-error stacks), channel messages are hello/ready/event/done/fatal/probe
   a torch.distributed call that needs a rank not running the job: an error naming it;
 * an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
   terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back;
+* a :class:`~nbaccel.errors.RanksMissingError` (a collective entered by some ranks only)
+  gets a note with the stacks of the ranks that did not come, probed as it arrives;
 * post-mortem (``keep_failed``: pools, debug=True launches): at a failure, where the other
   ranks are (:class:`~nbaccel.launch._kept.FailedJob`); a one-shot group's failed ranks are
   not terminated (they wait for ``nbaccel.debug()``); pdb's messages are queued for it.
@@ -41,7 +43,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import LaunchError, Stopped, WorkerTimeoutError
+from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
 from ._failures import Failure, add_note, pick_failure, remote_exception, trim_stack
 from ._group import Group
 from ._kept import FailedJob
@@ -275,11 +277,28 @@ class Supervisor(Group):
         others = [f.summary() for f in problems if f is not chosen]
         if others:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
+        if isinstance(error, RanksMissingError) and error.missing:
+            add_note(error, self._whereabouts(error.missing, procs))
         dead = [f for f in problems if f.kind != "exception"]
         if self.keep_failed:  # before the others are interrupted: where each one was
             finished = {r for r, done in self._done.items() if done[0]}
             self.post_mortem = FailedJob.at_failure(self, problems, chosen, procs, finished)
         self._end_early(procs, error, dead[0].summary() if dead else None)
+
+    def _whereabouts(self, ranks: list[int], procs: list[WorkerProcess]) -> str:
+        """What the ranks that did not come to a collective are doing now (their stacks)."""
+        alive = {p.rank for p in procs if p.returncode is None}
+        finished = {r for r, done in self._done.items() if done[0]}
+        busy = [r for r in ranks if r in alive and r not in finished]
+        stacks = self.stacks(busy) if busy else {}
+        lines = ["What the rank(s) that did not come are doing:"]
+        for rank in ranks:
+            if rank in stacks:
+                lines.append(f"--- rank {rank}:\n{stacks[rank].rstrip()}")
+            else:
+                state = "finished the job" if rank in finished else "no longer running"
+                lines.append(f"--- rank {rank}: {state}")
+        return "\n".join(lines)
 
     def _hang(self, stuck: list[WorkerProcess], reason: str, stacks: dict[int, str]) -> None:
         found = self.stacks([p.rank for p in stuck])

@@ -281,10 +281,8 @@ def _barrier_main_only_worker(root):
     reset_state()
     acc = Accelerator(cpu=True)
     if acc.is_main_process:
-        try:
-            acc.wait_for_everyone()
-        finally:
-            Path(root, "done").touch()
+        acc.wait_for_everyone()  # raises: rank 1 is still busy (ended with the failed job)
+        Path(root, "done").touch()
     else:
         _busy_until(os.path.join(root, "done"))
     return "passed"
@@ -300,6 +298,9 @@ def test_wait_for_everyone_on_the_main_process_alone_names_the_missing_rank(tmp_
     assert "wait_for_everyone needs every rank, but rank(s) [1] did not call it within 3 s" in (
         error.message
     )
+    notes = "\n".join(getattr(error, "__notes__", [])) or str(error)
+    # what the missing rank is doing: its stack, probed by the supervisor as the error came
+    assert "did not come are doing" in notes and "in _busy_until" in notes, notes
 
 
 # -- main-only and every-rank saves mixed ----------------------------------------------------
