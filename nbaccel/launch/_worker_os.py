@@ -123,8 +123,29 @@ def die_with_parent(parent_pid: int) -> None:
         die(1)
 
 
+# die() runs once per process. It is entered from the channel's reader thread and from
+# SIGTERM's handler, and SIGTERM can come more than once: Linux sends the parent-death
+# signal again each time the worker is handed to another thread of the dying supervisor.
+# A second entry must never reach os._exit while the first one is still ending the
+# children: a handler nested in the main thread's own die() found ``psutil`` half imported,
+# failed, and exited, leaving the children to init. The lock is reentrant so that such a
+# nested call gets in (and returns); any other thread waits for the first one's os._exit.
+_dying = threading.RLock()
+_entered = False
+
+
 def die(code: int = 1) -> None:
-    """End this worker now, with every process it started (from any thread)."""
+    """End this worker now, with every process it started (from any thread).
+
+    Returns only into a die() this thread is already running (SIGTERM's handler run inside
+    it): that call goes on and ends the process. Other threads wait here for it.
+    """
+    global _entered
+    _dying.acquire()  # released by os._exit only
+    if _entered:  # a signal handler inside this thread's own die(): let that one finish
+        _dying.release()
+        return
+    _entered = True
     if _has_children():
         with contextlib.suppress(Exception):
             import psutil
