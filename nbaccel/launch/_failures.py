@@ -226,6 +226,25 @@ def add_note(err: BaseException, note: str) -> None:
         err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
 
 
+def whereabouts(ranks: list[int], stacks: dict[int, str], finished: set[int]) -> str:
+    """What the ranks that did not come to a collective were doing (a ``RanksMissingError``'s
+    note): each one's stack as probed, or that it had finished the job or was gone.
+
+    Example:
+        >>> print(whereabouts([1], {}, {1}))
+        What the rank(s) that did not come are doing:
+        --- rank 1: finished the job
+    """
+    lines = ["What the rank(s) that did not come are doing:"]
+    for rank in ranks:
+        if rank in stacks:
+            lines.append(f"--- rank {rank}:\n{stacks[rank].rstrip()}")
+        else:
+            state = "finished the job" if rank in finished else "no longer running"
+            lines.append(f"--- rank {rank}: {state}")
+    return "\n".join(lines)
+
+
 __all__ = [
     "Failure",
     "add_note",
@@ -233,4 +252,5 @@ __all__ = [
     "remote_exception",
     "signal_name",
     "trim_stack",
+    "whereabouts",
 ]

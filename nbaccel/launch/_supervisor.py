@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
-from ._failures import Failure, add_note, pick_failure, remote_exception, trim_stack
+from ._failures import Failure, add_note, pick_failure, remote_exception, trim_stack, whereabouts
 from ._group import Group
 from ._kept import FailedJob
 from ._output import LineForwarder
@@ -277,28 +277,16 @@ class Supervisor(Group):
         others = [f.summary() for f in problems if f is not chosen]
         if others:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
-        if isinstance(error, RanksMissingError) and error.missing:
-            add_note(error, self._whereabouts(error.missing, procs))
+        if isinstance(error, RanksMissingError) and error.missing:  # what those ranks do
+            finished = {r for r, done in self._done.items() if done[0]}
+            busy = [p.rank for p in procs if p.rank in error.missing and p.returncode is None]
+            stacks = self.stacks([r for r in busy if r not in finished]) if busy else {}
+            add_note(error, whereabouts(error.missing, stacks, finished))
         dead = [f for f in problems if f.kind != "exception"]
         if self.keep_failed:  # before the others are interrupted: where each one was
             finished = {r for r, done in self._done.items() if done[0]}
             self.post_mortem = FailedJob.at_failure(self, problems, chosen, procs, finished)
         self._end_early(procs, error, dead[0].summary() if dead else None)
-
-    def _whereabouts(self, ranks: list[int], procs: list[WorkerProcess]) -> str:
-        """What the ranks that did not come to a collective are doing now (their stacks)."""
-        alive = {p.rank for p in procs if p.returncode is None}
-        finished = {r for r, done in self._done.items() if done[0]}
-        busy = [r for r in ranks if r in alive and r not in finished]
-        stacks = self.stacks(busy) if busy else {}
-        lines = ["What the rank(s) that did not come are doing:"]
-        for rank in ranks:
-            if rank in stacks:
-                lines.append(f"--- rank {rank}:\n{stacks[rank].rstrip()}")
-            else:
-                state = "finished the job" if rank in finished else "no longer running"
-                lines.append(f"--- rank {rank}: {state}")
-        return "\n".join(lines)
 
     def _hang(self, stuck: list[WorkerProcess], reason: str, stacks: dict[int, str]) -> None:
         found = self.stacks([p.rank for p in stuck])
