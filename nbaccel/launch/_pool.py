@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchError, Stopped, WorkerError
-from ..platform import environment
+from ..platform import cudafork, environment
 from . import _kept
 from ._cell_output import CellOutput
 from ._preflight import LaunchPlan
@@ -254,7 +254,7 @@ class PoolWorkers(Observed):
 
 
 def _fork_unsafe_now() -> bool:
-    if environment.cuda_initialized() or environment.cuda_driver_loaded():
+    if cudafork.fork_state().broken:  # CUDA or its driver initialised, by anyone
         return True
     dist = sys.modules.get("torch.distributed")
     return bool(dist is not None and dist.is_available() and dist.is_initialized())

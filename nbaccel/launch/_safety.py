@@ -1,9 +1,10 @@
 """Whether, and how, workers may start from this process: checks made before any exists.
 
 A kernel in which an ``Accelerator`` or a process group already lives, more NCCL
-processes than GPUs, an operating system without fork or POSIX process control, CUDA
-initialised before a fork (the error names the line that did it): each is refused with
-what to do instead. ``"auto"`` forks only when that is safe and spawns otherwise; where
+processes than GPUs, an operating system without fork or POSIX process control, CUDA or
+its driver initialised before a fork, by torch or anyone else (the error names the line,
+the cell or the likely lines that did it): each is refused with what to do instead.
+``"auto"`` forks only when that is safe and spawns otherwise, saying why once; where
 the kernel's OpenMP pool cannot be released before forking (torch 2.4's libgomp), forked
 workers keep one compute thread.
 
@@ -21,7 +22,7 @@ import warnings
 
 from ..config import LaunchConfig
 from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
-from ..platform import cudatrace, environment, forksafe
+from ..platform import cudafork, cudatrace, environment, forksafe
 
 
 def check_no_state_in_kernel() -> None:
@@ -56,24 +57,36 @@ def check_gpus_per_process(cfg: LaunchConfig, nproc: int) -> None:
         raise too_few_gpus_error(nproc, gpus)
 
 
-def cuda_fork_error() -> CUDAInitializedError:
-    """The error for start_method='fork' in a kernel where CUDA is initialised."""
-    where = cudatrace.describe_first_init()
-    culprit = (
-        f"CUDA was first initialised here:\n{where}"
-        if where
-        else "Where it was first initialised is unknown: it is recorded from the first launch "
-        "or `%load_ext nbaccel` on (run either before touching CUDA to have it named here)."
-    )
+def cuda_fork_error(state: cudafork.CudaForkState | None = None) -> CUDAInitializedError:
+    """The error for start_method='fork' where a fork would break CUDA in the workers."""
+    state = state or cudafork.CudaForkState(context=True)
     return CUDAInitializedError(
-        "CUDA is already initialised in this kernel, so start_method='fork' cannot be used: "
-        "forked workers would inherit a CUDA context that does not work in a child process.\n"
-        f"{culprit}\nFix it in one of two ways:\n"
-        "  1. restart the kernel and do not touch CUDA (.cuda(), .to('cuda'), "
-        "torch.cuda.is_available()...) before calling notebook_launcher; create the model "
-        "and move it to the GPU inside the training function;\n"
-        "  2. pass start_method='spawn' (or 'auto'), which starts fresh worker processes and "
-        "ships your function with dill, no restart needed."
+        f"{state.what()}, so start_method='fork' cannot be used: every forked worker would "
+        "fail at its first CUDA call (torch: 'Cannot re-initialize CUDA in forked "
+        f"subprocess').\n{cudatrace.describe_cause(state)}\nFix it in one of two ways:\n"
+        "  1. pass start_method='spawn' (or 'auto'), which starts fresh worker processes and "
+        "ships your function with dill, no restart needed;\n"
+        "  2. restart the kernel and do not touch CUDA (.cuda(), .to('cuda'), "
+        "torch.cuda.is_available(), `import torchao`...) before calling notebook_launcher; "
+        "create the model and move it to the GPU inside the training function (set "
+        "PYTORCH_NVML_BASED_CUDA_CHECK=1 to make torch.cuda.is_available() safe)."
+    )
+
+
+_SAID_WHY_SPAWN = [False]  # "auto" says once per kernel why it spawns
+
+
+def _say_why_spawn(state: cudafork.CudaForkState) -> None:
+    if _SAID_WHY_SPAWN[0]:
+        return
+    _SAID_WHY_SPAWN[0] = True
+    warnings.warn(
+        f"nbaccel starts the workers with spawn, not fork: {state.what()}, and forked "
+        f"workers would fail at their first CUDA call.\n{cudatrace.describe_cause(state)}\n"
+        "Spawned workers start a fresh interpreter (a few seconds each launch); a warm pool "
+        "(nbaccel.start_workers) pays that once. (Said once per kernel.)",
+        RuntimeWarning,
+        stacklevel=5,
     )
 
 
@@ -98,27 +111,20 @@ def check_platform(requested: str) -> None:
 
 
 def choose_start_method(requested: str) -> str:
-    initialized = environment.cuda_initialized()  # the real torch.cuda.is_initialized()
-    # cudaGetDeviceCount (e.g. torch.cuda.is_available()) loads and initialises the driver
-    # without setting torch's flag; forked children then fail on their first CUDA call.
-    driver = not initialized and environment.cuda_driver_loaded()
+    # asks torch's flag and the driver itself (cuInit called by anyone), never CUDA
+    state = cudafork.fork_state()
     if requested == "fork":
         if not hasattr(os, "fork"):
             raise ConfigError("start_method='fork' is not available on this platform; use 'spawn'.")
-        if initialized:
-            raise cuda_fork_error()
-        if driver:
-            warnings.warn(
-                "the CUDA driver is already loaded in this kernel (torch.cuda.is_available() "
-                "or device_count() without NVML do that), so forked workers may fail on their "
-                "first CUDA call; use start_method='spawn' if they do.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        if state.broken:
+            raise cuda_fork_error(state)
         return "fork"
-    if requested == "spawn" or initialized or driver or not environment.fork_preferred():
+    if requested == "spawn":
         return "spawn"
-    return "fork"
+    if state.broken:
+        _say_why_spawn(state)
+        return "spawn"
+    return "fork" if environment.fork_preferred() else "spawn"
 
 
 def fork_safe_threads(threads: int | None) -> int | None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from fake_cuda import build_fake_driver
 from kernel_harness import KernelSession, describe_processes, module_kernel
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
@@ -92,3 +93,48 @@ def test_control_python_itself_on_a_raw_fork(kernel: KernelSession) -> None:
     # tests above would see it if nbaccel let it through; before 3.12 Python says nothing.
     cell = kernel.run("pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)")
     assert (PYTHON_WARNING in cell.stderr) is (sys.version_info >= (3, 12)), cell.stderr
+
+
+def test_a_driver_initialised_by_anyone_refuses_fork_and_auto_spawns(
+    kernel: KernelSession, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Issue 32: torch.cuda.is_available(), `import torchao`, CuPy... initialise the CUDA
+    # driver without torch.cuda.is_initialized() saying so, and every forked worker then
+    # fails ("Cannot re-initialize CUDA in forked subprocess"). A stand-in driver with the
+    # real one's rule (calls fail with 3 until cuInit) plays it here; runs last: it stays.
+    library = build_fake_driver(tmp_path_factory.mktemp("fake-cuda"))
+    kernel.run("%load_ext nbaccel")  # nbaccel watches from here on (as a first launch does)
+    kernel.run(
+        "import ctypes\nfrom nbaccel.platform import cudafork\n"
+        f"drv = ctypes.CDLL({str(library)!r})\n"
+        "mapped_only = [cudafork.mapped_driver(), cudafork.driver_initialized()]"
+    )
+    kernel.run("drv.cuInit(0)  # a library initialises the driver in this cell")
+    kernel.run(
+        "from nbaccel.launch import _preflight\n"
+        "FORKS = [0]\nos.register_at_fork(before=lambda: FORKS.__setitem__(0, FORKS[0] + 1))\n"
+        "try:\n"
+        "    notebook_launcher(rank, num_processes=2, start_method='fork')\n"
+        "    refused = None\n"
+        "except Exception as err:\n"
+        "    refused = [type(err).__name__, str(err)]\n"
+        "with warnings.catch_warnings(record=True) as said:\n"
+        "    warnings.simplefilter('always')\n"
+        "    methods = [_preflight.plan_launch(rank, num_processes=2).method for _ in range(2)]\n"
+        "state = {'mapped_only': mapped_only, 'calls': drv.stub_init_calls(), 'refused': refused,\n"
+        "         'forks': FORKS[0], 'methods': methods, 'said': [str(w.message) for w in said]}"
+    )
+    got = kernel.evaluate_json("state")
+    assert got["mapped_only"] == [str(library), False], got  # mapped is not initialised
+    assert got["calls"] == 1, got  # nbaccel's checks never called cuInit themselves
+    kind, message = got["refused"]
+    assert kind == "CUDAInitializedError" and got["forks"] == 0, got
+    assert "CUDA driver is already initialised" in message, message
+    assert "during this cell" in message and "drv.cuInit(0)" in message, message  # the cause
+    assert "start_method='spawn'" in message, message
+    assert got["methods"] == ["spawn", "spawn"], got  # "auto" spawns...
+    assert len(got["said"]) == 1 and "with spawn, not fork" in got["said"][0], (
+        got
+    )  # ...says why once
+    assert "drv.cuInit(0)" in got["said"][0], got
+    assert_no_workers_left(kernel)
