@@ -157,6 +157,21 @@ def forget(owner: object, why: str) -> None:
             _let_go(job)
 
 
+def make_room() -> list[str]:
+    """A launch on the GPUs starts: ranks kept for ``nbaccel.debug()`` go first, so that
+    the new ranks have their GPU memory (issue 32: a kept rank holding its tensors made
+    the next launch of the same size run out of memory). Returns what was ended."""
+    ended = []
+    for job in list(_held.values()):
+        ranks = sorted(set(job.holding()) - job.gone_ranks)
+        job.gone = job.gone or (
+            "a later launch started; the kernel ended the kept ranks to give it their GPU memory"
+        )
+        _let_go(job)
+        ended.append(f"rank(s) {', '.join(map(str, ranks))} of the failed {job.origin} job")
+    return ended
+
+
 def after_launch(group: Supervisor, error: BaseException, timeout: float | None) -> bool:
     """A launch failed for good (no restart follows). Remember it for ``nbaccel.debug()``;
     True when the kernel keeps ``group`` (its failed ranks linger), which then ends it."""
@@ -279,6 +294,7 @@ __all__ = [
     "after_pool_call",
     "forget",
     "last",
+    "make_room",
     "release",
     "remember",
 ]

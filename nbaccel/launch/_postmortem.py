@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import pdb
 import queue
 import signal
@@ -51,8 +52,12 @@ def keep(exc: BaseException, *, skip: tuple[str, ...]) -> None:
 
 
 def forget() -> None:
-    """A new job starts: the previous failure's frames may go."""
-    _kept.clear()
+    """A new job starts: the previous failure's frames may go, and with them the tensors
+    their locals held (a traceback is full of reference cycles: collect them now, before
+    the new job allocates, or the failed call's GPU memory is still taken; issue 32)."""
+    if _kept:
+        _kept.clear()
+        gc.collect()
 
 
 def kept() -> BaseException | None:

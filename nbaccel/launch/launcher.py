@@ -37,6 +37,7 @@ from typing import Any
 
 from ..config import LaunchConfig
 from ..errors import Stopped, WorkerError, WorkerTimeoutError
+from ..platform import environment
 from ..platform.process_env import EnvironmentSnapshot
 from . import _kept
 from ._cell_output import CellOutput
@@ -158,6 +159,7 @@ def notebook_launcher(
 def launch(plan: LaunchPlan) -> Any:
     """Run a planned launch: in the kernel, on TPUs, or on a one-shot group of workers
     (a :class:`LaunchHandle` when ``plan.block`` is False)."""
+    _free_kept_gpu_memory(plan)
     if plan.method == "kernel":
         return _run_in_kernel(plan)
     if plan.method == "xla":
@@ -180,6 +182,17 @@ def launch(plan: LaunchPlan) -> Any:
         raise
     handle.run()
     return handle.result()
+
+
+def _free_kept_gpu_memory(plan: LaunchPlan) -> None:
+    """Failed ranks kept for nbaccel.debug() hold their GPU memory: a GPU launch ends them."""
+    if plan.config.compute_device == "cpu" or environment.gpu_count() == 0:
+        return
+    for what in _kept.make_room():
+        sys.stderr.write(
+            f"nbaccel: {what}, kept for nbaccel.debug(), ended now so that this launch has "
+            "its GPU memory (call nbaccel.debug() before launching again to look at it).\n"
+        )
 
 
 def _attempts(plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor]) -> dict[int, Any]:

@@ -45,6 +45,7 @@ from ._checkpoint_api import CheckpointAPI
 from ._collective_api import CollectiveAPI
 from ._tracking_api import TrackingAPI
 from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
+from .compat import empty_cuda_caches
 from .data import PreparedDataLoader, prepare_data_loader, skip_first_batches
 from .fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
 from .hooks import HookRegistry
@@ -508,8 +509,7 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         if callable(forget):  # fp16 no longer waits for the released optimizers to step
             forget()
         gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        empty_cuda_caches()  # cuBLAS's workspaces too: empty_cache() leaves them
         return [None] * len(objects)
 
     clear = free_memory

@@ -308,9 +308,15 @@ def free_memory_on_gpu():
     after_gc = torch.cuda.memory_allocated() - base
     reserved_before = torch.cuda.memory_reserved()
     acc.free_memory()  # now that nothing holds the tensors, the cache can be emptied
-    return {"held_mib": held / 2**20, "after_mib": after / 2**20,
+    reserved_after = torch.cuda.memory_reserved()
+    from nbaccel.utils import release_memory  # Accelerate's helper, on plain objects
+    m = nn.Linear(4096, 4096).cuda()
+    m(torch.ones(8, 4096, device="cuda")).sum().backward()
+    (m,) = release_memory(m)
+    released = torch.cuda.memory_allocated() - base
+    return {"held_mib": held / 2**20, "after_mib": after / 2**20, "released_mib": released / 2**20,
             "after_gc_mib": after_gc / 2**20, "reserved_before_mib": reserved_before / 2**20,
-            "reserved_after_mib": torch.cuda.memory_reserved() / 2**20}
+            "reserved_after_mib": reserved_after / 2**20}
 
 freed = on_gpu(free_memory_on_gpu)
 """
@@ -325,3 +331,44 @@ def test_free_memory_releases_gpu_memory(kernel):
     assert got["after_mib"] < 1, f"freed only by a gc pass (a reference cycle): {got}"
     assert got["reserved_before_mib"] >= 4 * 60, got
     assert got["reserved_after_mib"] < 16, got  # free_memory emptied the CUDA cache
+    # cuBLAS's workspaces (65 MiB on an H200, allocated at the first product) go too: they
+    # were all that was left before (issue 32)
+    assert got["released_mib"] < 1, got
+
+
+KEPT = """
+import contextlib, io
+
+def hog(fail):
+    import torch
+    free, total = torch.cuda.mem_get_info()
+    x = torch.empty(int(total * 0.6), dtype=torch.uint8, device="cuda")  # 60 % of the GPU
+    if fail:
+        raise RuntimeError("failed while holding 60 % of the GPU")
+    return x.numel() > 0
+
+kept = {}
+try:
+    notebook_launcher(hog, args=(True,), num_processes=1, start_method="fork", block=False,
+                      debug=True).result(timeout=300)
+except Exception as err:
+    kept["first"] = type(err).__name__
+said = io.StringIO()
+with contextlib.redirect_stderr(said):
+    try:  # the same size again, while the failed rank is kept for nbaccel.debug()
+        kept["second"] = on_gpu(hog, False)
+    except Exception as err:
+        kept["second"] = f"{type(err).__name__}: {str(err)[:300]}"
+kept["said"] = said.getvalue()
+"""
+
+
+@pytest.mark.timeout(400)
+def test_a_rank_kept_for_debug_gives_its_gpu_memory_to_the_next_launch(kernel):
+    # issue 32: a failed rank kept for nbaccel.debug() held 60 % of the GPU, and the next
+    # launch of the same size ran out of memory. The launch ends it first, and says so.
+    kernel.run(KEPT, timeout=380)
+    got = kernel.evaluate_json("kept")
+    assert got["first"] == "WorkerError", got
+    assert got["second"] is True, got
+    assert "kept for nbaccel.debug(), ended now" in got["said"], got
