@@ -13,6 +13,8 @@ so the report can also be rebuilt here from files fetched from the GPU machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -21,6 +23,10 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from report import project_commit  # noqa: E402
 
 _TORCH = """
 import json, torch
@@ -63,11 +69,10 @@ def collect_env() -> dict[str, Any]:
     env["nvidia_smi"] = smi.splitlines() if smi else None
     torch_facts = _run([sys.executable, "-c", _TORCH])
     env.update(json.loads(torch_facts) if torch_facts else {"torch": None})
-    commit = _run(["git", "rev-parse", "--short", "HEAD"])
-    env["commit"] = commit or os.environ.get("NBACCEL_COMMIT", "unknown (no git)")
+    env["commit"] = project_commit(str(ROOT))  # NBACCEL_COMMIT in a copy without .git
     for name in ("torchao", "ipykernel", "jupyter_client", "pytest"):
-        version = _run([sys.executable, "-c", f"import {name}; print({name}.__version__)"])
-        env[name] = version
+        with contextlib.suppress(Exception):  # read, not imported: no CUDA is touched
+            env[name] = importlib.metadata.version(name)
     return env
 
 

@@ -31,6 +31,30 @@ NAMES = {
 }
 
 
+def project_commit(root: str) -> str:
+    """The commit of the repository whose root is ``root``: ``NBACCEL_COMMIT`` when set (a
+    copy without .git, e.g. on a GPU machine), else git, but only when ``root`` is the top of
+    the repository (a copy inside another repository must not name that one's commit)."""
+    given = os.environ.get("NBACCEL_COMMIT", "").strip()
+    if given:
+        return given
+    with contextlib.suppress(Exception):
+        git = ["git", "-C", root]
+        top = subprocess.run(
+            [*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        if os.path.realpath(top) != os.path.realpath(root):
+            return f"unknown ({root} is no git checkout; set NBACCEL_COMMIT)"
+        commit = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", "nbaccel"], capture_output=True, text=True
+        ).stdout.strip()
+        return commit + (" + uncommitted changes in nbaccel/" if dirty else "")
+    return "unknown (no git; set NBACCEL_COMMIT)"
+
+
 def machine_info(versions: dict[str, Any], python: str) -> dict[str, Any]:
     cpu = platform.processor() or "unknown CPU"
     try:
@@ -40,17 +64,8 @@ def machine_info(versions: dict[str, Any], python: str) -> dict[str, Any]:
             )
     except (OSError, StopIteration):
         pass
-    commit = "unknown"
-    with contextlib.suppress(Exception):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        git = ["git", "-C", root]
-        commit = subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--", "nbaccel"], capture_output=True, text=True
-        ).stdout.strip()
-        commit += " + uncommitted changes in nbaccel/" if dirty else ""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = project_commit(root)
     return {
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "commit": commit,

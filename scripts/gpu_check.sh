@@ -12,7 +12,8 @@
 #
 # Options also: --no-install. Environment: PYTHON (default python3, the image's torch),
 # GPU_TEST_BUDGET / GPU_BENCH_BUDGET (seconds; default 250 each, 480 for a part run alone),
-# PYTEST_ARGS, NBACCEL_COMMIT (the commit to name in the report where the copy has no .git),
+# PYTEST_ARGS, GPU_BENCH_ONLY (bench parts, e.g. "fp8,spawn"; default all: step,launch,fp8,spawn),
+# NBACCEL_COMMIT (the commit to name in the report where the copy has no .git),
 # GPU_CHECK_DIR (where the results go, default bench/gpu).
 # Exit status: 0 when every step passed, else 1 (the report is written either way).
 set -uo pipefail
@@ -91,6 +92,7 @@ if [ "$BENCH" = 1 ]; then
   rm -f "$DIR/gpu_bench.md" "$DIR/gpu_bench.json"
   smoke=()
   [ "$SMOKE" = 1 ] && smoke=(--smoke)
+  [ -n "${GPU_BENCH_ONLY:-}" ] && smoke+=(--only "$GPU_BENCH_ONLY")
   timeout -s INT -k 30 "$BENCH_BUDGET" "$PY" bench/gpu.py --out "$DIR" "${smoke[@]}"
   code=$?
   if [ "$code" = 0 ]; then step "bench: ok"; else step "bench: FAILED (exit $code)"; FAILED=1; fi

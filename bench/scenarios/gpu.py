@@ -12,6 +12,7 @@
 #   nbaccel  Accelerator(mixed_precision=...) + prepare + accelerator.backward
 # Launch latency with CUDA init: launch call -> function has created its CUDA
 # context, put a tensor on the GPU and synchronised -> result back in the kernel.
+import importlib.metadata
 import json
 import os
 import socket
@@ -23,6 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing
 import torch.nn as nn
 import torch.nn.functional as F
+
+from nbaccel.platform import cudafork
 
 ON_GPU = GPU_CFG["device"] == "cuda"
 
@@ -201,6 +204,82 @@ def gpu_launch_once(system):
     return time.perf_counter() - t0
 
 
+def gpu_train_fp8(path, precision):
+    """fp8 vs bf16 where torchao's tables show a gain: a 4096->16384->4096 MLP, 16384
+    tokens, compiled (fp8 runs slower than bf16 eagerly), AdamW."""
+    from nbaccel import Accelerator
+
+    backend = "inductor" if ON_GPU else "no"
+    acc = Accelerator(mixed_precision=precision, cpu=not ON_GPU, dynamo_backend=backend)
+    torch.manual_seed(0)
+    w, h = GPU_CFG["fp8_width"], GPU_CFG["fp8_hidden"]
+    model = nn.Sequential(nn.Linear(w, h), nn.GELU(), nn.Linear(h, w))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(GPU_CFG["fp8_tokens"], w, generator=g).to(acc.device)
+
+    def step():
+        loss = model(x).float().pow(2).mean()
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step.loss = loss
+
+    windows = _gpu_timed_loop(step)
+    kinds = sorted({type(m).__name__ for m in acc.unwrap_model(model).modules()})
+    _gpu_report(path, windows, acc.unwrap_model(model), step.loss)
+    with open(path) as fh:
+        values = json.load(fh)
+    values["kinds"] = kinds
+    with open(path, "w") as fh:
+        json.dump(values, fh)
+
+
+def gpu_fp8_once(precision):
+    """One launch of the fp8-vs-bf16 shape (one fresh worker each)."""
+    from nbaccel import notebook_launcher
+
+    fd, path = tempfile.mkstemp(prefix="nbaccel-gpu-bench-", suffix=".json")
+    os.close(fd)
+    try:
+        notebook_launcher(
+            gpu_train_fp8,
+            args=(path, precision),
+            num_processes=1,
+            start_method="fork",
+            block=False,
+        ).result(timeout=600)
+        with open(path) as fh:
+            return json.load(fh)
+    finally:
+        os.remove(path)
+
+
+def gpu_spawn_once(system):
+    """Seconds for one spawned launch whose function initialises CUDA: nbaccel's spawn of
+    the notebook's function vs a hand-written torch.multiprocessing spawn of the same
+    function from a module (spawn pickles by reference: a notebook's own cannot be)."""
+    from nbaccel import notebook_launcher
+
+    t0 = time.perf_counter()
+    if system == "raw-spawn":
+        import sys
+
+        if GPU_CFG["scenarios"] not in sys.path:
+            sys.path.insert(0, GPU_CFG["scenarios"])
+        from spawn_reference import raw_cuda_entry
+
+        torch.multiprocessing.start_processes(raw_cuda_entry, nprocs=1, start_method="spawn")
+    elif system == "nbaccel-spawn":
+        notebook_launcher(
+            gpu_launch_fn_nbaccel, num_processes=1, start_method="spawn", block=False
+        ).result(timeout=300)
+    else:
+        raise ValueError(system)
+    return time.perf_counter() - t0
+
+
 def gpu_versions():
     import platform
 
@@ -212,12 +291,12 @@ def gpu_versions():
         "torch_cuda": torch.version.cuda,
         "nbaccel": nbaccel.__version__,
         "kernel_cuda_initialized": torch.cuda.is_initialized(),
+        # the driver initialised by anyone breaks every forked row (issue 32)
+        "kernel_cuda_driver_initialized": cudafork.fork_state().broken,
     }
-    try:
-        import torchao
-
-        versions["torchao"] = torchao.__version__
-    except Exception:
+    try:  # read from the metadata: `import torchao` initialises the CUDA driver
+        versions["torchao"] = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
         versions["torchao"] = None
     return versions
 

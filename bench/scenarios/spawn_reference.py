@@ -19,3 +19,13 @@ def raw_spawn_entry(rank: int, world_size: int, port: int) -> None:
     dist.all_reduce(t)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def raw_cuda_entry(rank: int) -> None:
+    """The GPU bench's launch function, for a hand-written torch.multiprocessing spawn:
+    create the CUDA context, put a tensor on the GPU, synchronise (the CPU without one)."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    t = torch.ones(1, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    float(t.sum())

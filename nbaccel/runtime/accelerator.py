@@ -326,6 +326,9 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         )
         self._replaced_params.update(replaced)
         prepared = dynamo.compile_model(prepared, self.dynamo_plugin)
+        check = getattr(self.precision, "check_compiled", None)  # fp8: eager is slower
+        if check is not None and not evaluation_mode:
+            check(self.dynamo_plugin.backend != "no" or dynamo.is_compiled(model))
         self._models.append(prepared)
         return prepared
 

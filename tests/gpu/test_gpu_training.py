@@ -165,14 +165,18 @@ def test_fp16_skips_overflowing_steps_and_checkpoints_the_scaler(kernel):
 
 FP8 = """
 def train_fp8_vs_bf16(steps):
-    curves, kinds = {}, {}
+    import warnings
+    curves, kinds, said = {}, {}, {}
     for mode in ("bf16", "fp8"):
         acc = Accelerator(mixed_precision=mode)
-        model = make_model()
+        model = make_model(hidden=4096)  # 256->4096 and 4096->4096 gain from fp8; 4096->1 not
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         data = make_data()
         x_all, y_all = data.tensors
-        model, opt = acc.prepare(model, opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, opt = acc.prepare(model, opt)
+        said[mode] = [str(w.message) for w in caught if "fp8" in str(w.message)]
         kinds[mode] = sorted({type(m).__name__ for m in acc.unwrap_model(model).modules()})
         torch.manual_seed(0)
         losses = []
@@ -186,7 +190,14 @@ def train_fp8_vs_bf16(steps):
             losses.append(loss.item())
         curves[mode] = losses
         acc.free_memory()
-    return {"curves": curves, "kinds": kinds}
+    # a model too small to gain: one warning naming why, and it trains as bf16
+    acc = Accelerator(mixed_precision="fp8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        small = acc.prepare(make_model())
+    said["small"] = [str(w.message) for w in caught if "fp8" in str(w.message)]
+    kinds["small"] = sorted({type(m).__name__ for m in acc.unwrap_model(small).modules()})
+    return {"curves": curves, "kinds": kinds, "said": said}
 
 fp8 = on_gpu(train_fp8_vs_bf16, 100)
 """
@@ -206,6 +217,11 @@ def test_fp8_loss_curve_close_to_bf16(kernel):
     got = kernel.evaluate_json("fp8")
     assert "Float8Linear" in got["kinds"]["fp8"], got["kinds"]
     assert "Float8Linear" not in got["kinds"]["bf16"], got["kinds"]
+    said = got["said"]
+    assert said["bf16"] == [], said
+    assert len(said["fp8"]) == 1 and "without torch.compile" in said["fp8"][0], said  # eager
+    assert "Float8Linear" not in got["kinds"]["small"], got["kinds"]  # 256->1024: no gain
+    assert any("large enough to gain" in w and "256->1024" in w for w in said["small"]), said
     bf16, fp8 = got["curves"]["bf16"], got["curves"]["fp8"]
     assert all(v == v for v in fp8), fp8  # no NaN
     assert sum(fp8[-10:]) < 0.5 * sum(fp8[:10]), fp8  # it trains
