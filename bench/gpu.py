@@ -164,7 +164,11 @@ def render(res: dict) -> str:
     m, cfg = res["machine"], res["config"]
     ms = 1e3
 
-    def judge(ok: bool | None) -> str:  # a smoke run on the CPU measures nothing
+    parts = cfg.get("parts", PARTS)
+
+    def judge(ok: bool | None, part: str = "step") -> str:  # a smoke run measures nothing
+        if part not in parts:
+            return f"not run (--only {','.join(parts)})"
         return "n/a (smoke)" if cfg["smoke"] else verdict(ok)
 
     step = "step_s"
@@ -208,7 +212,7 @@ def render(res: dict) -> str:
         f"{judge(None if thr_plain is None else thr_plain >= 0.98)} |",
         f"| Launch latency with CUDA init (fork) | {cell(res, 'launch/nbaccel', None, ms)} ms | "
         f"{cell(res, 'launch/raw', None, ms)} ms raw fork | {_r(launch)} | ≤ 1.15× (issue 7) | "
-        f"{judge(None if launch is None else launch <= 1.15)} |",
+        f"{judge(None if launch is None else launch <= 1.15, 'launch')} |",
         f"| bf16 speed-up over fp32, nbaccel | {st('step-bf16/nbaccel')} | "
         f"{st('step-no/nbaccel')} fp32 | {_r(bf16_nb)} | reported | – |",
         f"| bf16 speed-up over fp32, hand-written | {st('step-bf16/raw')} | "
@@ -222,7 +226,7 @@ def render(res: dict) -> str:
             f"| fp8 (torchao) speed-up over bf16, compiled, {shape} | "
             f"{cell(res, 'fp8-shape/fp8', step, ms, '{:.2f}')} ms | "
             f"{cell(res, 'fp8-shape/bf16', step, ms, '{:.2f}')} ms bf16 | {_r(fp8)} | ≥ 1.2× "
-            f"(issue 32) | {judge(None if fp8 is None else fp8 >= 1.2)} |"
+            f"(issue 32) | {judge(None if fp8 is None else fp8 >= 1.2, 'fp8')} |"
         )
     else:
         lines.append(f"| fp8 (torchao) speed-up over bf16 | not run: {cfg['fp8']} | | | | – |")
@@ -230,7 +234,7 @@ def render(res: dict) -> str:
         f"| Spawn launch with CUDA init vs hand-written torch.multiprocessing spawn | "
         f"{cell(res, 'spawn/nbaccel-spawn', None, ms)} ms | "
         f"{cell(res, 'spawn/raw-spawn', None, ms)} ms raw spawn | {_r(spawn)} | ≤ 1.1× "
-        f"(issue 32) | {judge(None if spawn is None else spawn <= 1.1)} |"
+        f"(issue 32) | {judge(None if spawn is None else spawn <= 1.1, 'spawn')} |"
     )
     lines += [
         "",
