@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -122,6 +123,19 @@ def start_group(
         raise
 
 
+def _one_rank_env(plan: LaunchPlan) -> dict[str, str]:
+    """MASTER_ADDR/MASTER_PORT for a launch of one rank, as torchrun sets them: code that
+    builds its own process group whenever LOCAL_RANK is set (transformers' Trainer through
+    Accelerate's state, on CPU and GPU) then finds them (issue 32: it failed with
+    "MASTER_ADDR expected, but not set"). nbaccel's runtime forms no group for one rank."""
+    port = plan.config.master_port
+    if port is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def _specs(
     plan: LaunchPlan, rdzv: Rendezvous | None, round_: int, persistent: bool
 ) -> list[WorkerSpec]:
@@ -129,7 +143,7 @@ def _specs(
     # PR_SET_PDEATHSIG follows the *thread* that forks: only tie workers to the main one
     # (the channel's end of file ends the others when the kernel's process is gone).
     on_main = threading.current_thread() is threading.main_thread()
-    shared = {**plan.env, **(rdzv.worker_env() if rdzv is not None else {})}
+    shared = {**plan.env, **(rdzv.worker_env() if rdzv is not None else _one_rank_env(plan))}
     specs = []
     for local_rank, rank in enumerate(plan.ranks):
         env = {

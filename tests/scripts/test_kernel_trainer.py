@@ -1,4 +1,4 @@
-"""A transformers ``Trainer`` run by ``nbaccel.notebook_launcher`` on 2 processes, in a real kernel.
+"""A transformers ``Trainer`` run by ``nbaccel.notebook_launcher`` on 2 processes and on 1, in a real kernel.
 
 The most common notebook use that never touches nbaccel's ``Accelerator``: ``Trainer`` builds
 Hugging Face Accelerate's own (Accelerate is then a dependency of transformers, not of
@@ -51,6 +51,10 @@ def train(output_dir):
 
 results = notebook_launcher(train, args=("trainer-out",), num_processes=2, return_all_ranks=True)
 print("RESULTS " + json.dumps(results))
+# one worker (block=False: a worker, not the kernel): Accelerate's state forms a 1-process
+# group because LOCAL_RANK is set, and needs MASTER_ADDR/MASTER_PORT as torchrun sets them
+single = notebook_launcher(train, args=("trainer-one",), num_processes=1, block=False).result()
+print("SINGLE " + json.dumps(single))
 """
 
 
@@ -75,4 +79,7 @@ def test_transformers_trainer_in_notebook_launcher_trains_on_two_processes(kerne
     assert {r["global_step"] for r in results} == {10}
     # evaluation is gathered over both processes: the same loss on each
     assert results[0]["eval_loss"] == results[1]["eval_loss"]
+    line = next(x for x in cell.stdout.splitlines() if x.startswith("SINGLE "))
+    single = json.loads(line.removeprefix("SINGLE "))
+    assert single["world_size"] == 1 and single["global_step"] == 20, single
     kernel.assert_no_descendants(timeout=10)
