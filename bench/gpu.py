@@ -66,7 +66,7 @@ SMOKE = {
     "fp8_tokens": 64,
     "fp8_rounds": 1,
 }
-PARTS = ("step", "launch", "fp8", "spawn")
+PARTS = ("step", "launch", "fp8", "spawn", "pool")
 
 _PROBE = """
 import json, torch
@@ -158,6 +158,10 @@ def measure(kernel: Kernel, cfg: dict[str, Any], res: dict) -> None:
         for _ in range(cfg["launch_rounds"]):
             for system in spawners:
                 _sample(kernel, res, f"spawn/{system}", f"gpu_spawn_once({system!r})")
+    if "pool" in parts:  # one pool per sample: its call latency once warm
+        for _ in range(cfg["fp8_rounds"]):
+            for method in ("fork", "spawn"):
+                _sample(kernel, res, f"pool/{method}", f"gpu_pool_call_s({method!r})")
 
 
 def render(res: dict) -> str:
@@ -183,6 +187,7 @@ def render(res: dict) -> str:
     bf16_raw = ratio(med(res, "step-no/raw", step), med(res, "step-bf16/raw", step))
     fp8 = ratio(med(res, "fp8-shape/bf16", step), med(res, "fp8-shape/fp8", step))
     spawn = ratio(med(res, "spawn/nbaccel-spawn"), med(res, "spawn/raw-spawn"))
+    pool = ratio(med(res, "pool/spawn"), med(res, "pool/fork"))
     params = next((s["params"] for s in res["samples"].get("step-bf16/raw", [])), None)
     lines = [
         "# nbaccel GPU benchmark"
@@ -235,6 +240,12 @@ def render(res: dict) -> str:
         f"{cell(res, 'spawn/nbaccel-spawn', None, ms)} ms | "
         f"{cell(res, 'spawn/raw-spawn', None, ms)} ms raw spawn | {_r(spawn)} | ≤ 1.1× "
         f"(issue 32) | {judge(None if spawn is None else spawn <= 1.1, 'spawn')} |"
+    )
+    lines.append(
+        f"| Warm pool call (CUDA tensor, synced), pool started with spawn vs fork | "
+        f"{cell(res, 'pool/spawn', None, ms, '{:.2f}')} ms | "
+        f"{cell(res, 'pool/fork', None, ms, '{:.2f}')} ms fork pool | {_r(pool)} | ≤ 1.1× "
+        f"(issue 32) | {judge(None if pool is None else pool <= 1.1, 'pool')} |"
     )
     lines += [
         "",

@@ -34,9 +34,13 @@ def test_gpu_bench_smoke_run_writes_every_row(tmp_path: Path) -> None:
     for key in ("launch/raw", "launch/nbaccel", "spawn/raw-spawn", "spawn/nbaccel-spawn"):
         (seconds,) = result["samples"][key]
         assert 0 < seconds < 120
+    for key in ("pool/fork", "pool/spawn"):
+        (seconds,) = result["samples"][key]
+        assert 0 < seconds < 60
     assert result["machine"]["commit"] == "smoke-commit", result["machine"]  # NBACCEL_COMMIT
     table = (tmp_path / "gpu_bench.md").read_text()
     assert "smoke run on the CPU" in table and "n/a (smoke)" in table
     assert "| bf16 throughput vs hand-written DDP (1 GPU) |" in table
     assert "fp8 (torchao) speed-up over bf16 | not run: smoke run on the CPU" in table
     assert "| Spawn launch with CUDA init vs hand-written torch.multiprocessing spawn |" in table
+    assert "| Warm pool call (CUDA tensor, synced), pool started with spawn vs fork |" in table

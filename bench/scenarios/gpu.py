@@ -280,6 +280,30 @@ def gpu_spawn_once(system):
     return time.perf_counter() - t0
 
 
+def gpu_pool_fn():
+    t = torch.ones(1, device=gpu_device())
+    gpu_sync()
+    return float(t.sum())
+
+
+def gpu_pool_call_s(method, calls=10):
+    """Median seconds of a warm pool's call (a CUDA tensor, synced) for a pool started with
+    ``method``: spawn pays its start once, later calls should cost what fork's do."""
+    from nbaccel import start_workers
+
+    pool = start_workers(num_processes=1, start_method=method)
+    try:
+        pool.call(gpu_pool_fn)  # the first call creates the worker's CUDA context
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            pool.call(gpu_pool_fn)
+            times.append(time.perf_counter() - t0)
+    finally:
+        pool.close()
+    return sorted(times)[len(times) // 2]
+
+
 def gpu_versions():
     import platform
 
