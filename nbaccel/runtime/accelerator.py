@@ -384,6 +384,7 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
             dispatch_batches=self.dispatch_batches,
             data_seed=self.dataloader_config.data_seed,
             use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
+            use_seedable_sampler=self.dataloader_config.use_seedable_sampler,
         )
         self._dataloaders.append(prepared)
         return prepared

@@ -237,8 +237,8 @@ def prepare_data_loader(
 
     ``num_processes`` / ``process_index`` default to this process's state; batches move
     to ``device`` (default: this process's) only with ``put_on_device=True``.
-    ``use_seedable_sampler`` is accepted (nbaccel's prepared loaders always shuffle
-    reproducibly); ``use_stateful_dataloader`` makes ``load_state`` resume mid-epoch.
+    ``use_seedable_sampler`` shuffles by ``data_seed`` + epoch as Accelerate's does;
+    ``use_stateful_dataloader`` makes ``load_state`` resume mid-epoch.
 
     Raises:
         ConfigError: ``slice_fn_for_dispatch`` or ``torch_device_mesh``, which nbaccel lacks.
@@ -263,6 +263,7 @@ def prepare_data_loader(
         dispatch_batches=bool(dispatch_batches),
         data_seed=data_seed,
         use_stateful_dataloader=use_stateful_dataloader,
+        use_seedable_sampler=use_seedable_sampler,
     )
 
 

@@ -191,6 +191,7 @@ class IterableDatasetShard(IterableDataset):
         process_index: int = 0,
         split_batches: bool = False,
         even_batches: bool = True,
+        seed_generator: bool = False,
     ) -> None:
         if split_batches and batch_size % num_processes:
             raise ConfigError(
@@ -205,8 +206,13 @@ class IterableDatasetShard(IterableDataset):
         self.process_index = process_index
         self.even_batches = even_batches
         self.remainder = -1
+        # Accelerate's sharded iterable: a dataset without set_epoch but with a torch
+        # `generator` has it seeded with the epoch number at every iteration
+        self.seed_generator = seed_generator
+        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
@@ -228,6 +234,10 @@ class IterableDatasetShard(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        own = getattr(self.dataset, "generator", None)
+        seeds = self.seed_generator and not hasattr(self.dataset, "set_epoch")
+        if seeds and isinstance(own, torch.Generator):
+            own.manual_seed(self.epoch)
         self.remainder = -1
         first: list[Any] = []
         buffer: list[Any] = []
