@@ -23,9 +23,15 @@ Example:
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+# (first fetch, how many, global RNG state before the first): what a batch read ahead drew
+Lookahead = tuple[int, int, torch.Tensor]
 
 
 def draw_seed(generator: torch.Generator | None) -> int:
@@ -78,11 +84,72 @@ class LoaderProgress:
     # the global RNG state the current iteration's start drew from (to replay it)
     rng_at_start: torch.Tensor | None = None
     replay_rng: torch.Tensor | None = None  # set by load_state_dict: the next start replays
+    lookahead: Lookahead | None = None  # the fetches read ahead of the last batch yielded
+    replay_fetch: Lookahead | None = None  # set by load_state_dict: the next iteration replays
     epoch: int = 0  # epoch of the current (or last) iteration
     next_epoch: int = 0  # advances when an iteration ends (Accelerate's `iteration`)
     batches_yielded: int = 0
     in_progress: bool = False
+    at_end: bool = False  # the last batch was yielded (the iteration may not have ended)
     pending_skip: int = 0
 
 
-__all__ = ["LoaderProgress", "draw_seed", "plan_epoch_draws"]
+class FetchLog:
+    """A loader's raw batches, counted, with the global RNG state before the recent ones.
+
+    The prepared loader reads one batch ahead (to know the last one, as Accelerate's does),
+    so a checkpoint taken inside a step already holds the global draws of loading the
+    *next* batch (a masking collate function, an augmenting dataset, without workers).
+    :meth:`lookahead` names those fetches and the state before them; an iteration resumed
+    with them (``replay``) loads them again from that state -- and whatever it loads before
+    them from a scratch copy of it -- then puts the checkpoint's state back, so the global
+    stream goes on exactly as in the uninterrupted run.
+    """
+
+    def __init__(self, source: Iterator[Any], *, start: int, replay: Lookahead | None) -> None:
+        self._source = source
+        self.count = start  # fetches made in this epoch (skipped indices count)
+        self._before: deque[tuple[int, torch.Tensor]] = deque(maxlen=64)
+        self._replay = replay
+        self._resume: torch.Tensor | None = None
+
+    def __iter__(self) -> FetchLog:
+        return self
+
+    def __next__(self) -> Any:
+        fetch = self.count + 1
+        if self._replay is not None:
+            self._enter_replay(fetch)
+        self._before.append((fetch, torch.get_rng_state()))
+        try:
+            item = next(self._source)
+        except StopIteration:
+            self.finish()
+            raise
+        self.count = fetch
+        return item
+
+    def _enter_replay(self, fetch: int) -> None:
+        first, many, state = self._replay  # type: ignore[misc]
+        if self._resume is None:
+            self._resume = torch.get_rng_state()  # the checkpoint's stream: put back after
+            if fetch < first:
+                torch.set_rng_state(state)  # batches the script skips: a scratch stream
+        if fetch == first:
+            torch.set_rng_state(state)
+        elif fetch >= first + many:
+            self.finish()
+
+    def finish(self) -> None:
+        """End a replay: the global stream is the checkpoint's again."""
+        if self._resume is not None:
+            torch.set_rng_state(self._resume)
+        self._replay = self._resume = None
+
+    def lookahead(self, mark: int) -> Lookahead | None:
+        """The fetches made after the first ``mark`` (read ahead), and the state before them."""
+        state = next((s for n, s in self._before if n == mark + 1), None)
+        return None if self.count <= mark or state is None else (mark + 1, self.count - mark, state)
+
+
+__all__ = ["FetchLog", "LoaderProgress", "Lookahead", "draw_seed", "plan_epoch_draws"]

@@ -260,7 +260,11 @@ def prepare_data_loader(
         device=torch.device(target) if target is not None else None,
         non_blocking=non_blocking,
         rng_types=validate_rng_types(rng_types),
-        dispatch_batches=bool(dispatch_batches),
+        dispatch_batches=(
+            put_on_device and isinstance(dataloader.dataset, torch.utils.data.IterableDataset)
+            if dispatch_batches is None
+            else dispatch_batches
+        ),
         data_seed=data_seed,
         use_stateful_dataloader=use_stateful_dataloader,
         use_seedable_sampler=use_seedable_sampler,

@@ -46,15 +46,18 @@ from torch.utils.data import (
 )
 
 from ..errors import ConfigError
-from ._epoch_rng import LoaderProgress, plan_epoch_draws
+from ._epoch_rng import FetchLog, LoaderProgress, plan_epoch_draws
 from ._loader_parts import FirstItem, SeedableRandomSampler, SkipBatches, loader_kwargs, sampler_rng
+from ._loader_state import ResumableLoader
 from .dispatch import BatchDispatcher
 from .rng import synchronize_generators, synchronize_rng_states
-from .sharding import BatchSamplerShard, IterableDatasetShard, _with_last
+from .sharding import BatchSamplerShard, IterableDatasetShard
 from .tree import send_to_device
 
+_END = object()
 
-class PreparedDataLoader(DataLoader):
+
+class PreparedDataLoader(ResumableLoader, DataLoader):
     """A ``DataLoader`` that reads this rank's shard, moves batches to the device and resumes.
 
     Built by :func:`prepare_data_loader`; iterate it like the original. Extra API:
@@ -149,38 +152,6 @@ class PreparedDataLoader(DataLoader):
             return tail if tail and shard.even_batches and not shard.drop_last else -1
         return shard.remainder
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches_yielded", "seed"}`` (and the generators' and global RNG's
-        states at the epoch's start): where the next iteration should resume."""
-        p = self.progress
-        state: dict[str, Any]
-        if p.in_progress:
-            state = {"epoch": p.epoch, "batches_yielded": p.batches_yielded, "seed": p.seed}
-            generators = p.generator_states
-            if p.rng_at_start is not None:
-                state["rng_at_epoch_start"] = p.rng_at_start.clone()
-        else:
-            state = {"epoch": p.next_epoch, "batches_yielded": 0, "seed": p.seed}
-            generators = [g.get_state() for g in self._synced]
-        if generators:
-            state["generator_states"] = [g.clone() for g in generators]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration replays ``epoch``'s order and skips the seen batches."""
-        p = self.progress
-        p.next_epoch = int(state.get("epoch", 0))
-        p.pending_skip = int(state.get("batches_yielded", 0))
-        p.replay_rng = state.get("rng_at_epoch_start")
-        if state.get("seed") is not None:
-            p.seed = int(state["seed"])
-            if self._seedable is not None:
-                self._seedable.initial_seed = p.seed
-        for generator, saved in zip(
-            self._synced, state.get("generator_states") or (), strict=False
-        ):
-            generator.set_state(saved)
-
     def _set_epoch_everywhere(self, epoch: int) -> None:
         shard = self._shard
         inner = getattr(shard, "batch_sampler", None)
@@ -236,7 +207,7 @@ class PreparedDataLoader(DataLoader):
         p.epoch = p.next_epoch
         skip = p.pending_skip if self._skip_once is None else self._skip_once
         p.pending_skip, self._skip_once = 0, None
-        p.batches_yielded, p.in_progress = skip, True
+        p.batches_yielded, p.in_progress, p.at_end = skip, True, False
         self.end_of_dataloader = False
         return self._iterate(skip)
 
@@ -247,19 +218,32 @@ class PreparedDataLoader(DataLoader):
         consume = skip
         if isinstance(self._shard, BatchSamplerShard) and self._dispatcher is None:
             self._shard.skip, consume = skip, 0  # skip indices, not loaded batches
+        replay, p.replay_fetch, p.lookahead = p.replay_fetch, None, None
+        feeds: list[FetchLog] = []
+
+        def feed() -> FetchLog:
+            feeds.append(FetchLog(self._open(), start=skip - consume, replay=replay))
+            return feeds[0]
+
         if state is not None:
             state.enter(self)
         try:
             if self._dispatcher is not None:
-                batches = self._dispatcher.stream(self._open, consume)
+                batches = iter(self._dispatcher.stream(feed, consume))
             else:
-                batches = itertools.islice(self._open(), consume, None)
-            for batch, last in _with_last(batches):
-                self.end_of_dataloader = last
+                batches = itertools.islice(feed(), consume, None)
+            last, batch = False, next(batches, _END)
+            while batch is not _END:
+                mark = feeds[0].count if feeds else 0
+                ahead = next(batches, _END)  # read one ahead, to know the last batch
+                last = self.end_of_dataloader = p.at_end = ahead is _END
+                if feeds:
+                    p.lookahead = None if last else feeds[0].lookahead(mark)
                 if self.device is not None:
                     batch = send_to_device(batch, self.device, self.non_blocking)
                 p.batches_yielded += 1  # counted before the step runs: a checkpoint taken
                 yield batch  # inside the step resumes *after* this batch
+                batch = ahead
             p.in_progress = False
             p.next_epoch += 1
         finally:

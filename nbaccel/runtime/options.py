@@ -120,8 +120,9 @@ class DataLoaderConfiguration:
             each rank gets a slice of every batch; if False each rank gets whole batches.
         even_batches: wrap around so every rank sees the same number of batches.
         dispatch_batches: rank 0 alone reads the data and sends each rank its slice of
-            every global batch (for iterable datasets that cannot be sharded). ``None``
-            means False: every rank reads its own shard.
+            every global batch. ``None`` (Accelerate's default): True for an
+            ``IterableDataset`` (with device placement), else False: every rank reads its
+            own shard.
         use_seedable_sampler: shuffle a ``RandomSampler`` by ``data_seed + epoch``
             (Accelerate's ``SeedableRandomSampler``). False: on several processes the
             sampler's generator is seeded once at prepare from the global RNG and runs on
