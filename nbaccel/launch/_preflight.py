@@ -43,7 +43,7 @@ from ._safety import (
     worker_threads,
 )
 
-RDZV_BACKENDS = ("static",)
+RDZV_BACKENDS = ("static", "c10d")
 
 
 @dataclass
@@ -115,18 +115,22 @@ def _check_port(use_port: Any) -> int | None:
     return int(use_port) or None
 
 
-def _check_rendezvous(backend: Any, conf: Any, run_id: Any) -> None:
-    """Only the static rendezvous exists here: refuse what would otherwise be ignored."""
-    if backend == "c10d":
+def _check_rendezvous(backend: Any, conf: Any, run_id: Any, num_nodes: int) -> None:
+    """The static rendezvous, and c10d on one machine (where it is the same meeting):
+    refuse what would otherwise be ignored."""
+    if backend == "c10d" and num_nodes > 1:
         raise ConfigError(
-            "rdzv_backend='c10d' (torch.distributed.elastic's dynamic rendezvous, nodes joining "
-            "in any order) is not supported by nbaccel's launcher. Use rdzv_backend='static' "
-            "(the default): run the same launch on every machine with its own node_rank, the "
-            "same num_nodes, master_addr (node 0) and use_port. For an elastic job, run your "
-            "script with torchrun --rdzv-backend=c10d: Accelerator() works under torchrun."
+            f"rdzv_backend='c10d' with num_nodes={num_nodes} (torch.distributed.elastic's "
+            "dynamic rendezvous, machines joining in any order) is not supported by nbaccel's "
+            "launcher; on one machine it is. Use rdzv_backend='static' (the default): run the "
+            "same launch on every machine with its own node_rank, the same num_nodes, "
+            "master_addr (node 0) and use_port. For an elastic job, run your script with "
+            "torchrun --rdzv-backend=c10d: Accelerator() works under torchrun."
         )
     if backend not in RDZV_BACKENDS:
-        raise ConfigError(f"rdzv_backend={backend!r} is unknown; use 'static'.")
+        raise ConfigError(f"rdzv_backend={backend!r} is unknown; use 'static' (or 'c10d').")
+    if backend == "c10d":  # one machine: rdzv_conf / rdzv_id would change nothing there
+        return
     if conf:
         raise ConfigError(
             f"rdzv_conf={conf!r} configures the c10d rendezvous, which nbaccel does not run; "
@@ -248,7 +252,8 @@ def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
     timeout = o["timeout"]
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"timeout={timeout!r} must be a number of seconds (or None).")
-    _check_rendezvous(o["rdzv_backend"], o["rdzv_conf"], o["rdzv_id"])
+    rdzv = (o["rdzv_backend"], o["rdzv_conf"], o["rdzv_id"])
+    _check_rendezvous(*rdzv, o["num_nodes"] or getattr(o["config"], "num_nodes", None) or 1)
     if o["rdzv_endpoint"]:
         host, port = _parse_endpoint(str(o["rdzv_endpoint"]))
         o["master_addr"], o["use_port"] = host or o["master_addr"], port or o["use_port"]
@@ -268,6 +273,7 @@ def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
     if o["use_port"] is not None:
         given["master_port"] = o["use_port"]
     cfg = o["config"].replace(**given) if o["config"] is not None else resolve_launch_config(given)
+    _check_rendezvous(*rdzv, cfg.num_nodes)  # num_nodes from the config file or environment
     common: dict[str, Any] = {
         "template": template,
         "output": output,

@@ -105,7 +105,7 @@ def test_cli_booleans_can_be_turned_off_and_on():
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"rdzv_backend": "c10d"}, "rdzv_backend='c10d'"),
+        ({"rdzv_backend": "c10d", "num_nodes": 2}, "rdzv_backend='c10d' with num_nodes=2"),
         ({"rdzv_backend": "etcd"}, "rdzv_backend='etcd' is unknown"),
         ({"rdzv_conf": {"join_timeout": 5}}, "rdzv_conf="),
         ({"rdzv_id": "job-7"}, "rdzv_id='job-7'"),
@@ -114,8 +114,29 @@ def test_cli_booleans_can_be_turned_off_and_on():
 def test_rendezvous_settings_that_would_be_ignored_are_refused(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         notebook_launcher(print, num_processes=2, **kwargs)
-    with pytest.raises(ValueError, match="rdzv_backend='c10d'"):
-        start_workers(num_processes=2, rdzv_backend="c10d")
+    with pytest.raises(ValueError, match="rdzv_backend='c10d' with num_nodes=2"):
+        start_workers(num_processes=2, num_nodes=2, rdzv_backend="c10d")
+
+
+def _world_size() -> int:
+    from nbaccel import PartialState
+
+    return PartialState().num_processes
+
+
+@pytest.mark.integration
+def test_c10d_on_one_machine_runs_as_in_accelerates_notebook_test():
+    """Accelerate's own notebook test calls notebook_launcher(f, (), num_processes=2,
+    rdzv_backend="c10d"): on one machine it is the same meeting as the static one."""
+    assert notebook_launcher(
+        _world_size,
+        (),
+        num_processes=2,
+        rdzv_backend="c10d",
+        rdzv_conf={"join_timeout": 60},
+        rdzv_id="notebook",
+        return_all_ranks=True,
+    ) == [2, 2]
 
 
 def _exception_classes() -> list[tuple[str, str]]:
