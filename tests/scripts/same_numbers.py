@@ -60,6 +60,7 @@ MODES = {
     "split_batches": {"config": {"split_batches": True}},
     "generator": {"generator": 7},
     "iterable": {"iterable": True},
+    "dispatch_batches": {"config": {"dispatch_batches": True}},
 }
 
 # case: (mode, save after this global step or "epoch0" for after epoch 0, pattern)
