@@ -317,7 +317,7 @@ def prepare_data_loader(
             num_processes,
             process_index,
             split_batches,
-            even_batches,
+            even_batches and num_processes > 1,  # one process: a plain loader's last batch
             seed_generator=num_processes > 1,
         )
         own = getattr(dataset, "generator", None)  # Accelerate keeps it in step across ranks

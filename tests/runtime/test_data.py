@@ -144,13 +144,37 @@ def test_iterable_dataset_shards():
     assert dataset.epochs == [0, 1]  # set_epoch forwarded, advancing by itself
 
 
-def test_iterable_dataset_with_workers_does_not_duplicate():
-    loader = prepare_data_loader(
-        DataLoader(Numbers(11, sized=False), batch_size=2, num_workers=2),
-        num_processes=2,
-        process_index=0,
-    )
-    assert sorted(i for b in loader for i in b.tolist()) == [0, 1, 4, 5, 8, 9]
+class ByWorker(torch.utils.data.IterableDataset):
+    """PyTorch's idiom: the dataset splits itself between the loader's workers."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(start, self.n, step))
+
+
+def test_iterable_dataset_with_workers_reads_as_a_plain_loader():
+    # each worker reads its own copy, as with a plain DataLoader and Accelerate: a dataset
+    # that splits itself by get_worker_info() is read once, not split a second time
+    def loader(dataset, **kw):
+        return DataLoader(dataset, batch_size=2, num_workers=2, **kw)
+
+    plain = [b.tolist() for b in loader(ByWorker(16))]
+    assert [b.tolist() for b in prepare_data_loader(loader(ByWorker(16)))] == plain
+    shards = [
+        [
+            b.tolist()
+            for b in prepare_data_loader(loader(ByWorker(16)), num_processes=2, process_index=r)
+        ]
+        for r in range(2)
+    ]
+    assert sorted(i for shard in shards for b in shard for i in b) == list(range(16))
+    # one process: a short last batch stays short, as in a plain loader
+    tail = [b.tolist() for b in prepare_data_loader(DataLoader(Numbers(5), batch_size=2))]
+    assert tail == [[0, 1], [2, 3], [4]]
 
 
 def _prepared(shuffle=True, **kw):

@@ -42,8 +42,10 @@ class Stream(IterableDataset):
     def __len__(self):
         return N
 
-    def __iter__(self):
-        yield from range(N)
+    def __iter__(self):  # split between the loader's workers, PyTorch's idiom
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        yield from range(start, N, step)
 
 
 def collate(ids):
@@ -60,6 +62,7 @@ MODES = {
     "split_batches": {"config": {"split_batches": True}},
     "generator": {"generator": 7},
     "iterable": {"iterable": True},
+    "iterable_workers": {"iterable": True, "num_workers": 2},
     "dispatch_batches": {"config": {"dispatch_batches": True}},
 }
 

@@ -1,8 +1,9 @@
 """Same seed, same numbers as Hugging Face Accelerate -- and still an exact resume.
 
-``same_numbers.py`` trains a tiny model with dropout in eight data-loading modes (default,
+``same_numbers.py`` trains a tiny model with dropout in nine data-loading modes (default,
 ``num_workers=2``, ``use_seedable_sampler`` with and without an epoch cut short,
-``split_batches``, ``dispatch_batches``, the loader's own ``generator``, an iterable dataset) and records every step's
+``split_batches``, ``dispatch_batches``, the loader's own ``generator``, an iterable dataset
+with and without workers) and records every step's
 sample ids, loss (``float.hex``) and a digest of torch's global RNG state, and a digest of the
 final weights. It runs under Accelerate itself (``torchrun`` over gloo, ``ACCELERATE_USE_CPU``;
 one process: plain ``python``) and, with only the import changed, under nbaccel
@@ -100,7 +101,7 @@ def runs(request, tmp_path_factory):
 def test_every_mode_gives_accelerates_numbers_bit_for_bit(runs):
     nproc, root = runs
     expected = sorted(p.name for p in (root / "accelerate").glob("*-rank*.json"))
-    assert len(expected) == 8 * nproc
+    assert len(expected) == 9 * nproc
     for name in expected:
         ours = json.loads((root / "nbaccel" / name).read_text())
         theirs = json.loads((root / "accelerate" / name).read_text())
