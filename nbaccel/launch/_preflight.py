@@ -33,6 +33,7 @@ from ..errors import ConfigError
 from ..platform import cudatrace, environment, hardware
 from ..platform.hardware import default_num_processes
 from ._kept import DEBUG_TIMEOUT
+from ._rendezvous import elastic_meet
 from ._safety import (
     check_gpus_per_process,
     check_no_state_in_kernel,
@@ -115,21 +116,17 @@ def _check_port(use_port: Any) -> int | None:
     return int(use_port) or None
 
 
-def _check_rendezvous(backend: Any, conf: Any, run_id: Any, num_nodes: int) -> None:
-    """The static rendezvous, and c10d on one machine (where it is the same meeting):
-    refuse what would otherwise be ignored."""
-    if backend == "c10d" and num_nodes > 1:
+def _check_rendezvous(backend: Any, conf: Any, run_id: Any, endpoint: Any, nodes: int) -> None:
+    """The static rendezvous, or c10d (elastic's): refuse what would otherwise be ignored."""
+    if backend == "c10d" and nodes > 1 and not endpoint:
         raise ConfigError(
-            f"rdzv_backend='c10d' with num_nodes={num_nodes} (torch.distributed.elastic's "
-            "dynamic rendezvous, machines joining in any order) is not supported by nbaccel's "
-            "launcher; on one machine it is. Use rdzv_backend='static' (the default): run the "
-            "same launch on every machine with its own node_rank, the same num_nodes, "
-            "master_addr (node 0) and use_port. For an elastic job, run your script with "
-            "torchrun --rdzv-backend=c10d: Accelerator() works under torchrun."
+            f"rdzv_backend='c10d' with num_nodes={nodes} needs rdzv_endpoint='host:port': "
+            "where the machines meet (a host every machine reaches, e.g. the first one's "
+            "address, and a free port), the same on every machine."
         )
     if backend not in RDZV_BACKENDS:
         raise ConfigError(f"rdzv_backend={backend!r} is unknown; use 'static' (or 'c10d').")
-    if backend == "c10d":  # one machine: rdzv_conf / rdzv_id would change nothing there
+    if backend == "c10d":  # rdzv_conf and rdzv_id configure it
         return
     if conf:
         raise ConfigError(
@@ -252,9 +249,11 @@ def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
     timeout = o["timeout"]
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"timeout={timeout!r} must be a number of seconds (or None).")
-    rdzv = (o["rdzv_backend"], o["rdzv_conf"], o["rdzv_id"])
-    _check_rendezvous(*rdzv, o["num_nodes"] or getattr(o["config"], "num_nodes", None) or 1)
-    if o["rdzv_endpoint"]:
+    rdzv = (o["rdzv_backend"], o["rdzv_conf"], o["rdzv_id"], o["rdzv_endpoint"])
+    nodes = o["num_nodes"] or getattr(o["config"], "num_nodes", None) or 1
+    _check_rendezvous(*rdzv, nodes)
+    elastic = o["rdzv_backend"] == "c10d" and nodes > 1
+    if o["rdzv_endpoint"] and not elastic:
         host, port = _parse_endpoint(str(o["rdzv_endpoint"]))
         o["master_addr"], o["use_port"] = host or o["master_addr"], port or o["use_port"]
     interval, template, output = o["monitor_interval"], o["log_line_prefix_template"], o["output"]
@@ -267,13 +266,26 @@ def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
     if o["config"] is not None and not isinstance(o["config"], LaunchConfig):
         raise TypeError(f"config={o['config']!r} must be a nbaccel.LaunchConfig (or None).")
     linger = _check_debug(o["debug"], o["debug_timeout"])
+    if elastic:  # the machines meet and get their node_rank (nothing started yet)
+        o["node_rank"], o["master_addr"], o["use_port"] = elastic_meet(
+            str(o["rdzv_endpoint"]),
+            run_id=str(o["rdzv_id"]),
+            num_nodes=nodes,
+            conf=o["rdzv_conf"],
+            port=o["use_port"],
+            timeout=o["timeout"],
+        )
     given = {k: o[k] for k in _FIELDS.split() if o[k] is not None}
     if linger is not None:
         given["debug"] = True
     if o["use_port"] is not None:
         given["master_port"] = o["use_port"]
     cfg = o["config"].replace(**given) if o["config"] is not None else resolve_launch_config(given)
-    _check_rendezvous(*rdzv, cfg.num_nodes)  # num_nodes from the config file or environment
+    if o["rdzv_backend"] == "c10d" and cfg.num_nodes > 1 and not elastic:
+        raise ConfigError(
+            f"rdzv_backend='c10d' with num_nodes={cfg.num_nodes} from the config: pass "
+            "num_nodes=... to the launch itself, so that the machines meet before it starts."
+        )
     common: dict[str, Any] = {
         "template": template,
         "output": output,
