@@ -33,6 +33,7 @@ from ..errors import ConfigError
 from ..platform import cudatrace, environment, hardware
 from ..platform.hardware import default_num_processes
 from ._kept import DEBUG_TIMEOUT
+from ._rendezvous import elastic_meet
 from ._safety import (
     check_gpus_per_process,
     check_no_state_in_kernel,
@@ -43,7 +44,7 @@ from ._safety import (
     worker_threads,
 )
 
-RDZV_BACKENDS = ("static",)
+RDZV_BACKENDS = ("static", "c10d")
 
 
 @dataclass
@@ -115,18 +116,18 @@ def _check_port(use_port: Any) -> int | None:
     return int(use_port) or None
 
 
-def _check_rendezvous(backend: Any, conf: Any, run_id: Any) -> None:
-    """Only the static rendezvous exists here: refuse what would otherwise be ignored."""
-    if backend == "c10d":
+def _check_rendezvous(backend: Any, conf: Any, run_id: Any, endpoint: Any, nodes: int) -> None:
+    """The static rendezvous, or c10d (elastic's): refuse what would otherwise be ignored."""
+    if backend == "c10d" and nodes > 1 and not endpoint:
         raise ConfigError(
-            "rdzv_backend='c10d' (torch.distributed.elastic's dynamic rendezvous, nodes joining "
-            "in any order) is not supported by nbaccel's launcher. Use rdzv_backend='static' "
-            "(the default): run the same launch on every machine with its own node_rank, the "
-            "same num_nodes, master_addr (node 0) and use_port. For an elastic job, run your "
-            "script with torchrun --rdzv-backend=c10d: Accelerator() works under torchrun."
+            f"rdzv_backend='c10d' with num_nodes={nodes} needs rdzv_endpoint='host:port': "
+            "where the machines meet (a host every machine reaches, e.g. the first one's "
+            "address, and a free port), the same on every machine."
         )
     if backend not in RDZV_BACKENDS:
-        raise ConfigError(f"rdzv_backend={backend!r} is unknown; use 'static'.")
+        raise ConfigError(f"rdzv_backend={backend!r} is unknown; use 'static' (or 'c10d').")
+    if backend == "c10d":  # rdzv_conf and rdzv_id configure it
+        return
     if conf:
         raise ConfigError(
             f"rdzv_conf={conf!r} configures the c10d rendezvous, which nbaccel does not run; "
@@ -248,8 +249,11 @@ def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
     timeout = o["timeout"]
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"timeout={timeout!r} must be a number of seconds (or None).")
-    _check_rendezvous(o["rdzv_backend"], o["rdzv_conf"], o["rdzv_id"])
-    if o["rdzv_endpoint"]:
+    rdzv = (o["rdzv_backend"], o["rdzv_conf"], o["rdzv_id"], o["rdzv_endpoint"])
+    nodes = o["num_nodes"] or getattr(o["config"], "num_nodes", None) or 1
+    _check_rendezvous(*rdzv, nodes)
+    elastic = o["rdzv_backend"] == "c10d" and nodes > 1
+    if o["rdzv_endpoint"] and not elastic:
         host, port = _parse_endpoint(str(o["rdzv_endpoint"]))
         o["master_addr"], o["use_port"] = host or o["master_addr"], port or o["use_port"]
     interval, template, output = o["monitor_interval"], o["log_line_prefix_template"], o["output"]
@@ -262,12 +266,26 @@ def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
     if o["config"] is not None and not isinstance(o["config"], LaunchConfig):
         raise TypeError(f"config={o['config']!r} must be a nbaccel.LaunchConfig (or None).")
     linger = _check_debug(o["debug"], o["debug_timeout"])
+    if elastic:  # the machines meet and get their node_rank (nothing started yet)
+        o["node_rank"], o["master_addr"], o["use_port"] = elastic_meet(
+            str(o["rdzv_endpoint"]),
+            run_id=str(o["rdzv_id"]),
+            num_nodes=nodes,
+            conf=o["rdzv_conf"],
+            port=o["use_port"],
+            timeout=o["timeout"],
+        )
     given = {k: o[k] for k in _FIELDS.split() if o[k] is not None}
     if linger is not None:
         given["debug"] = True
     if o["use_port"] is not None:
         given["master_port"] = o["use_port"]
     cfg = o["config"].replace(**given) if o["config"] is not None else resolve_launch_config(given)
+    if o["rdzv_backend"] == "c10d" and cfg.num_nodes > 1 and not elastic:
+        raise ConfigError(
+            f"rdzv_backend='c10d' with num_nodes={cfg.num_nodes} from the config: pass "
+            "num_nodes=... to the launch itself, so that the machines meet before it starts."
+        )
     common: dict[str, Any] = {
         "template": template,
         "output": output,

@@ -18,6 +18,11 @@ keeps torch's rendezvous but chooses the socket:
 On other nodes the kernel checks, before starting any worker, that node 0's
 store answers within the timeout, and fails with the address and port otherwise.
 
+``rdzv_backend="c10d"`` across machines (:func:`elastic_meet`): the identical launch runs on
+every machine without a ``node_rank``; the machines first meet through
+``torch.distributed.elastic``'s c10d rendezvous at ``rdzv_endpoint``, which numbers them,
+and node 0 publishes there the address and port of the store above.
+
 Example:
     >>> from nbaccel.launch._rendezvous import Rendezvous
     >>> rdzv = Rendezvous.reserve("127.0.0.1", None, num_nodes=1, node_rank=0)
@@ -256,4 +261,75 @@ def _bind(addr: str, port: int, *, allow_wildcard: bool) -> socket.socket:
     return sock
 
 
-__all__ = ["Rendezvous", "host_store"]
+# the last c10d rendezvous of this kernel: its store (hosted here, perhaps) must outlive the
+# meeting, while the other machines still read node 0's address from it
+_MET: list[Any] = []
+
+
+def elastic_meet(
+    endpoint: str,
+    *,
+    run_id: str,
+    num_nodes: int,
+    conf: dict[str, Any] | None,
+    port: int | None,
+    timeout: float | None,
+) -> tuple[int, str, int]:
+    """Meet the other machines through torch elastic's c10d rendezvous at ``endpoint``.
+
+    Returns ``(node_rank, master_addr, master_port)``: this machine's number, given by the
+    rendezvous, and where node 0 hosts the launch's store (its address as seen towards
+    ``endpoint``; ``port``, else a free one).
+    """
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    options = dict(conf or {})
+    options.setdefault("join_timeout", timeout or DEFAULT_TIMEOUT)
+    params = RendezvousParameters(
+        backend="c10d",
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=num_nodes,
+        max_nodes=num_nodes,
+        **options,
+    )
+    try:
+        handler = get_rendezvous_handler(params)
+        info: Any = handler.next_rendezvous()  # torch < 2.4: (store, rank, world_size)
+    except Exception as err:
+        raise LaunchError(
+            f"the c10d rendezvous at rdzv_endpoint={endpoint!r} (rdzv_id={run_id!r}, "
+            f"{num_nodes} machines) failed: {type(err).__name__}: {err}. Fix: start the same "
+            "launch on every machine with the same rdzv_endpoint (a host:port every machine "
+            "reaches), num_nodes and rdzv_id, or raise timeout=..."
+        ) from None
+    store, rank = (info.store, info.rank) if hasattr(info, "store") else (info[0], info[1])
+    if rank == 0:
+        host = _towards(endpoint.rpartition(":")[0] or "127.0.0.1")
+        if not port:
+            probe = _bind(host, 0, allow_wildcard=True)
+            port = int(probe.getsockname()[1])
+            probe.close()
+        store.set("nbaccel/master", f"{host}:{port}")
+    host, _, chosen = store.get("nbaccel/master").decode().rpartition(":")
+    # Heartbeats serve an elastic agent that meets again; nbaccel meets once, and their
+    # thread would make forking the workers unsafe: stop it (torch has no public call).
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if callable(stop):
+        stop()
+    _MET[:] = [handler]
+    return int(rank), host, int(chosen)
+
+
+def _towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (the interface others reach it by)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # UDP: no packet is sent, the route is chosen
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.getfqdn()
+
+
+__all__ = ["Rendezvous", "elastic_meet", "host_store"]

@@ -375,6 +375,11 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         if isinstance(dataloader, PreparedDataLoader):
             return dataloader
         placement = self.device_placement if device_placement is None else device_placement
+        dispatch = self.dataloader_config.dispatch_batches
+        if dispatch is None:  # Accelerate's default: iterable datasets are read by rank 0
+            dispatch = placement and isinstance(
+                dataloader.dataset, torch.utils.data.IterableDataset
+            )
         prepared = prepare_data_loader(
             dataloader,
             num_processes=self.num_processes,
@@ -385,9 +390,10 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
             non_blocking=self.dataloader_config.non_blocking,
             gradient_state=self.gradient_state,
             rng_types=self.rng_types,
-            dispatch_batches=self.dispatch_batches,
+            dispatch_batches=bool(dispatch),
             data_seed=self.dataloader_config.data_seed,
             use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
+            use_seedable_sampler=self.dataloader_config.use_seedable_sampler,
         )
         self._dataloaders.append(prepared)
         return prepared

@@ -256,8 +256,8 @@ def prepare_data_loader(
 
     ``num_processes`` / ``process_index`` default to this process's state; batches move
     to ``device`` (default: this process's) only with ``put_on_device=True``.
-    ``use_seedable_sampler`` is accepted (nbaccel's prepared loaders always shuffle
-    reproducibly); ``use_stateful_dataloader`` makes ``load_state`` resume mid-epoch.
+    ``use_seedable_sampler`` shuffles by ``data_seed`` + epoch as Accelerate's does;
+    ``use_stateful_dataloader`` makes ``load_state`` resume mid-epoch.
 
     Raises:
         ConfigError: ``slice_fn_for_dispatch`` or ``torch_device_mesh``, which nbaccel lacks.
@@ -279,9 +279,14 @@ def prepare_data_loader(
         device=torch.device(target) if target is not None else None,
         non_blocking=non_blocking,
         rng_types=validate_rng_types(rng_types),
-        dispatch_batches=bool(dispatch_batches),
+        dispatch_batches=(
+            put_on_device and isinstance(dataloader.dataset, torch.utils.data.IterableDataset)
+            if dispatch_batches is None
+            else dispatch_batches
+        ),
         data_seed=data_seed,
         use_stateful_dataloader=use_stateful_dataloader,
+        use_seedable_sampler=use_seedable_sampler,
     )
 
 

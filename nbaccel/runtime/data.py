@@ -12,9 +12,14 @@ arithmetic lives in :mod:`nbaccel.runtime.sharding`):
   the epoch so every rank sees the same number (and size) of batches; the loader
   records how many samples of that round are real so ``gather_for_metrics`` can
   drop the duplicates.
-* Shuffling is identical on every rank: samplers with a ``generator`` get one seeded
-  with ``seed + epoch`` (the seed is agreed through the process group at prepare
-  time), and the epoch advances automatically at every new iteration.
+* Random numbers follow Accelerate's, draw for draw (see :mod:`._epoch_rng`): on more
+  than one process a generator-less sampler gets a generator seeded once at prepare
+  from the global stream, copied from rank 0 at every iteration and running on across
+  epochs; with ``use_seedable_sampler`` a ``RandomSampler`` is shuffled by
+  ``seed + epoch``; each iteration draws its base seed from the global stream (or the
+  loader's ``generator``). The epoch advances when an iteration ends.
+* Resume is exact: a state saved mid-epoch holds the generators' states and the global
+  RNG state of the epoch's start, and the resumed iteration replays that start from them.
 
 Example:
     >>> import torch
@@ -28,8 +33,7 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,32 +42,22 @@ from torch.utils.data import (
     DataLoader,
     DistributedSampler,
     IterableDataset,
-    Sampler,
+    RandomSampler,
 )
 
 from ..errors import ConfigError
-from ._loader_parts import FirstItem, loader_kwargs, samplers_of
+from ._epoch_rng import FetchLog, LoaderProgress, plan_epoch_draws
+from ._loader_parts import FirstItem, SeedableRandomSampler, SkipBatches, loader_kwargs, sampler_rng
+from ._loader_state import ResumableLoader
 from .dispatch import BatchDispatcher
-from .rng import agree_on_seed, synchronize_generators, synchronize_rng_states
-from .sharding import BatchSamplerShard, IterableDatasetShard, _with_last
+from .rng import synchronize_generators, synchronize_rng_states
+from .sharding import BatchSamplerShard, IterableDatasetShard
 from .tree import send_to_device
 
-
-@dataclass
-class LoaderProgress:
-    """Epoch and position of a prepared loader; shared with its ``skip_first_batches`` views."""
-
-    seed: int | None = None
-    # the user generators' states at the start of the current iteration (to replay it)
-    generator_states: list[torch.Tensor] | None = None
-    epoch: int = 0  # epoch of the current (or last) iteration
-    next_epoch: int = 0
-    batches_yielded: int = 0
-    in_progress: bool = False
-    pending_skip: int = 0
+_END = object()
 
 
-class PreparedDataLoader(DataLoader):
+class PreparedDataLoader(ResumableLoader, DataLoader):
     """A ``DataLoader`` that reads this rank's shard, moves batches to the device and resumes.
 
     Built by :func:`prepare_data_loader`; iterate it like the original. Extra API:
@@ -80,8 +74,9 @@ class PreparedDataLoader(DataLoader):
         non_blocking: bool = False,
         gradient_state: Any = None,
         rng_types: Sequence[str] = (),
-        seeded: Sequence[Any] = (),
         synced: Sequence[torch.Generator] = (),
+        global_seeded: Sequence[RandomSampler] = (),
+        seedable: SeedableRandomSampler | None = None,
         dispatcher: BatchDispatcher | None = None,
         progress: LoaderProgress | None = None,
         skip_once: int | None = None,
@@ -100,8 +95,9 @@ class PreparedDataLoader(DataLoader):
             non_blocking=non_blocking,
             gradient_state=gradient_state,
             rng_types=tuple(rng_types),
-            seeded=tuple(seeded),
             synced=tuple(synced),
+            global_seeded=tuple(global_seeded),
+            seedable=seedable,
             dispatcher=dispatcher,
             use_stateful_dataloader=use_stateful_dataloader,
             **loader_kwargs,
@@ -112,27 +108,30 @@ class PreparedDataLoader(DataLoader):
         self.non_blocking = non_blocking
         self.gradient_state = gradient_state
         self.rng_types = tuple(rng_types)
-        self._seeded = tuple(seeded)  # samplers whose generator we seed per epoch
-        # the user's own generators: left alone (so the order is the unprepared loader's),
-        # but copied from rank 0 at every iteration so every rank draws the same order
+        # the samplers' generators (the user's, or the one prepare gave a generator-less
+        # sampler on several processes): copied from rank 0 at every iteration when
+        # rng_types has "generator", and saved with the loader's state
         self._synced = tuple(synced)
+        # generator-less RandomSamplers left to draw their seed from the global stream
+        # (one process, or dispatch_batches): nbaccel makes that draw for them
+        self._global_seeded = tuple(global_seeded)
+        self._seedable = seedable  # use_seedable_sampler: shuffled by (initial seed + epoch)
         self._dispatcher = dispatcher  # dispatch_batches: rank 0 reads, the ranks get slices
-        self._generators: dict[int, torch.Generator] = {}
         self.progress = progress if progress is not None else LoaderProgress()
         self._skip_once = skip_once
         self.end_of_dataloader = False
-        # Each DataLoader iterator draws a base seed from `generator`, else from the global
-        # torch RNG. A private one, seeded per epoch, keeps the global stream (dropout, which
-        # load_state restores) the same in a resumed run as in an uninterrupted one.
-        self._own_generator: torch.Generator | None = None
-        if self.generator is None:
-            self._own_generator = self.generator = torch.Generator()
+        self._base_generator: torch.Generator | None = None  # this iteration's base seed
 
     # -- epochs, RNG and resume ----------------------------------------------------------
 
     @property
     def epoch(self) -> int:
         return self.progress.epoch
+
+    @property
+    def iteration(self) -> int:
+        """Accelerate's name: the epoch the next iteration uses."""
+        return self.progress.next_epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (it advances by itself after each one)."""
@@ -153,49 +152,47 @@ class PreparedDataLoader(DataLoader):
             return tail if tail and shard.even_batches and not shard.drop_last else -1
         return shard.remainder
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches_yielded", "seed"}``: where the next iteration should resume."""
-        p = self.progress
-        state: dict[str, Any]
-        if p.in_progress:
-            state = {"epoch": p.epoch, "batches_yielded": p.batches_yielded, "seed": p.seed}
-            generators = p.generator_states
-        else:
-            state = {"epoch": p.next_epoch, "batches_yielded": 0, "seed": p.seed}
-            generators = [g.get_state() for g in self._synced]
-        if generators:
-            state["generator_states"] = [g.clone() for g in generators]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration replays ``epoch``'s order and skips the seen batches."""
-        p = self.progress
-        p.next_epoch = int(state.get("epoch", 0))
-        p.pending_skip = int(state.get("batches_yielded", 0))
-        if state.get("seed") is not None:
-            p.seed = int(state["seed"])
-        for generator, saved in zip(
-            self._synced, state.get("generator_states") or (), strict=False
-        ):
-            generator.set_state(saved)
-
-    def _seed_epoch(self, epoch: int) -> None:
-        if self._own_generator is not None:
-            self._own_generator.manual_seed((self.progress.seed or 0) + epoch)
-        for target in self._seeded:
-            if self.progress.seed is not None and hasattr(target, "generator"):
-                gen = target.generator
-                if gen is None:
-                    gen = self._generators.setdefault(id(target), torch.Generator())
-                    target.generator = gen
-                gen.manual_seed(self.progress.seed + epoch)
+    def _set_epoch_everywhere(self, epoch: int) -> None:
         shard = self._shard
         inner = getattr(shard, "batch_sampler", None)
         seen: set[int] = set()
-        for target in (inner, getattr(inner, "sampler", None), *self._seeded, self.dataset):
+        for target in (inner, getattr(inner, "sampler", None), self._seedable, self.dataset):
             if target is not None and id(target) not in seen and hasattr(target, "set_epoch"):
                 seen.add(id(target))
                 target.set_epoch(epoch)
+
+    def _start_epoch(self) -> None:
+        """What Accelerate's loader does when an iteration starts, draw for draw."""
+        p = self.progress
+        if "generator" in self.rng_types:
+            synchronize_generators(self._synced)
+        synchronize_rng_states(self.rng_types)
+        self._set_epoch_everywhere(p.epoch)
+        p.generator_states = [g.get_state() for g in self._synced]
+        replay, p.replay_rng = p.replay_rng, None
+        reads = self._dispatcher is None or self._dispatcher.process_index == 0
+        # persistent workers keep their iterator (and its base seed) across epochs
+        reuses = self.persistent_workers and self.num_workers > 0 and self._iterator is not None
+        base = self.generator is None and not reuses
+        # the samplers draw at the first batch: on the reading rank, or while prefetching
+        samplers = len(self._global_seeded) if reads or self.num_workers > 0 else 0
+        self._base_generator, seeds, p.rng_at_start = plan_epoch_draws(
+            base=base, samplers=samplers, replay=replay
+        )
+        for sampler, seed in zip(self._global_seeded, seeds, strict=False):
+            sampler.generator = torch.Generator()
+            sampler.generator.manual_seed(seed)
+
+    def _open(self) -> Iterator[Any]:
+        """The plain loader's iterator, its base seed drawn as the epoch's plan says."""
+        base, self._base_generator = self._base_generator, None
+        if base is None:
+            return DataLoader.__iter__(self)
+        own, self.generator = self.generator, base
+        try:
+            return DataLoader.__iter__(self)
+        finally:
+            self.generator = own
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -207,37 +204,48 @@ class PreparedDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         p = self.progress
-        p.epoch, p.next_epoch = p.next_epoch, p.next_epoch + 1
+        p.epoch = p.next_epoch
         skip = p.pending_skip if self._skip_once is None else self._skip_once
         p.pending_skip, self._skip_once = 0, None
-        self._seed_epoch(p.epoch)
-        synchronize_generators(self._synced)
-        p.generator_states = [g.get_state() for g in self._synced]
-        synchronize_rng_states(self.rng_types)
+        p.batches_yielded, p.in_progress, p.at_end = skip, True, False
+        self.end_of_dataloader = False
+        return self._iterate(skip)
+
+    def _iterate(self, skip: int) -> Iterator[Any]:
+        # a generator: like Accelerate's, nothing is drawn or synchronised before next()
+        p, state = self.progress, self.gradient_state
+        self._start_epoch()
         consume = skip
         if isinstance(self._shard, BatchSamplerShard) and self._dispatcher is None:
-            # skip indices, not loaded batches
-            self._shard.skip, consume = skip, 0
-        p.batches_yielded, p.in_progress = skip, True
-        self.end_of_dataloader = False
-        return self._iterate(consume)
+            self._shard.skip, consume = skip, 0  # skip indices, not loaded batches
+        replay, p.replay_fetch, p.lookahead = p.replay_fetch, None, None
+        feeds: list[FetchLog] = []
 
-    def _iterate(self, consume: int) -> Iterator[Any]:
-        p, state = self.progress, self.gradient_state
+        def feed() -> FetchLog:
+            feeds.append(FetchLog(self._open(), start=skip - consume, replay=replay))
+            return feeds[0]
+
         if state is not None:
             state.enter(self)
         try:
             if self._dispatcher is not None:
-                batches = self._dispatcher.stream(super().__iter__, consume)
+                batches = iter(self._dispatcher.stream(feed, consume))
             else:
-                batches = itertools.islice(super().__iter__(), consume, None)
-            for batch, last in _with_last(batches):
-                self.end_of_dataloader = last
+                batches = itertools.islice(feed(), consume, None)
+            last, batch = False, next(batches, _END)
+            while batch is not _END:
+                mark = feeds[0].count if feeds else 0
+                ahead = next(batches, _END)  # read one ahead, to know the last batch
+                last = self.end_of_dataloader = p.at_end = ahead is _END
+                if feeds:
+                    p.lookahead = None if last else feeds[0].lookahead(mark)
                 if self.device is not None:
                     batch = send_to_device(batch, self.device, self.non_blocking)
                 p.batches_yielded += 1  # counted before the step runs: a checkpoint taken
                 yield batch  # inside the step resumes *after* this batch
+                batch = ahead
             p.in_progress = False
+            p.next_epoch += 1
         finally:
             if state is not None:
                 state.exit(self)
@@ -261,12 +269,16 @@ def prepare_data_loader(
     dispatch_batches: bool = False,
     data_seed: int | None = None,
     use_stateful_dataloader: bool = False,
+    use_seedable_sampler: bool = False,
 ) -> PreparedDataLoader:
     """Return a :class:`PreparedDataLoader` reading this rank's share of ``dataloader``.
 
-    A collective when ``num_processes > 1`` (the shuffle seed is agreed through the group).
-    With ``dispatch_batches`` only rank 0 reads the data and every rank gets its slice of
-    each global batch (see :mod:`nbaccel.runtime.dispatch`).
+    Random numbers as Accelerate's ``prepare_data_loader``: on several processes (without
+    ``dispatch_batches``) a generator-less sampler gets a generator seeded with one draw
+    from the global stream, copied from rank 0 at every iteration; ``use_seedable_sampler``
+    shuffles a ``RandomSampler`` by ``data_seed`` (default ``torch.initial_seed()``) +
+    epoch. With ``dispatch_batches`` only rank 0 reads the data and every rank gets its
+    slice of each global batch (see :mod:`nbaccel.runtime.dispatch`).
 
     Raises:
         TypeError: ``dataloader`` is not a ``torch.utils.data.DataLoader``.
@@ -305,9 +317,14 @@ def prepare_data_loader(
             num_processes,
             process_index,
             split_batches,
-            even_batches,
+            even_batches and num_processes > 1,  # one process: a plain loader's last batch
+            seed_generator=num_processes > 1,
         )
-        return PreparedDataLoader(dataset, shard=shard, collate_fn=collate, **common, **kwargs)
+        own = getattr(dataset, "generator", None)  # Accelerate keeps it in step across ranks
+        synced = [own] if isinstance(own, torch.Generator) and num_processes > 1 else []
+        return PreparedDataLoader(
+            dataset, shard=shard, synced=synced, collate_fn=collate, **common, **kwargs
+        )
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is None:  # batch_size=None: one sample per "batch"
         if split_batches:
@@ -318,42 +335,24 @@ def prepare_data_loader(
     already_sharded = isinstance(inner_sampler, DistributedSampler)
     procs, index = (1, 0) if already_sharded else (num_processes, process_index)
     shard = BatchSamplerShard(batch_sampler, procs, index, split_batches, even_batches)
-    seeded: list[Any] = []  # samplers without a generator: we give them one, seeded per epoch
-    synced: list[torch.Generator] = []  # the user's generators: synchronised from rank 0
-    if "generator" in rng_types:
-        for candidate in samplers_of(batch_sampler, dataloader.sampler):
-            if not hasattr(candidate, "generator"):
-                continue
-            if candidate.generator is None:
-                seeded.append(candidate)
-            elif all(candidate.generator is not g for g in synced):
-                synced.append(candidate.generator)
-        if dataloader.generator is not None and all(dataloader.generator is not g for g in synced):
-            synced.append(dataloader.generator)  # it draws the iterators' base seeds
-    seed = None
-    if seeded:  # an explicit data_seed, else one drawn on rank 0 and shared
-        seed = data_seed if data_seed is not None else agree_on_seed()
+    seedable, global_seeded, synced = sampler_rng(
+        dataloader,
+        batch_sampler,
+        several=num_processes > 1 and dispatcher is None,
+        use_seedable_sampler=use_seedable_sampler,
+        data_seed=data_seed,
+    )
     return PreparedDataLoader(
         dataset,
         shard=shard,
-        seeded=seeded,
         synced=synced,
-        progress=LoaderProgress(seed=seed),
+        global_seeded=global_seeded,
+        seedable=seedable,
+        progress=LoaderProgress(seed=None if seedable is None else seedable.initial_seed),
         collate_fn=collate,
         **common,
         **kwargs,
     )
-
-
-class _SkipBatches(Sampler[list[int]]):
-    def __init__(self, batch_sampler: Iterable[list[int]], skip: int) -> None:
-        self.batch_sampler, self.skip = batch_sampler, skip
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return itertools.islice(iter(self.batch_sampler), self.skip, None)
-
-    def __len__(self) -> int:
-        return max(len(self.batch_sampler) - self.skip, 0)  # type: ignore[arg-type]
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
@@ -382,7 +381,7 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
         )
     return DataLoader(
         dataloader.dataset,
-        batch_sampler=_SkipBatches(dataloader.batch_sampler, num_batches),
+        batch_sampler=SkipBatches(dataloader.batch_sampler, num_batches),
         collate_fn=dataloader.collate_fn,
         **loader_kwargs(dataloader),
     )

@@ -120,11 +120,14 @@ class DataLoaderConfiguration:
             each rank gets a slice of every batch; if False each rank gets whole batches.
         even_batches: wrap around so every rank sees the same number of batches.
         dispatch_batches: rank 0 alone reads the data and sends each rank its slice of
-            every global batch (for iterable datasets that cannot be sharded). ``None``
-            means False: every rank reads its own shard.
-        use_seedable_sampler: accepted for compatibility: nbaccel's shuffles already
-            depend only on (seed, epoch), or follow the loader's own ``generator``.
-        data_seed: the seed of those shuffles (default: drawn once from rank 0's RNG).
+            every global batch. ``None`` (Accelerate's default): True for an
+            ``IterableDataset`` (with device placement), else False: every rank reads its
+            own shard.
+        use_seedable_sampler: shuffle a ``RandomSampler`` by ``data_seed + epoch``
+            (Accelerate's ``SeedableRandomSampler``). False: on several processes the
+            sampler's generator is seeded once at prepare from the global RNG and runs on
+            across epochs; on one process it draws a seed every epoch (plain PyTorch).
+        data_seed: the seed of the seedable sampler (default: ``torch.initial_seed()``).
         non_blocking: use ``non_blocking`` copies when moving batches to the device.
         use_stateful_dataloader: ``load_state`` also restores the position inside the
             epoch (exact resume, no skipping in the script). False (Accelerate's default):

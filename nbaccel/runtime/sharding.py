@@ -178,8 +178,9 @@ class IterableDatasetShard(IterableDataset):
 
     With ``split_batches=False`` a round is ``num_processes * batch_size`` samples and
     rank ``r`` takes the ``r``-th ``batch_size``; with ``split_batches=True`` a round
-    is ``batch_size`` samples cut in ``num_processes`` slices. DataLoader workers take
-    alternate rounds, so ``num_workers > 0`` does not duplicate data.
+    is ``batch_size`` samples cut in ``num_processes`` slices. With ``num_workers > 0``
+    each worker reads its own copy of the dataset, as with a plain ``DataLoader`` (and
+    Accelerate): a dataset splits itself between workers with ``get_worker_info()``.
     """
 
     def __init__(
@@ -191,6 +192,7 @@ class IterableDatasetShard(IterableDataset):
         process_index: int = 0,
         split_batches: bool = False,
         even_batches: bool = True,
+        seed_generator: bool = False,
     ) -> None:
         if split_batches and batch_size % num_processes:
             raise ConfigError(
@@ -205,8 +207,13 @@ class IterableDatasetShard(IterableDataset):
         self.process_index = process_index
         self.even_batches = even_batches
         self.remainder = -1
+        # Accelerate's sharded iterable: a dataset without set_epoch but with a torch
+        # `generator` has it seeded with the epoch number at every iteration
+        self.seed_generator = seed_generator
+        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
@@ -226,21 +233,21 @@ class IterableDatasetShard(IterableDataset):
         return samples[lo : lo + self.per_rank]
 
     def __iter__(self) -> Iterator[Any]:
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        own = getattr(self.dataset, "generator", None)
+        seeds = self.seed_generator and not hasattr(self.dataset, "set_epoch")
+        if seeds and isinstance(own, torch.Generator):
+            own.manual_seed(self.epoch)
         self.remainder = -1
         first: list[Any] = []
         buffer: list[Any] = []
-        rounds = 0
         for sample in self.dataset:
             if len(first) < self.chunk:
                 first.append(sample)
             buffer.append(sample)
             if len(buffer) == self.chunk:
-                if rounds % workers == worker:
-                    yield from self._mine(buffer)
-                buffer, rounds = [], rounds + 1
-        if not buffer or self.drop_last or rounds % workers != worker:
+                yield from self._mine(buffer)
+                buffer = []
+        if not buffer or self.drop_last:
             return
         if self.even_batches:
             self.remainder = len(buffer)

@@ -5,9 +5,8 @@ The environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``NBACCEL_TIMEOUT``, ``NBACCEL_DEBUG_MODE``) is read exactly once, here, by
 :func:`nbaccel.platform.process_env.read_environment`. :func:`get_state` turns it into a frozen
 :class:`ProcessState`, initialising the ``torch.distributed`` process group when
-more than one process takes part (gloo on CPU, nccl on CUDA), or adopting one that
-the caller (torchrun user code, a test) already initialised. The result is cached
-per process, so a second ``Accelerator`` shares the group.
+more than one process takes part (gloo on CPU, nccl on CUDA), or adopting one that the
+caller (torchrun user code, a test) already initialised; cached per process.
 
 Example:
     >>> from nbaccel.runtime.state import get_state, reset_state
@@ -57,6 +56,7 @@ class DistributedType(str, enum.Enum):
     MULTI_MUSA = "MULTI_MUSA"
     MULTI_XPU = "MULTI_XPU"
     MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from ..errors import ConfigError
 from .base import GeneralTracker, flatten, plain, scalar, warn_skipped
@@ -20,7 +23,8 @@ class TensorBoardTracker(GeneralTracker):
     """Writes TensorBoard event files under ``logging_dir/run_name``.
 
     Numbers (0-d tensors too) become scalars, strings become text, dicts of numbers
-    become ``add_scalars`` groups. Each ``log`` flushes, so TensorBoard can follow
+    become ``add_scalars`` groups. The ``init_trackers`` config goes to ``add_hparams`` and,
+    as with Accelerate, to ``logging_dir/run_name/<time>/hparams.yml``. Each ``log`` flushes, so TensorBoard can follow
     a running job.
 
     A second run with the same name (a notebook run again) writes to
@@ -67,6 +71,11 @@ class TensorBoardTracker(GeneralTracker):
             hparams[str(key)] = number if number is not None else str(value)
         self.writer.add_hparams(hparams, metric_dict={})
         self.writer.flush()
+        # and, as Accelerate's tracker does, <logging_dir>/<run>/<time>/hparams.yml
+        folder = self.logging_dir / str(time.time())
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "hparams.yml", "w") as stream:
+            yaml.safe_dump(_yaml_plain(dict(values)), stream)
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
         for key, value in values.items():
@@ -86,6 +95,18 @@ class TensorBoardTracker(GeneralTracker):
 
     def finish(self) -> None:
         self.writer.close()
+
+
+def _yaml_plain(value: Any) -> Any:
+    """``value`` with what YAML cannot represent safely written as its ``str``."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _yaml_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_yaml_plain(v) for v in value]
+    number = scalar(value)  # 0-d tensors, numpy scalars
+    return number if number is not None else str(value)
 
 
 def _has_events(folder: Path) -> bool:

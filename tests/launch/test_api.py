@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import pathlib
 
 import pytest
@@ -105,7 +106,7 @@ def test_cli_booleans_can_be_turned_off_and_on():
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"rdzv_backend": "c10d"}, "rdzv_backend='c10d'"),
+        ({"rdzv_backend": "c10d", "num_nodes": 2}, "needs rdzv_endpoint='host:port'"),
         ({"rdzv_backend": "etcd"}, "rdzv_backend='etcd' is unknown"),
         ({"rdzv_conf": {"join_timeout": 5}}, "rdzv_conf="),
         ({"rdzv_id": "job-7"}, "rdzv_id='job-7'"),
@@ -114,8 +115,73 @@ def test_cli_booleans_can_be_turned_off_and_on():
 def test_rendezvous_settings_that_would_be_ignored_are_refused(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         notebook_launcher(print, num_processes=2, **kwargs)
-    with pytest.raises(ValueError, match="rdzv_backend='c10d'"):
-        start_workers(num_processes=2, rdzv_backend="c10d")
+    with pytest.raises(ValueError, match="needs rdzv_endpoint='host:port'"):
+        start_workers(num_processes=2, num_nodes=2, rdzv_backend="c10d")
+
+
+def _world_size() -> int:
+    from nbaccel import PartialState
+
+    return PartialState().num_processes
+
+
+@pytest.mark.integration
+def test_c10d_on_one_machine_runs_as_in_accelerates_notebook_test():
+    """Accelerate's own notebook test calls notebook_launcher(f, (), num_processes=2,
+    rdzv_backend="c10d"): on one machine it is the same meeting as the static one."""
+    assert notebook_launcher(
+        _world_size,
+        (),
+        num_processes=2,
+        rdzv_backend="c10d",
+        rdzv_conf={"join_timeout": 60},
+        rdzv_id="notebook",
+        return_all_ranks=True,
+    ) == [2, 2]
+
+
+_MACHINE = """
+import sys
+from nbaccel import PartialState, notebook_launcher
+
+def where():
+    state = PartialState()
+    return state.process_index, state.num_processes
+
+ranks = notebook_launcher(where, (), num_processes=1, num_nodes=2, rdzv_backend="c10d",
+                          rdzv_endpoint=sys.argv[1], rdzv_id="two-machines", return_all_ranks=True)
+print("RANKS", ranks)
+"""
+
+
+@pytest.mark.integration
+def test_c10d_across_machines_gives_the_identical_cell_its_node_rank(tmp_path):
+    """Two "machines" (two processes here) run the identical launch, without node_rank:
+    torch elastic's c10d rendezvous numbers them, and they train as one world of 2."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    env = {**os.environ, "NBACCEL_CONFIG_FILE": str(tmp_path / "none.yaml")}
+    cmd = [sys.executable, "-c", _MACHINE, endpoint]
+    machines = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    outputs = []
+    try:
+        for machine in machines:
+            outputs.append(machine.communicate(timeout=240)[0])
+    finally:
+        for machine in machines:
+            if machine.poll() is None:
+                machine.kill()
+                machine.wait()
+    lines = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RANKS"))
+    assert lines == ["RANKS [(0, 2)]", "RANKS [(1, 2)]"], outputs
 
 
 def _exception_classes() -> list[tuple[str, str]]:

@@ -173,6 +173,7 @@ def test_every_distributed_type_of_accelerate_exists():
         "MULTI_MUSA",
         "MULTI_XPU",
         "MULTI_HPU",
+        "MULTI_NEURON",
         "DEEPSPEED",
         "FSDP",
         "TP",
@@ -181,6 +182,11 @@ def test_every_distributed_type_of_accelerate_exists():
     ]:
         assert DistributedType[name].value == name
     assert DistributedType.TPU is DistributedType.XLA
+    try:  # and against the installed Accelerate (a test-only dependency, absent in the matrix)
+        from accelerate.utils import DistributedType as Theirs
+    except ImportError:
+        return
+    assert {m.name for m in Theirs} <= set(DistributedType.__members__)
 
 
 # ------------------------------------------------------------------ state objects

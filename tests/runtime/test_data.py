@@ -144,13 +144,37 @@ def test_iterable_dataset_shards():
     assert dataset.epochs == [0, 1]  # set_epoch forwarded, advancing by itself
 
 
-def test_iterable_dataset_with_workers_does_not_duplicate():
-    loader = prepare_data_loader(
-        DataLoader(Numbers(11, sized=False), batch_size=2, num_workers=2),
-        num_processes=2,
-        process_index=0,
-    )
-    assert sorted(i for b in loader for i in b.tolist()) == [0, 1, 4, 5, 8, 9]
+class ByWorker(torch.utils.data.IterableDataset):
+    """PyTorch's idiom: the dataset splits itself between the loader's workers."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(start, self.n, step))
+
+
+def test_iterable_dataset_with_workers_reads_as_a_plain_loader():
+    # each worker reads its own copy, as with a plain DataLoader and Accelerate: a dataset
+    # that splits itself by get_worker_info() is read once, not split a second time
+    def loader(dataset, **kw):
+        return DataLoader(dataset, batch_size=2, num_workers=2, **kw)
+
+    plain = [b.tolist() for b in loader(ByWorker(16))]
+    assert [b.tolist() for b in prepare_data_loader(loader(ByWorker(16)))] == plain
+    shards = [
+        [
+            b.tolist()
+            for b in prepare_data_loader(loader(ByWorker(16)), num_processes=2, process_index=r)
+        ]
+        for r in range(2)
+    ]
+    assert sorted(i for shard in shards for b in shard for i in b) == list(range(16))
+    # one process: a short last batch stays short, as in a plain loader
+    tail = [b.tolist() for b in prepare_data_loader(DataLoader(Numbers(5), batch_size=2))]
+    assert tail == [[0, 1], [2, 3], [4]]
 
 
 def _prepared(shuffle=True, **kw):
@@ -165,26 +189,37 @@ def test_shuffle_is_identical_on_every_rank_and_changes_per_epoch():
         flat = [i for rank in epoch for b in rank for i in b]
         assert sorted(flat) == list(range(12))  # a true partition: same permutation on both
     assert epochs[0] != epochs[1]
+    # Accelerate's default: the generator runs on, set_epoch does not replay an epoch...
     ranks[0].set_epoch(0)
-    assert [b.tolist() for b in ranks[0]] == epochs[0][0]  # set_epoch replays an epoch
+    assert [b.tolist() for b in ranks[0]] != epochs[0][0]
+    # ... the seedable sampler's order is (seed + epoch): set_epoch replays it
+    seedable = _prepared(num_processes=2, process_index=0, use_seedable_sampler=True)
+    orders = [[b.tolist() for b in seedable] for _ in range(2)]
+    seedable.set_epoch(0)
+    assert orders[0] != orders[1] and [b.tolist() for b in seedable] == orders[0]
 
 
 def test_state_dict_resumes_after_the_seen_batches():
+    # one process: the sampler draws its seed from the global stream every epoch, as plain
+    # PyTorch; the state replays epoch 1's start, the next epoch draws on from the RNG state
     full = _prepared()
-    first_epoch = [b.tolist() for b in full]
-    second_epoch = [b.tolist() for b in full]
+    epochs = [[b.tolist() for b in full] for _ in range(3)]
+    after = torch.rand(3)
     loader = _prepared()
     list(loader)
     iterator = iter(loader)
     seen = [next(iterator).tolist(), next(iterator).tolist()]
-    assert seen == second_epoch[:2]
-    state = loader.state_dict()
+    assert seen == epochs[1][:2]
+    state, rng = loader.state_dict(), torch.get_rng_state()  # what save_state keeps
     assert state["epoch"] == 1 and state["batches_yielded"] == 2
     resumed = _prepared(shuffle=True)
+    torch.manual_seed(99)  # another run: the checkpoint's states win
     resumed.load_state_dict(state)
-    assert [b.tolist() for b in resumed] == second_epoch[2:]
+    torch.set_rng_state(rng)
+    assert [b.tolist() for b in resumed] == epochs[1][2:]
     assert resumed.state_dict()["epoch"] == 2 and resumed.state_dict()["batches_yielded"] == 0
-    assert [b.tolist() for b in resumed] != first_epoch  # and it keeps advancing epochs
+    assert [b.tolist() for b in resumed] == epochs[2]  # and it goes on as the full run
+    assert torch.equal(torch.rand(3), after)
 
 
 def test_skip_first_batches_prepared_and_plain():

@@ -45,7 +45,10 @@ def _train(fsdp, accumulation=1, precision="no", model_first=True, plugin_kwargs
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     batch = 8 // acc.num_processes // accumulation
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
+    # the loader's own generator: 2 processes then read the 1-process order (a generator-less
+    # sampler is seeded from the global stream, per run on 1 process and once on 2: Accelerate's)
+    order = torch.Generator().manual_seed(2)
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, generator=order)
     if model_first:
         model, optimizer, loader = acc.prepare(model, optimizer, loader)
     else:  # the optimizer first: it must still follow the sharded parameters

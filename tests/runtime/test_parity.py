@@ -26,7 +26,10 @@ def _train(batch_size, split_batches=False, accumulation=1):
     y = x @ torch.tensor([[1.0], [2.0], [-1.0]]) + 0.5 + 0.1 * torch.randn(64, 1, generator=g)
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True)
+    # the loader's own generator: the 1-process order on 2 processes too (a generator-less
+    # sampler is seeded from the global stream: per epoch on 1 process, once on 2, as Accelerate)
+    order = torch.Generator().manual_seed(2)
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=order)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     for _epoch in range(3):
         for xb, yb in loader:

@@ -36,7 +36,10 @@ def _train(options: dict) -> dict:
     if style == "shuffle":
         loader = DataLoader(dataset, batch_size=local_batch, shuffle=True, generator=generator)
     else:  # the Hugging Face datasets style: a batch sampler passed as sampler=
-        sampler = BatchSampler(RandomSampler(dataset), batch_size=local_batch, drop_last=False)
+        # (with a generator: a generator-less one is seeded from the global stream, as
+        # Accelerate does, which is not the 1-process run's draw)
+        shuffle = RandomSampler(dataset, generator=generator)
+        sampler = BatchSampler(shuffle, batch_size=local_batch, drop_last=False)
         loader = DataLoader(dataset, sampler=sampler, batch_size=None)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     seen = []

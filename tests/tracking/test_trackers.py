@@ -49,6 +49,24 @@ def test_tensorboard_event_files_parse_and_hold_the_logged_scalars(tmp_path):
     assert {"group_a", "group_b"} <= subdirs
 
 
+def test_tensorboard_writes_accelerates_hparams_yml(tmp_path):
+    pytest.importorskip("tensorboard")
+    import yaml
+
+    config = {
+        "lr": 0.1,
+        "epochs": 3,
+        "name": "tiny",
+        "flag": True,
+        "none": None,
+        "t": torch.tensor(2),
+    }
+    [tb] = start_trackers("tensorboard", "proj", tmp_path, config=config)
+    tb.finish()
+    [path] = (tmp_path / "proj").glob("*/hparams.yml")  # Accelerate: <run>/<time>/hparams.yml
+    assert yaml.safe_load(path.read_text()) == {**config, "t": 2}
+
+
 def test_a_second_tensorboard_run_is_a_separate_run(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
