@@ -76,7 +76,7 @@ def _never_runs() -> None:  # pragma: no cover - the launch is interrupted first
     time.sleep(60)
 
 
-def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
+def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch, kernel_sigint):
     # A notebook interrupt that arrives while os.fork() runs is raised the moment the call
     # returns. Here the interrupt arrives just after the first fork: the launch must end
     # with KeyboardInterrupt and with that worker killed and reaped, not running on alone.
@@ -90,8 +90,6 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
         return pid
 
     monkeypatch.setattr(_process, "_fork", fork_then_interrupt)
-    # as in a kernel, SIGINT raises KeyboardInterrupt (a shell's background job ignores it)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             notebook_launcher(_never_runs, num_processes=2, start_method="fork")
@@ -105,4 +103,3 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
             if _is_our_zombie_or_alive(pid):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-        signal.signal(signal.SIGINT, previous)
