@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._cell_output import CellOutput
+from ._messages import Job
 from ._output import LineForwarder
 from ._preflight import LaunchPlan
 from ._process import start_processes
@@ -71,7 +72,7 @@ def start_group(
     on_event: Callable[[int, str, dict], None],
     round_: int = 0,
     persistent: bool = False,
-    first_job: tuple[Any, ...] | None = None,
+    first_job: Job | None = None,
     output: Any = None,
 ) -> Supervisor:
     """Reserve the rendezvous, start one worker per local rank, return their supervisor.

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import WorkerTimeoutError
+from ..errors import LaunchError, WorkerTimeoutError
 
 #: 5 minutes: longer than a real step, a checkpoint save or an evaluation on one rank
 #: usually keeps the others waiting, shorter than torch's own collective timeouts (NCCL's
@@ -167,4 +167,24 @@ class Watchdog:
         return hang
 
 
-__all__ = ["DEFAULT_HANG_AFTER", "Hang", "HangPolicy", "Watchdog"]
+def subset_error(
+    rank: int, report: dict[str, Any], ranks: list[int], idle: list[int]
+) -> LaunchError | None:
+    """A job run on ``ranks`` only (``%%distributed --ranks``) whose ``rank`` entered a call
+    that needs a rank of ``idle`` too: the error naming them (None: no such call)."""
+    waiting = report.get("waiting")
+    if not waiting:
+        return None
+    needs = idle if waiting["ranks"] is None else waiting["ranks"]
+    missing = sorted(set(needs) & set(idle))
+    if not missing:
+        return None
+    return LaunchError(
+        f"rank {rank} entered {waiting['call']} (a call that needs rank(s) {missing} too) in "
+        f"a job run on rank(s) {ranks} only: rank(s) {missing} do not run it, so it can never "
+        "complete. Run the cell on every rank (without --ranks), or keep collectives out of "
+        f"cells run on some ranks.\n--- where rank {rank} was ---\n{report['stack']}"
+    )
+
+
+__all__ = ["DEFAULT_HANG_AFTER", "Hang", "HangPolicy", "Watchdog", "subset_error"]

@@ -41,6 +41,7 @@ from ..platform.process_env import EnvironmentSnapshot
 from . import _kept
 from ._cell_output import CellOutput
 from ._environ import installed, patched_environ
+from ._messages import Job
 from ._preflight import DEBUG_TIMEOUT, LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
 from ._supervisor import JobFailed, Supervisor
@@ -214,9 +215,9 @@ def _wanted(plan: LaunchPlan) -> set[int]:
 def _start(plan: LaunchPlan, handle: LaunchHandle) -> Supervisor:
     want = _wanted(plan)
     if plan.method == "fork":  # inherited through the fork: nothing is pickled
-        job: tuple[Any, ...] = ("job", 1, "call", want, plan.function, plan.args, {})
+        job = Job(1, "call", want, (plan.function, plan.args, {}))
     else:
-        job = ("job", 1, "run", want, plan.payload)
+        job = Job(1, "run", want, (plan.payload,))
     group = start_group(
         plan,
         on_event=handle.on_event,
@@ -306,7 +307,7 @@ def run_script(cfg: LaunchConfig, command: list[str]) -> int:
         if attempt:
             print(f"nbaccel launch: restarting, attempt {attempt} of {cfg.max_restarts}",
                   file=sys.stderr)  # fmt: skip
-        job: tuple[object, ...] = ("job", 1, "script", set(), list(command))
+        job = Job(1, "script", set(), (list(command),))
         try:
             group = start_group(plan, on_event=_ignore, round_=attempt, first_job=job)
         except KeyboardInterrupt:
