@@ -135,6 +135,16 @@ class WorkerProcess:
         except Exception:
             return []
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time used so far by this worker and its live children (None: unknown)."""
+        try:
+            import psutil
+
+            procs = [psutil.Process(self.pid), *self.descendants()]
+            return sum(sum(p.cpu_times()[:2]) for p in procs)
+        except Exception:
+            return None
+
     def close(self) -> None:
         """Close the kernel's ends of this worker's pipes and channel (idempotent)."""
         close_ends({**self.fds, "channel": self.channel})

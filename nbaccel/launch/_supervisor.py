@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
-from ._failures import Failure, add_note, pick_failure, remote_exception, trim_stack, whereabouts
+from ._failures import Failure, add_note, name_missing, pick_failure, remote_exception, trim_stack
 from ._group import Group
 from ._kept import FailedJob
 from ._messages import (
@@ -144,8 +144,9 @@ class Supervisor(Group):
 
     # ------------------------------------------------------------------ looking inside
     def probe(self, ranks: Iterable[int], wait: float = 1.0) -> dict[int, dict[str, Any]]:
-        """What each rank's main thread is doing now: ``{"stack", "waiting"}`` (see
-        :func:`nbaccel.launch._worker_os.main_thread_report`); answered by the worker's
+        """What each rank's main thread is doing now: ``{"stack", "waiting", ...}`` (see
+        :func:`nbaccel.launch._worker_os.main_thread_report`) and its ``"cpu"`` seconds
+        so far; answered by the worker's
         channel thread, so also while the main thread is blocked in C++. From another
         thread than the one running a job (a live monitor's button) it only asks: that
         thread reads the answers."""
@@ -162,6 +163,9 @@ class Supervisor(Group):
                 self.pump(0.05)
             else:
                 time.sleep(0.05)
+        for proc in asked:  # is it working? (the watchdog tells waiting from stuck by it)
+            if proc.rank in answers:
+                answers[proc.rank]["cpu"] = proc.cpu_seconds()
         return self._answers.pop(request)
 
     def stacks(self, ranks: Iterable[int]) -> dict[int, str]:
@@ -223,7 +227,7 @@ class Supervisor(Group):
                 stuck = [p for p in busy if p.returncode is None]
                 seqs = {r: done.collectives for r, done in self._done.items()}
                 hang = watchdog.look([p.rank for p in stuck], seqs, self.activity)
-                if hang is not None and hang.policy.action == "raise":
+                if hang is not None and hang.policy.action == "raise" and not hang.busy:
                     self._hang(stuck, hang.reason, hang.stacks)
                 elif hang is not None:
                     hang.report(self.forwarder, self.on_event)
@@ -297,11 +301,10 @@ class Supervisor(Group):
         others = [f.summary() for f in problems if f is not chosen]
         if others:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
-        if isinstance(error, RanksMissingError) and error.missing:  # what those ranks do
-            finished = {r for r, done in self._done.items() if done.ok}
-            busy = [p.rank for p in procs if p.rank in error.missing and p.returncode is None]
-            stacks = self.stacks([r for r in busy if r not in finished]) if busy else {}
-            add_note(error, whereabouts(error.missing, stacks, finished))
+        if isinstance(error, RanksMissingError):  # who did not come, and what they do
+            live = [p.rank for p in procs if p.returncode is None and p.rank not in self._done]
+            counts = {r: d.collectives for r, d in self._done.items()}
+            name_missing(error, chosen.rank, counts, live, self.probe)
         dead = [f for f in problems if f.kind != "exception"]
         if self.keep_failed:  # before the others are interrupted: where each one was
             finished = {r for r, done in self._done.items() if done.ok}

@@ -108,8 +108,9 @@ def _to_cpu(tensor: Any) -> Any:
 
 def _needs_move(obj: Any) -> bool:
     """A tensor whose storage is not on the CPU (CUDA, XLA, MPS...)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu"
+    # torch may be half imported (a probe answered while the job imports it): no Tensor yet
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor is not None and isinstance(obj, tensor) and obj.device.type != "cpu"
 
 
 def _cpu_reduction(pickler: Any, obj: Any) -> Any:

@@ -92,6 +92,13 @@ class WorkerSpec:
         )
 
 
+#: torch's NCCL watchdog by default ends the whole process when a collective times out
+#: (the cell would see a worker killed by SIGABRT, none of its error). Here it aborts the
+#: communicators only, so the error reaches the training function and the cell (a
+#: RanksMissingError naming the ranks, or torch's DistBackendError). The user's own
+#: setting wins. (Read when an NCCL process group forms; no effect on gloo or XLA.)
+NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
 _inbox: queue.Queue[Any] = queue.Queue()
 _busy = False  # SIGINT raises KeyboardInterrupt only while a job runs
 
@@ -114,6 +121,8 @@ def _setup(spec: WorkerSpec, channel: Channel) -> None:
     wos.redirect_output(spec.fds["stdout"], spec.fds["stderr"])
     faulthandler.enable(file=sys.stderr, all_threads=True)  # fatal errors: stack on stderr
     os.environ.update(spec.env)  # torch's own env:// rendezvous reads these
+    for name, value in NCCL_SETTINGS.items():
+        os.environ.setdefault(name, value)
     torchcompat.reread_debug_level()  # debug_collectives: forked after torch read it
     install_launch_config(spec.config)  # the process's state: the runtime reads these two
     install_process_facts(spec.facts())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import sys
 
 import pytest
 import torch
@@ -117,3 +118,15 @@ def test_no_launch_module_speaks_in_positional_tuples():
             if sends or indexed:
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+def test_a_probe_answered_while_torch_is_half_imported_is_sent(monkeypatch):
+    # The channel thread answers probes while the job may be importing torch: the
+    # pickler must not need torch.Tensor then (the thread died, and with it the channel)
+    import types
+
+    from nbaccel.launch._messages import ProbeAnswer
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # no Tensor yet
+    message = ProbeAnswer(3, {"stack": "...", "waiting": None})
+    assert _wire.FrameReader().feed(_wire.frame(message)) == [message]

@@ -103,3 +103,19 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch, kernel_s
             if _is_our_zombie_or_alive(pid):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
+
+
+def _nccl_settings() -> str | None:
+    return os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def test_workers_keep_nccl_from_ending_the_process_unless_the_user_said(monkeypatch):
+    # NCCL's watchdog would abort the worker on a collective timeout (no GPU here: the
+    # setting is what torch reads when an NCCL group forms); the user's own value wins
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    values = notebook_launcher(
+        _nccl_settings, num_processes=2, start_method="fork", return_all_ranks=True
+    )
+    assert values == ["2", "2"]
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    assert notebook_launcher(_nccl_settings, num_processes=2, start_method="fork") == "1"
