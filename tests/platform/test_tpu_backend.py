@@ -167,7 +167,11 @@ def test_colab_v5e_1_runs_one_process_and_refuses_8_naming_the_runtime(fake, mon
 
 def test_check_process_count_reads_the_markers() -> None:
     assert tpu.check_process_count(None, KAGGLE_TPU) == 8
-    assert tpu.check_process_count(4, KAGGLE_TPU) == 4
+    assert tpu.check_process_count(1, KAGGLE_TPU) == 1
+    # torch_xla starts 1 process or one per device: 4 would run 8, refused before start
+    with pytest.raises(ConfigError, match=r"num_processes=4, but Kaggle.*8 TPU device.*"
+                       r"num_processes=8 .*or num_processes=1"):  # fmt: skip
+        tpu.check_process_count(4, KAGGLE_TPU)
     assert tpu.check_process_count(None, COLAB_TPU) == 1
     assert tpu.check_process_count(None, {}) is None  # unknown: the backend decides
     with pytest.raises(ConfigError, match=r"Kaggle, TPU v5e-8 has 8 TPU device"):
