@@ -5,7 +5,7 @@
   each worker runs ``_worker``'s loop (``_jobs``, ``_worker_os``, ``_agreement``); one
   channel per worker (``_wire``, its messages ``_messages``); one supervisor (``_supervisor`` over ``_group``, with
   ``_failures``, ``_output``, ``_status``, and ``_watchdog``: ranks waiting on each other
-  without progress are reported); TPUs start through ``_xla``;
+  without progress are reported); on TPUs the backend sets each started worker up;
 * :mod:`~nbaccel.launch.launcher` -- ``notebook_launcher`` (one job), ``debug_launcher``,
   ``run_script`` (``nbaccel launch``); :mod:`~nbaccel.launch.handle` -- ``LaunchHandle``;
 * :mod:`~nbaccel.launch.pool` -- ``start_workers``/``WorkerPool`` (many jobs; ``_pool``);

@@ -159,6 +159,7 @@ def _specs(
             die_with_parent=on_main,
             parent_pid=os.getpid(),
             linger=plan.debug_timeout,  # debug=True: a failed rank waits for nbaccel.debug()
+            tpu=plan.tpu,
         )
         specs.append(spec)
     listen_fd = rdzv.listen_fd() if rdzv is not None else None

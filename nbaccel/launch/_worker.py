@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import LaunchConfig, install_launch_config
-from ..platform import forksafe, torchcompat
+from ..platform import forksafe, torchcompat, tpu
 from ..platform.process_env import EnvironmentSnapshot, install_process_facts
 from ..tracking import events, progress, steps  # progress (tqdm) here: workers inherit it imported
 from . import _agreement, _jobs, _postmortem, _preload, _rendezvous
@@ -75,6 +75,7 @@ class WorkerSpec:
     store_fd: int | None = None  # global rank 0: the rendezvous socket the kernel reserved
     store_host: str = ""
     linger: float | None = None  # a failed one-shot worker waits this long for nbaccel.debug()
+    tpu: bool = False  # the TPU backend sets the process up before its runtime starts
 
     def facts(self) -> EnvironmentSnapshot:
         cfg = self.config
@@ -126,6 +127,8 @@ def _setup(spec: WorkerSpec, channel: Channel) -> None:
     torchcompat.reread_debug_level()  # debug_collectives: forked after torch read it
     install_launch_config(spec.config)  # the process's state: the runtime reads these two
     install_process_facts(spec.facts())
+    if spec.tpu:  # this process's chips and the runtime's local process variables
+        tpu.require_backend().setup_process(spec.local_rank, spec.local_world_size)
     events.install_sink(lambda kind, data: channel.send(Event(kind, data, time.time())))
     with contextlib.suppress(Exception):  # never fail a launch over a progress bar
         progress.use_text_bars_in_worker()  # tqdm.auto bars: text on rank 0, into the cell

@@ -6,8 +6,8 @@ A launch is "check, then launch":
    arguments > ``NBACCEL_*`` environment > config file > defaults), device count,
    CUDA-before-fork, an Accelerator already in the kernel, a busy port. Any
    problem raises here, before a process exists;
-2. one process: the function runs in the kernel itself; TPU: ``torch_xla``;
-   otherwise a one-shot group of workers (:mod:`nbaccel.launch._start`): forked (or
+2. one process: the function runs in the kernel itself (on a TPU never: the backend's
+   processes are workers, each set up by it); otherwise a one-shot group of workers (:mod:`nbaccel.launch._start`): forked (or
    spawned with dill when CUDA is already initialised), each given the typed
    configuration, torch's own TCPStore rendezvous listening on loopback only
    (:mod:`nbaccel.launch._rendezvous`), and the function as its one job;
@@ -157,12 +157,10 @@ def notebook_launcher(
 
 
 def launch(plan: LaunchPlan) -> Any:
-    """Run a planned launch: in the kernel, on TPUs, or on a one-shot group of workers
-    (a :class:`LaunchHandle` when ``plan.block`` is False)."""
+    """Run a planned launch: in the kernel, or on a one-shot group of workers (TPUs too:
+    the backend sets each one up); a :class:`LaunchHandle` when ``plan.block`` is False."""
     if plan.method == "kernel":
         return _run_in_kernel(plan)
-    if plan.method == "xla":
-        return _run_xla(plan)
     started: list[Supervisor] = []
     handle = LaunchHandle(
         plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.return_all_ranks
@@ -282,13 +280,6 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
         if state is not None and not had_state:
             state.reset_state()  # leave the kernel as found: no Accelerator state behind
     return [value] if plan.return_all_ranks else value
-
-
-def _run_xla(plan: LaunchPlan) -> Any:
-    from ._xla import launch_xla
-
-    results = launch_xla(plan.function, plan.args, plan.num_processes, plan.config)
-    return list(results) if plan.return_all_ranks else results[0]
 
 
 def run_script(cfg: LaunchConfig, command: list[str]) -> int:

@@ -255,12 +255,6 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
         CUDAInitializedError: ``start_method="fork"`` after CUDA was initialised.
         WorkerError, LaunchError: a worker could not start.
     """
-    from ..platform.xla import xla_requested
-
-    no_tpu = "start_workers does not support TPUs (torch_xla) yet; use notebook_launcher."
-    config = options.get("config")
-    if config.compute_device == "tpu" if config is not None else xla_requested():
-        raise LaunchError(no_tpu)  # before the planner, whose TPU message is about block=False
     if "debug_timeout" in options:
         raise TypeError(
             "start_workers() takes no debug_timeout: a pool's failed rank keeps its traceback "
@@ -271,8 +265,6 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
         raise TypeError(f"start_workers() takes no {own}: they are options of pool.call().")
     # block=False: always worker processes (never "run in the kernel"), in their own session
     plan = plan_launch(_idle, (), num_processes=num_processes, block=False, **options)
-    if plan.method == "xla":
-        raise LaunchError(no_tpu)
     pool = WorkerPool(plan)
     pool._start()
     if not _atexit_registered[0]:  # workers must not outlive the kernel

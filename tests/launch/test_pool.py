@@ -282,16 +282,6 @@ def test_restart_after_cuda_appeared_in_the_kernel_spawns(monkeypatch, capsys):
         assert "SIGKILL" in err and "start_method='spawn'" in err, err
 
 
-def test_tpu_is_refused_with_a_clear_error(monkeypatch):
-    from nbaccel import LaunchConfig
-
-    with pytest.raises(LaunchError, match="TPUs"):
-        start_workers(config=LaunchConfig(compute_device="tpu"))
-    monkeypatch.setattr("nbaccel.platform.xla.xla_requested", lambda: True)  # a TPU host
-    with pytest.raises(LaunchError, match="TPUs"):
-        start_workers(num_processes=2)
-
-
 def double(x: int) -> int:
     return 2 * x
 

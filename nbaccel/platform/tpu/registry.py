@@ -128,7 +128,7 @@ def check_process_count(
         other = " or num_processes=1 (in this process)" if devices != 1 else ""
         raise ConfigError(
             f"num_processes={num_processes}, but {runtime} has {devices} TPU device(s) and "
-            f"{backend.name} runs one process, or one per device: use num_processes="
+            f"{backend.name} runs one process per device (or one alone): use num_processes="
             f"{devices} (or None for one per device){other}."
         )
     return num_processes
