@@ -131,9 +131,22 @@ def fails_on_rank_3() -> None:
         raise KeyError(f"missing {secret}")
 
 
+def busy_alone(flag: str) -> int:
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator()  # the backend's device (the CPU) and world: gloo here
+    if accelerator.is_main_process:
+        while not os.path.exists(flag):
+            sum(range(10_000))
+    dist.barrier()
+    return accelerator.process_index
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_kaggle_v5e_8_runs_8_workers_of_the_one_engine(fake, monkeypatch, capsys) -> None:
+def test_kaggle_v5e_8_runs_8_workers_of_the_one_engine(fake, monkeypatch, capsys, tmp_path):
     _markers(monkeypatch, KAGGLE_TPU)
     results = notebook_launcher(where_am_i, return_all_ranks=True)
     assert [rank for rank, _ in results] == [f"{i}/8" for i in range(8)]  # set up by it
@@ -148,6 +161,18 @@ def test_kaggle_v5e_8_runs_8_workers_of_the_one_engine(fake, monkeypatch, capsys
             pool.call(fails_on_rank_3)
         nbaccel.debug(rank=3, commands=["p secret", "q"])
         assert "'3/8'" in capsys.readouterr().out
+        # the watchdog: 7 ranks wait in a barrier for rank 0, which works (never ended)
+        flag, lines = tmp_path / "go", []
+
+        def output(rank: int, stream: str, line: str) -> None:
+            lines.append(line)
+            if "which is busy in" in line:
+                flag.touch()
+
+        ranks = pool.call(busy_alone, (str(flag),), hang_after=2, on_hang="raise",
+                          output=output, return_all_ranks=True)  # fmt: skip
+        assert ranks == list(range(8)), lines
+        assert any("rank(s) 1, 2, 3, 4, 5, 6, 7 wait for rank 0" in ln for ln in lines), lines
         assert pool.restarts == 0
 
 
