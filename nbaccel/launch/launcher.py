@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -181,14 +180,18 @@ def launch(plan: LaunchPlan) -> Any:
     return handle.result()
 
 
-def _attempts(plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor]) -> dict[int, Any]:
-    """One group of workers per attempt, ``max_restarts`` more after a failure."""
+def _attempts(
+    plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor], job: Job | None = None
+) -> dict[int, Any]:
+    """One group of workers per attempt, ``max_restarts`` more after a failure: the one
+    restart loop of every launch (``job``: another than the plan's function, a script)."""
     while True:
-        group = started.pop() if started else _start(plan, handle)
+        group = started.pop() if started else _start(plan, handle, job)
         handle.supervisor = group
         kept = last = False
         try:
-            return group.run_job(1, plan.ranks, _wanted(plan), handle.stop_requested)
+            want = job.want if job is not None else _wanted(plan)
+            return group.run_job(1, plan.ranks, want, handle.stop_requested)
         except JobFailed as failed:
             err = failed.error
             last = isinstance(err, (Stopped, KeyboardInterrupt)) or (
@@ -210,11 +213,11 @@ def _wanted(plan: LaunchPlan) -> set[int]:
     return set(plan.ranks) if plan.return_all_ranks else {plan.ranks[0]}
 
 
-def _start(plan: LaunchPlan, handle: LaunchHandle) -> Supervisor:
+def _start(plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None) -> Supervisor:
     want = _wanted(plan)
-    if plan.method == "fork":  # inherited through the fork: nothing is pickled
+    if job is None and plan.method == "fork":  # inherited through the fork: nothing is pickled
         job = Job(1, "call", want, (plan.function, plan.args, {}))
-    else:
+    elif job is None:
         job = Job(1, "run", want, (plan.payload,))
     group = start_group(
         plan,
@@ -293,27 +296,16 @@ def run_script(cfg: LaunchConfig, command: list[str]) -> int:
         0
     """
     plan = plan_script(cfg)
-    stop = threading.Event()
-    for attempt in range(cfg.max_restarts + 1):
-        if attempt:
-            print(f"nbaccel launch: restarting, attempt {attempt} of {cfg.max_restarts}",
-                  file=sys.stderr)  # fmt: skip
-        job = Job(1, "script", set(), (list(command),))
-        try:
-            group = start_group(plan, on_event=_ignore, round_=attempt, first_job=job)
-        except KeyboardInterrupt:
-            return 130
-        try:
-            group.run_job(1, plan.ranks, set(), stop)
-            return 0
-        except JobFailed as failed:
-            code = _exit_code(failed.error)
-        finally:
-            group.terminate()
-            group.close()
-        if code == 130:
-            return code
-    return code
+    job = Job(1, "script", set(), (list(command),))
+    handle = LaunchHandle(plan.ranks, lambda h: _attempts(plan, h, [], job))
+    try:
+        handle.run()
+    except KeyboardInterrupt:
+        return 130
+    error = handle.exception()
+    if error is not None and handle.supervisor is None:  # no group started: a bad setting,
+        raise error  # said as the command's other errors are (a busy port: exit code 2)
+    return 0 if error is None else _exit_code(error)
 
 
 def _exit_code(error: BaseException) -> int:
@@ -332,10 +324,6 @@ def _exit_code(error: BaseException) -> int:
         return code
     print(f"nbaccel launch: {error}", file=sys.stderr)
     return 1
-
-
-def _ignore(rank: int, kind: str, data: dict) -> None:
-    """A script's events have no live view in a terminal."""
 
 
 __all__ = [
