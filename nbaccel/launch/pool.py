@@ -21,14 +21,13 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LaunchError
-from . import _kept
+from . import _kept, _lifetimes
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
 from ._preflight import plan_launch
@@ -37,7 +36,6 @@ _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 # The pools %%distributed may use, newest last. Weak: a pool the notebook no longer
 # references is garbage-collected, and closed, like any object (see __del__).
 _current: list[weakref.ref[WorkerPool]] = []
-_atexit_registered = [False]
 
 
 def _close_live_pools() -> None:
@@ -267,9 +265,7 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
     plan = plan_launch(_idle, (), num_processes=num_processes, block=False, **options)
     pool = WorkerPool(plan)
     pool._start()
-    if not _atexit_registered[0]:  # workers must not outlive the kernel
-        atexit.register(_close_live_pools)
-        _atexit_registered[0] = True
+    _lifetimes.register("pool", _close_live_pools)  # workers must not outlive the kernel
     _LIVE.add(pool)
     _current.append(weakref.ref(pool))
     return pool
