@@ -123,6 +123,22 @@ def _restore_process_state():
         pytest.fail(f"test left child processes running (or unwaited): {leaked}")
 
 
+@pytest.fixture
+def kernel_sigint():
+    """SIGINT handled as in a kernel's cell: it raises ``KeyboardInterrupt``.
+
+    ipykernel installs Python's handler for each cell it runs, whatever the kernel
+    inherited. A test that presses "the interrupt button" by sending SIGINT to its own
+    process needs the same, or it depends on how pytest was started: a background job
+    (``nohup ... &``, some CI runners, ``trap "" INT``) inherits SIGINT ignored.
+    """
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 # Markers whose tests must really run in the full suite: a skip there (a missing browser,
 # .xla-venv, kernel) would hide that the capability is untested, so it fails instead.
 _REQUIRED_MARKERS = ("browser", "xla", "kernel", "integration", "faults")

@@ -1,9 +1,9 @@
 """Run by tests/launch/test_xla.py inside .xla-venv (torch_xla 2.9, PJRT_DEVICE=CPU).
 
 Not a test module: it plays the notebook kernel. It launches a small training
-function through ``notebook_launcher`` in the ways the XLA path supports and
-writes what happened to the JSON file named by ``argv[1]``. Order matters:
-every launch that spawns workers comes before the XLA runtime is started here.
+function through the one engine (``notebook_launcher``, ``block=False``, the warm pool,
+``nbaccel.debug()``) on the XLA device and writes what happened to the JSON file named by
+``argv[1]``. Order matters: every launch comes before the XLA runtime is started here.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def train(epochs: int) -> dict[str, Any]:
             accelerator.backward(loss)
             optimizer.step()
             losses.append(loss.item())
+            accelerator.log({"loss": losses[-1]}, step=len(losses))  # the monitor's events
     with tempfile.TemporaryDirectory() as tmp:  # checkpoints of XLA tensors round-trip
         accelerator.save_state(tmp)
         trained = model.weight.detach().cpu().clone()
@@ -107,6 +108,48 @@ def expect_error(function: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return {"types": [], "rank": None, "message": "no error"}
 
 
+def background_pool_and_debug() -> dict[str, Any]:
+    """block=False with its status, then a warm pool: two calls, a failure, nbaccel.debug()."""
+    import contextlib
+    import io
+
+    handle = nbaccel.notebook_launcher(train, args=(1,), block=False)
+    background = handle.result(timeout=120)
+    scalars = handle.status()[0]["scalars"]
+    with nbaccel.start_workers() as pool:
+        first, second = pool.call(train, (1,)), pool.call(train, (1,))
+        failure = expect_error_in(lambda: pool.call(fail, (5,)))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            nbaccel.debug(commands=["p value + 1", "q"])
+        restarts = pool.restarts
+    return {
+        "background_pid": background["pid"],
+        "background_device": background["device"],
+        "logged_loss": "loss" in scalars,
+        "pool_pids": [first["pid"], second["pid"]],
+        "pool_device": second["device"],
+        "pool_failure": failure,
+        "debug_output": out.getvalue(),
+        "restarts": restarts,
+    }
+
+
+def expect_error_in(call: Any) -> dict[str, Any]:
+    try:
+        call()
+    except Exception as err:
+        return {"types": [t.__name__ for t in type(err).__mro__], "message": str(err)}
+    return {"types": [], "message": "no error"}
+
+
+def start_the_runtime_here() -> bool:
+    import torch_xla
+
+    torch_xla.device()  # the "kernel" touches the device: from now on no worker can own it
+    return True
+
+
 def colab_refuses_8() -> dict[str, Any]:
     """Colab's TPU runtime (v5e-1) asked for 8 processes: an error before anything starts."""
     markers = {"COLAB_RELEASE_TAG": "release-colab_20251101", "TPU_ACCELERATOR_TYPE": "v5litepod-1"}
@@ -129,11 +172,13 @@ def main(path: str) -> None:
     }
     steps = [
         ("colab_8", colab_refuses_8),  # refused before the runtime or a worker starts
-        ("spawned", lambda: launched(None)),  # xmp.spawn: a forked worker process
+        ("spawned", lambda: launched(None)),  # a worker of the engine, set up by the backend
         ("runtime_after_spawn", xla.runtime_initialized),
         ("failure", lambda: expect_error(fail, args=(7,), num_processes=None)),
-        ("in_process", lambda: launched(1)),  # xmp.spawn(nprocs=1): runs right here
-        ("runtime_after_in_process", xla.runtime_initialized),
+        ("one_worker", lambda: launched(1)),  # one process: a worker too, never the kernel
+        ("engine", background_pool_and_debug),
+        ("runtime_after_workers", xla.runtime_initialized),
+        ("runtime_started_here", start_the_runtime_here),
         ("refused", lambda: expect_error(train, args=(1,), num_processes=None)),
     ]
     for name, step in steps:

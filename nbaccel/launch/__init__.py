@@ -3,9 +3,9 @@
 * the engine: ``_preflight`` (+ ``_safety``) checks and resolves before anything starts;
   ``_start`` starts a group (``_rendezvous``, ``_process``: fork or spawn, ``_preload``);
   each worker runs ``_worker``'s loop (``_jobs``, ``_worker_os``, ``_agreement``); one
-  channel per worker (``_wire``); one supervisor (``_supervisor`` over ``_group``, with
+  channel per worker (``_wire``, its messages ``_messages``); one supervisor (``_supervisor`` over ``_group``, with
   ``_failures``, ``_output``, ``_status``, and ``_watchdog``: ranks waiting on each other
-  without progress are reported); TPUs start through ``_xla``;
+  without progress are reported); on TPUs the backend sets each started worker up;
 * :mod:`~nbaccel.launch.launcher` -- ``notebook_launcher`` (one job), ``debug_launcher``,
   ``run_script`` (``nbaccel launch``); :mod:`~nbaccel.launch.handle` -- ``LaunchHandle``;
 * :mod:`~nbaccel.launch.pool` -- ``start_workers``/``WorkerPool`` (many jobs; ``_pool``);

@@ -26,8 +26,7 @@ from ..platform.process_env import (
 
 @contextlib.contextmanager
 def patched_environ(values: Mapping[str, str]) -> Iterator[None]:
-    """Set ``values`` for the launch; afterwards the environment is exactly as before
-    (torch_xla itself sets ``PJRT_LOCAL_PROCESS_*`` variables in the launching process)."""
+    """Set ``values`` for the launch; afterwards the environment is exactly as before."""
     saved = dict(os.environ)
     os.environ.update(values)
     try:

@@ -18,8 +18,8 @@ import selectors
 import signal
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
+from ._messages import Exit
 from ._output import LineForwarder
 from ._process import WorkerProcess
 
@@ -48,7 +48,7 @@ class Group:
                 self._selector.register(fd, selectors.EVENT_READ, (proc, name))
                 self._open.add(fd)
 
-    def handle(self, proc: WorkerProcess, message: tuple[Any, ...]) -> None:
+    def handle(self, proc: WorkerProcess, message: object) -> None:
         """One message from ``proc``'s channel (the supervisor acts on it)."""
 
     def pump(self, wait: float) -> None:
@@ -123,7 +123,7 @@ class Group:
         try:
             with contextlib.suppress(OSError, AttributeError):
                 for proc in leaving:
-                    proc.channel.send(("exit",))  # type: ignore[union-attr]
+                    proc.channel.send(Exit())  # type: ignore[union-attr]
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and any(p.poll() is None for p in leaving):
                 self.pump(0.05)

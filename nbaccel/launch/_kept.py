@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import threading
 import time
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _lifetimes
 from ._failures import Failure, signal_name
 
 # The supervisor imports this module, so its type is spelled here by name only.
@@ -225,8 +225,7 @@ def _hold(job: FailedJob, group: Supervisor, ranks: set[int], seconds: float) ->
         return False
     job.group, job.deadline = group, time.monotonic() + seconds
     _held[id(job)] = job
-    if not _atexit_registered:
-        _register_atexit()
+    _lifetimes.register("kept", _end_all)  # no lingering rank outlives the kernel
     threading.Thread(
         target=_watch, args=(job, group, alive), name="nbaccel-postmortem", daemon=True
     ).start()
@@ -269,15 +268,6 @@ def _end(job: FailedJob, group: Supervisor) -> None:
         group.close()
     job.group = None
     _held.pop(id(job), None)
-
-
-_atexit_registered = False
-
-
-def _register_atexit() -> None:
-    global _atexit_registered
-    _atexit_registered = True
-    atexit.register(_end_all)
 
 
 def _end_all() -> None:

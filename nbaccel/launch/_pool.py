@@ -26,6 +26,7 @@ from ..errors import LaunchError, Stopped, WorkerError
 from ..platform import cudafork, environment
 from . import _kept
 from ._cell_output import CellOutput
+from ._messages import Job
 from ._preflight import LaunchPlan
 from ._start import forwarder, start_group
 from ._status import Observed, RankStatus
@@ -226,7 +227,7 @@ class PoolWorkers(Observed):
             _kept.forget(self, "the pool ran another call since (a failed rank keeps its "
                          "traceback until the pool's next call)")  # fmt: skip
             try:
-                group.send(handle.ranks, ("job", job, kind, want, *body))
+                group.send(handle.ranks, Job(job, kind, want, body))
                 return group.run_job(job, handle.ranks, want, handle.stop_requested)
             except JobFailed as failed:
                 for rank in handle.ranks:

@@ -1,17 +1,17 @@
 """Worker side of post-mortem debugging: keep a failed job's traceback, serve pdb on it.
 
 When a job raises, the worker keeps the exception (its traceback holds every frame and
-their locals) until the next job, or until it leaves. A ``("debug", sid)`` message opens
+their locals) until the next job, or until it leaves. A ``Debug(sid)`` message opens
 stdlib :class:`pdb.Pdb`'s post-mortem on it, in the worker's main thread, with its stdin
 and stdout (and, for the session, ``sys.stdin``/``sys.stdout``/``sys.stderr``: what
 ``!print(x)`` or ``interact`` write) wired to the channel:
 
-* whatever pdb wrote is sent when it waits for a line, as ``("pdb", sid, "ask", text,
+* whatever pdb wrote is sent when it waits for a line, as ``PdbOutput(sid, "ask", text,
   prompt)`` (``prompt``: what follows the last newline, e.g. ``"(Pdb) "``); the kernel
-  answers ``("pdb-in", sid, line)``, the typed line with its newline (an empty string:
+  answers ``PdbLine(sid, line)``, the typed line with its newline (an empty string:
   end of input, pdb quits);
-* when pdb returns (``q``, ``c``, end of input) the rest goes as ``("pdb", sid, "end",
-  text)``; with nothing kept, ``("pdb", sid, "none", why)``.
+* when pdb returns (``q``, ``c``, end of input) the rest goes as ``PdbOutput(sid, "end",
+  text)``; with nothing kept, ``PdbOutput(sid, "none", why)``.
 
 After its failed job, a one-shot worker of ``notebook_launcher(..., debug=True)`` waits
 (:func:`linger`) up to ``debug_timeout`` seconds for a debugger, serves one session, then
@@ -36,6 +36,8 @@ import sys
 import time
 from types import TracebackType
 from typing import Any
+
+from ._messages import Debug, Exit, PdbLine, PdbOutput
 
 _kept: list[BaseException] = []  # the last failed job's exception (at most one)
 
@@ -97,14 +99,14 @@ class _In:
         if self.ended:
             return ""
         text, _, prompt = self.out.take().rpartition("\n")
-        self.channel.send(("pdb", self.sid, "ask", text + "\n" if text else "", prompt))
+        self.channel.send(PdbOutput(self.sid, "ask", text + "\n" if text else "", prompt))
         while True:
             message = self.inbox.get()
-            if message[0] == "pdb-in" and message[1] == self.sid:
-                line = str(message[2])  # a typed line ends in "\n" ("" is the end)
+            if isinstance(message, PdbLine) and message.sid == self.sid:
+                line = message.line  # a typed line ends in "\n" ("" is the end)
                 self.ended = not line
                 return line
-            if message[0] == "pdb-in":
+            if isinstance(message, PdbLine):
                 continue  # a line for an earlier session
             # "exit", a job, another session: the kernel has moved on. End this session;
             # the worker's loop acts on the message next.
@@ -120,7 +122,7 @@ def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
     """One pdb post-mortem session on the kept failure, driven over ``channel``."""
     exc = kept()
     if exc is None:
-        channel.send(("pdb", sid, "none", "this worker holds no failed job's traceback"))
+        channel.send(PdbOutput(sid, "none", "this worker holds no failed job's traceback"))
         return
     out = _Out()
     stdin = _In(sid, channel, inbox, out)
@@ -141,7 +143,7 @@ def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
         sys.stdin, sys.stdout, sys.stderr = streams
         with contextlib.suppress(Exception):
             sys.settrace(None)
-    channel.send(("pdb", sid, "end", out.take()))
+    channel.send(PdbOutput(sid, "end", out.take()))
     for message in stdin.later:  # e.g. "exit": the worker's loop acts on it next
         inbox.put(message)
 
@@ -173,10 +175,10 @@ def linger(channel: Any, inbox: queue.Queue[Any], seconds: float) -> None:
             message = inbox.get(timeout=remaining)
         except queue.Empty:
             return
-        if message[0] == "exit":
+        if isinstance(message, Exit):
             return
-        if message[0] == "debug":
-            session(message[1], channel, inbox)
+        if isinstance(message, Debug):
+            session(message.sid, channel, inbox)
             return
 
 

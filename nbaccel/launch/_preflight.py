@@ -30,7 +30,7 @@ from ..config import (
     resolve_launch_config,
 )
 from ..errors import ConfigError
-from ..platform import cudatrace, environment, hardware
+from ..platform import cudatrace, environment, hardware, tpu
 from ..platform.hardware import default_num_processes
 from ._kept import DEBUG_TIMEOUT
 from ._rendezvous import elastic_meet
@@ -54,8 +54,8 @@ class LaunchPlan:
     function: Callable[..., Any]
     args: tuple[Any, ...]
     config: LaunchConfig
-    num_processes: int | None  # per node; None only on the XLA path ("all cores")
-    method: str  # "fork", "spawn", "kernel" (run in this process) or "xla"
+    num_processes: int | None  # per node
+    method: str  # "fork", "spawn" or "kernel" (run in this process)
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
     payload: bytes | None = None  # dill-pickled (function, args) for spawn
@@ -65,6 +65,7 @@ class LaunchPlan:
     block: bool = True
     monitor_interval: float = 0.1
     debug_timeout: float | None = None  # debug=True: a failed rank waits this long for debug()
+    tpu: bool = False  # workers on the TPU backend (it sets each one up; see platform.tpu)
 
     @property
     def world_size(self) -> int:
@@ -313,6 +314,26 @@ def _check_debug(debug: Any, timeout: Any) -> float | None:
     return float(DEBUG_TIMEOUT if timeout is None else timeout)
 
 
+def _tpu_plan(cfg: LaunchConfig, function: Any, args: tuple[Any, ...], common: Any) -> LaunchPlan:
+    """TPU: the backend's processes, started and served by the one engine (never in the
+    kernel, whose XLA runtime must stay unstarted for the workers to own the chips)."""
+    backend = tpu.require_backend()
+    if cfg.strategy == "fsdp":
+        raise ConfigError("strategy='fsdp' is not available on TPU (torch_xla); use 'ddp'.")
+    nproc = tpu.check_process_count(cfg.num_processes) or 1  # e.g. 4 on a v5e-8: refused
+    if backend.runtime_initialized():
+        raise ConfigError(
+            f"the {backend.name} runtime is already started in this kernel (an XLA device or "
+            "tensor was used before launching), so no worker can own the TPU. Restart the "
+            "kernel and launch before touching the device."
+        )
+    check_platform(cfg.start_method)
+    method = choose_start_method(cfg.start_method)
+    payload = _spawn_payload(function, args) if method == "spawn" else None
+    env = process_env(cfg, None)
+    return LaunchPlan(function, args, cfg, nproc, method, env, None, payload, **common, tpu=True)
+
+
 def _decide(
     cfg: LaunchConfig,
     function: Any,
@@ -323,12 +344,7 @@ def _decide(
     if cfg.compute_device == "tpu" or (
         cfg.compute_device == "auto" and environment.xla_requested()
     ):
-        if not common["block"]:
-            raise ConfigError("block=False is not supported on TPU (torch_xla); use block=True.")
-        nproc = cfg.num_processes or environment.tpu_core_count()
-        if cfg.strategy == "fsdp":
-            raise ConfigError("strategy='fsdp' is not available on TPU (torch_xla); use 'ddp'.")
-        return LaunchPlan(function, args, cfg, nproc, "xla", process_env(cfg, None), **common)
+        return _tpu_plan(cfg, function, args, common)
     nproc = _count_processes(cfg)
     in_kernel = nproc == 1 and cfg.num_nodes == 1 and common["block"]
     if not in_kernel:
@@ -360,13 +376,13 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     """A script's launch (``nbaccel launch``): worker processes also for one, each a fresh
     interpreter (as ``python script.py``) unless ``start_method="fork"``; on a TPU one
     process (torch_xla's runtime starts one per chip from it). Output is not prefixed."""
-    tpu = cfg.compute_device == "tpu"
-    nproc = 1 if tpu else _count_processes(cfg)
+    on_tpu = cfg.compute_device == "tpu"
+    nproc = 1 if on_tpu else _count_processes(cfg)
     check_platform(cfg.start_method)
     check_gpus_per_process(cfg, nproc)
     threads = worker_threads(nproc)
     env = process_env(cfg, threads) | _accelerate_env(cfg)
-    if tpu:
+    if on_tpu:
         env["PJRT_DEVICE"] = os.environ.get("PJRT_DEVICE", "TPU")
     method = "fork" if cfg.start_method == "fork" else "spawn"
     return LaunchPlan(print, (), cfg, nproc, method, env, threads, template="")

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from typing import Any
 
 from ..config.launch_config import field_kind
 from ..platform.forksafe import release_openmp_threads
+from ._messages import Imported
 
 _DYNAMO = "torch._dynamo"
-#: The event in which a forked worker reports what it had to import itself.
-IMPORTED_EVENT = "nbaccel.imported"
 _learned: set[str] = set()
 
 
@@ -51,7 +49,7 @@ class Learner:
     def report(self, channel: Any) -> None:
         if self.watch and _DYNAMO in sys.modules:
             self.watch = False
-            channel.send(("event", IMPORTED_EVENT, {"modules": [_DYNAMO]}, time.time()))
+            channel.send(Imported([_DYNAMO]))
 
 
 def preload() -> None:
@@ -72,4 +70,4 @@ def preload() -> None:
     release_openmp_threads()
 
 
-__all__ = ["IMPORTED_EVENT", "Learner", "learned_modules", "preload", "remember_worker_imports"]
+__all__ = ["Learner", "learned_modules", "preload", "remember_worker_imports"]

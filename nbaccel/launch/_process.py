@@ -38,6 +38,7 @@ from typing import Any
 from ..errors import LaunchError
 from ..platform import environment, forksafe
 from . import _worker_os
+from ._messages import Job, Setup
 from ._preload import preload
 from ._wire import Channel
 from ._worker import WorkerSpec, fork_main
@@ -134,6 +135,16 @@ class WorkerProcess:
         except Exception:
             return []
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time used so far by this worker and its live children (None: unknown)."""
+        try:
+            import psutil
+
+            procs = [psutil.Process(self.pid), *self.descendants()]
+            return sum(sum(p.cpu_times()[:2]) for p in procs)
+        except Exception:
+            return None
+
     def close(self) -> None:
         """Close the kernel's ends of this worker's pipes and channel (idempotent)."""
         close_ends({**self.fds, "channel": self.channel})
@@ -162,7 +173,7 @@ def _close_kernel_ends() -> None:  # in every child forked from the kernel
 def start_processes(
     specs: list[WorkerSpec],
     method: str,
-    first_job: tuple[Any, ...] | None,
+    first_job: Job | None,
     *,
     close_in_children: tuple[int, ...] = (),
 ) -> list[WorkerProcess]:
@@ -228,16 +239,14 @@ def _ends() -> tuple[dict[str, int], dict[str, Any]]:
     return {"stdout": out_w, "stderr": err_w, "channel": worker_fd}, kernel
 
 
-def _start(
-    spec: WorkerSpec, method: str, mine: dict[str, int], job: tuple[Any, ...] | None
-) -> tuple[int, Any]:
+def _start(spec: WorkerSpec, method: str, mine: dict[str, int], job: Job | None) -> tuple[int, Any]:
     if method == "fork":
         return _fork(spec, mine, job), None
     popen = _spawn(spec, mine)
     return popen.pid, popen
 
 
-def _fork(spec: WorkerSpec, mine: dict[str, int], job: tuple[Any, ...] | None) -> int:
+def _fork(spec: WorkerSpec, mine: dict[str, int], job: Job | None) -> int:
     """The fork site: the child becomes the worker and never returns from here."""
     with forksafe.forking():  # Python >= 3.12's generic warning; check_fork decided instead
         pid = os.fork()
@@ -311,7 +320,7 @@ def _notebook_sources() -> dict[str, Any]:
 def _send_setup(proc: WorkerProcess, spec: WorkerSpec) -> None:
     assert proc.channel is not None
     with contextlib.suppress(OSError):  # it died at start-up: the supervisor reports its exit
-        proc.channel.send(("setup", spec, list(sys.path), _notebook_sources()))
+        proc.channel.send(Setup(spec, list(sys.path), _notebook_sources()))
 
 
 __all__ = ["WorkerProcess", "close_ends", "start_processes"]

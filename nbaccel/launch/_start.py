@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._cell_output import CellOutput
+from ._messages import Job
 from ._output import LineForwarder
 from ._preflight import LaunchPlan
 from ._process import start_processes
@@ -72,7 +73,7 @@ def start_group(
     on_event: Callable[[int, str, dict], None],
     round_: int = 0,
     persistent: bool = False,
-    first_job: tuple[Any, ...] | None = None,
+    first_job: Job | None = None,
     output: Any = None,
 ) -> Supervisor:
     """Reserve the rendezvous, start one worker per local rank, return their supervisor.
@@ -172,6 +173,7 @@ def _specs(
             die_with_parent=on_main,
             parent_pid=os.getpid(),
             linger=plan.debug_timeout,  # debug=True: a failed rank waits for nbaccel.debug()
+            tpu=plan.tpu,
         )
         specs.append(spec)
     listen_fd = rdzv.listen_fd() if rdzv is not None else None

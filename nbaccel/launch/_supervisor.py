@@ -2,7 +2,8 @@
 
 One loop multiplexes every worker's output pipes and channel with ``selectors``: output
 lines go to the :class:`~nbaccel.launch._output.LineForwarder` (a tail of stderr is kept
-for fatal-error stacks), channel messages are hello/ready/event/done/fatal/probe answers.
+for fatal-error stacks), channel messages (:mod:`~nbaccel.launch._messages`) are acted
+on by their type.
 :meth:`Supervisor.run_job` waits for one job on some ranks and decides:
 
 * a failure (an exception, a death by signal, an unexpected exit) starts a short grace
@@ -44,13 +45,24 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
-from ._failures import Failure, add_note, pick_failure, remote_exception, trim_stack, whereabouts
+from ._failures import Failure, add_note, name_missing, pick_failure, remote_exception, trim_stack
 from ._group import Group
 from ._kept import FailedJob
+from ._messages import (
+    Done,
+    Event,
+    Fatal,
+    Hello,
+    Imported,
+    PdbOutput,
+    Probe,
+    ProbeAnswer,
+    Ready,
+)
 from ._output import LineForwarder
-from ._preload import IMPORTED_EVENT, remember_worker_imports
+from ._preload import remember_worker_imports
 from ._process import WorkerProcess
-from ._watchdog import HangPolicy, Watchdog
+from ._watchdog import HangPolicy, Watchdog, subset_error
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
@@ -90,7 +102,8 @@ class Supervisor(Group):
         self.ready: set[int] = set()
         self._ids = itertools.count(2)  # 1 is the first job, made before the group started
         self._job: int | None = None
-        self._done: dict[int, tuple[bool, Any, int | None, float]] = {}
+        self._done: dict[int, Done] = {}  # this job's answers, by rank
+        self._done_at: dict[int, float] = {}
         self._fatal: dict[int, Failure] = {}
         self._answers: dict[int, dict[int, dict[str, Any]]] = {}
         self._reader: threading.Thread | None = None  # the thread in run_job, reading
@@ -98,41 +111,42 @@ class Supervisor(Group):
         # launch with debug=True too; the failure's snapshot and the debugger's messages
         self.keep_failed = not one_shot
         self.post_mortem: FailedJob | None = None
-        self.pdb_messages: list[tuple[Any, ...]] = []
+        self.pdb_messages: list[tuple[int, PdbOutput]] = []
 
-    def handle(self, proc: WorkerProcess, message: tuple[Any, ...]) -> None:
-        kind, rank = message[0], proc.rank
-        self.activity += kind in ("event", "done")
-        if kind == "hello":
-            state = "running" if self.one_shot else "idle"
-            self.on_event(rank, "state", {"state": state, "pid": message[1]})
-        elif kind == "ready":
-            self.ready.add(rank)
-        elif kind == "event" and message[1] == IMPORTED_EVENT:
-            remember_worker_imports(message[2].get("modules", []))  # pre-import next time
-        elif kind == "event":
-            self.on_event(rank, message[1], dict(message[2], time=message[3]))
-        elif kind == "done" and message[1] == self._job:  # a late answer is dropped
-            ok, payload, seq = message[2], message[3], message[4]
-            self._done[rank] = (ok, payload, seq, time.time())
-            if ok:
-                self.on_event(rank, "state", {"state": "finished"})
-            else:
-                summary = self._job_failure(rank).summary()
-                self.on_event(rank, "state", {"state": "failed", "error": summary})
-        elif kind == "fatal":
-            info = message[1]
-            self._fatal[rank] = Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
-            self.on_event(rank, "state", {"state": "failed", "error": self._fatal[rank].summary()})
-        elif kind == "probe" and message[1] in self._answers:
-            self._answers[message[1]][rank] = message[2]
-        elif kind == "pdb":
-            self.pdb_messages.append((rank, *message[1:]))
+    def handle(self, proc: WorkerProcess, message: object) -> None:
+        rank = proc.rank
+        self.activity += isinstance(message, (Event, Done))
+        match message:
+            case Hello(pid=pid):
+                state = "running" if self.one_shot else "idle"
+                self.on_event(rank, "state", {"state": state, "pid": pid})
+            case Ready():
+                self.ready.add(rank)
+            case Imported(modules=modules):
+                remember_worker_imports(modules)  # pre-import them next time
+            case Event(kind=kind, data=data, time=at):
+                self.on_event(rank, kind, dict(data, time=at))
+            case Done(job=job) if job == self._job:  # a late answer is dropped
+                self._done[rank], self._done_at[rank] = message, time.time()
+                if message.ok:
+                    self.on_event(rank, "state", {"state": "finished"})
+                else:
+                    summary = self._job_failure(rank).summary()
+                    self.on_event(rank, "state", {"state": "failed", "error": summary})
+            case Fatal(info=info):
+                failure = Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
+                self._fatal[rank] = failure
+                self.on_event(rank, "state", {"state": "failed", "error": failure.summary()})
+            case ProbeAnswer(request=request) if request in self._answers:
+                self._answers[request][rank] = message.report
+            case PdbOutput():
+                self.pdb_messages.append((rank, message))
 
     # ------------------------------------------------------------------ looking inside
     def probe(self, ranks: Iterable[int], wait: float = 1.0) -> dict[int, dict[str, Any]]:
-        """What each rank's main thread is doing now: ``{"stack", "waiting"}`` (see
-        :func:`nbaccel.launch._worker_os.main_thread_report`); answered by the worker's
+        """What each rank's main thread is doing now: ``{"stack", "waiting", ...}`` (see
+        :func:`nbaccel.launch._worker_os.main_thread_report`) and its ``"cpu"`` seconds
+        so far; answered by the worker's
         channel thread, so also while the main thread is blocked in C++. From another
         thread than the one running a job (a live monitor's button) it only asks: that
         thread reads the answers."""
@@ -141,7 +155,7 @@ class Supervisor(Group):
         answers = self._answers[request] = {}
         for proc in asked:
             with contextlib.suppress(OSError, AttributeError):
-                proc.channel.send(("probe", request))  # type: ignore[union-attr]
+                proc.channel.send(Probe(request))  # type: ignore[union-attr]
         deadline = time.monotonic() + wait
         while len(answers) < len(asked) and time.monotonic() < deadline:
             reader = self._reader
@@ -149,6 +163,9 @@ class Supervisor(Group):
                 self.pump(0.05)
             else:
                 time.sleep(0.05)
+        for proc in asked:  # is it working? (the watchdog tells waiting from stuck by it)
+            if proc.rank in answers:
+                answers[proc.rank]["cpu"] = proc.cpu_seconds()
         return self._answers.pop(request)
 
     def stacks(self, ranks: Iterable[int]) -> dict[int, str]:
@@ -162,7 +179,7 @@ class Supervisor(Group):
     def new_job(self) -> int:
         return next(self._ids)
 
-    def send(self, ranks: Iterable[int], message: tuple[Any, ...]) -> None:
+    def send(self, ranks: Iterable[int], message: object) -> None:
         """Send ``message`` to ``ranks``; JobFailed if a rank cannot take it."""
         try:
             for rank in ranks:
@@ -177,7 +194,7 @@ class Supervisor(Group):
     ) -> dict[int, Any]:
         """Wait until every rank in ``ranks`` finished ``job`` (one-shot: and exited);
         return the values of ``want``. Raises :class:`JobFailed`."""
-        self._job, self._done = job, {}
+        self._job, self._done, self._done_at = job, {}, {}
         self._reader = threading.current_thread()
         procs = [self.procs[r] for r in ranks]
         subset = [r for r in self.procs if r not in ranks]
@@ -203,12 +220,14 @@ class Supervisor(Group):
                     return self._values(want)
                 if subset and busy and time.monotonic() - last_look > self.PROBE_EVERY:
                     last_look = time.monotonic()
-                    self._check_subset(busy, ranks, subset, procs)
-                finished = [t for ok, _, _, t in self._done.values() if ok]
+                    for rank, report in self.probe([p.rank for p in busy], wait=0.5).items():
+                        if error := subset_error(rank, report, ranks, subset):
+                            self._end_early(procs, error)
+                finished = [self._done_at[r] for r, done in self._done.items() if done.ok]
                 stuck = [p for p in busy if p.returncode is None]
-                seqs = {r: s for r, (_, _, s, _) in self._done.items()}
+                seqs = {r: done.collectives for r, done in self._done.items()}
                 hang = watchdog.look([p.rank for p in stuck], seqs, self.activity)
-                if hang is not None and hang.policy.action == "raise":
+                if hang is not None and hang.policy.action == "raise" and not hang.busy:
                     self._hang(stuck, hang.reason, hang.stacks)
                 elif hang is not None:
                     hang.report(self.forwarder, self.on_event)
@@ -226,13 +245,18 @@ class Supervisor(Group):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _job_failure(self, rank: int) -> Failure:
-        _, info, _, _ = self._done[rank]
+        info = self._done[rank].payload
         proc = self.procs[rank]
         return Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
 
+    def _ok(self, rank: int) -> bool:
+        """Not known to have failed this job (finished well, or not finished)."""
+        done = self._done.get(rank)
+        return done is None or done.ok
+
     def failures(self, procs: list[WorkerProcess]) -> list[Failure]:
         """The job's failed ranks, and every rank of the group that failed or died."""
-        out = [self._job_failure(p.rank) for p in procs if not self._done.get(p.rank, (1,))[0]]
+        out = [self._job_failure(p.rank) for p in procs if not self._ok(p.rank)]
         out += [f for r, f in self._fatal.items() if r not in {f.rank for f in out}]
         for proc in self.procs.values():
             if not self._exited(proc) or proc.rank in {f.rank for f in out}:
@@ -277,14 +301,13 @@ class Supervisor(Group):
         others = [f.summary() for f in problems if f is not chosen]
         if others:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
-        if isinstance(error, RanksMissingError) and error.missing:  # what those ranks do
-            finished = {r for r, done in self._done.items() if done[0]}
-            busy = [p.rank for p in procs if p.rank in error.missing and p.returncode is None]
-            stacks = self.stacks([r for r in busy if r not in finished]) if busy else {}
-            add_note(error, whereabouts(error.missing, stacks, finished))
+        if isinstance(error, RanksMissingError):  # who did not come, and what they do
+            live = [p.rank for p in procs if p.returncode is None and p.rank not in self._done]
+            counts = {r: d.collectives for r, d in self._done.items()}
+            name_missing(error, chosen.rank, counts, live, self.probe)
         dead = [f for f in problems if f.kind != "exception"]
         if self.keep_failed:  # before the others are interrupted: where each one was
-            finished = {r for r, done in self._done.items() if done[0]}
+            finished = {r for r, done in self._done.items() if done.ok}
             self.post_mortem = FailedJob.at_failure(self, problems, chosen, procs, finished)
         self._end_early(procs, error, dead[0].summary() if dead else None)
 
@@ -294,27 +317,6 @@ class Supervisor(Group):
             [p.rank for p in stuck], {**stacks, **found}, reason, stuck[0].pid
         )
         self._end_early([], error, f"rank(s) {[p.rank for p in stuck]} hung")
-
-    def _check_subset(
-        self,
-        busy: list[WorkerProcess],
-        ranks: list[int],
-        idle: list[int],
-        procs: list[WorkerProcess],
-    ) -> None:
-        for rank, report in self.probe([p.rank for p in busy], wait=0.5).items():
-            waiting = report.get("waiting")
-            needs = idle if waiting is None or waiting["ranks"] is None else waiting["ranks"]
-            missing = sorted(set(needs) & set(idle)) if waiting else []
-            if missing:
-                error = LaunchError(
-                    f"rank {rank} entered {waiting['call']} (a call that needs rank(s) "  # type: ignore[index]
-                    f"{missing} too) in a job run on rank(s) {ranks} only: rank(s) {missing} "
-                    "do not run it, so it can never complete. Run the cell on every rank "
-                    "(without --ranks), or keep collectives out of cells run on some ranks."
-                    f"\n--- where rank {rank} was ---\n{report['stack']}"
-                )
-                self._end_early(procs, error)
 
     def _end_early(
         self, procs: list[WorkerProcess], error: BaseException, broken: str | None = None
@@ -340,7 +342,7 @@ class Supervisor(Group):
                 "interrupt (stuck in a collective?)"
             )
         else:
-            seqs = {r: s for r, (_, _, s, _) in self._done.items() if s is not None}
+            seqs = {r: d.collectives for r, d in self._done.items() if d.collectives is not None}
             if len(set(seqs.values())) > 1:
                 counts = ", ".join(f"rank {r}: {s}" for r, s in sorted(seqs.items()))
                 broken = (
@@ -359,7 +361,7 @@ class Supervisor(Group):
     def _values(self, want: set[int]) -> dict[int, Any]:
         values = {}
         for rank in sorted(want):
-            codec, data = self._done[rank][1]
+            codec, data = self._done[rank].payload
             try:
                 values[rank] = loads(codec, data)
             except Exception as err:

@@ -16,7 +16,16 @@ C++: its Python stack, the torch.distributed call it is in, its collective count
 **Hung**: no progress for ``hang_after`` seconds while at least one busy rank waits on a
 peer: it is inside a torch.distributed call, or it issued more collectives than another
 rank of the job (DDP's backward and NCCL's asynchronous collectives wait in C++, where no
-Python frame shows it). A job that computes without collectives for a long time is not hung.
+Python frame shows it); or every busy rank sits idle (no CPU time used) inside a C++ call
+of torch's (autograd's backward, a synchronisation) with the same count of collectives:
+a collective that cannot complete (called with different shapes or different calls on
+different ranks). A job that computes without collectives for a long time is not hung.
+
+**Waiting, not stuck**: if, at such a moment, a rank outside any torch.distributed call
+is *working* (its CPU time, with its children's, advanced by at least ``BUSY_SHARE`` of
+the time since the previous look: rank 0 evaluating, saving or preparing data alone while
+the others wait in ``wait_for_everyone``), the report says "rank(s) ... wait for rank N,
+which is busy in <frame>" and nothing is ended, whatever ``on_hang`` says.
 
 Then, with ``on_hang="report"`` (the default), the report is written once where the job's
 output goes (the launching cell's stderr, the ``output=`` of the call, or the terminal of
@@ -38,13 +47,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import WorkerTimeoutError
+from ..errors import LaunchError, WorkerTimeoutError
 
 #: 5 minutes: longer than a real step, a checkpoint save or an evaluation on one rank
 #: usually keeps the others waiting, shorter than torch's own collective timeouts (NCCL's
 #: 10 min, gloo's 30 min), which end the job without saying where each rank was.
 DEFAULT_HANG_AFTER = 300.0
 NO_ANSWER = "(no answer: not running Python code)"
+#: The share of one CPU a rank must use between two looks to count as working.
+BUSY_SHARE = 0.05
 
 Probe = Callable[[list[int]], dict[int, dict[str, Any]]]
 
@@ -77,9 +88,14 @@ class Hang:
     seconds: float
     policy: HangPolicy
     next_report: float = field(default=0.0)
+    busy: list[int] = field(default_factory=list)  # working ranks the others wait for
 
     def text(self) -> str:
         """The report as the cell or terminal shows it."""
+        if self.busy:
+            return f"nbaccel: {self.reason}\n" + "".join(
+                f"--- where rank {r} is ---\n{self.stacks[r]}\n" for r in self.busy
+            )
         error = WorkerTimeoutError(self.ranks, self.stacks, self.reason)
         return (
             f"nbaccel: {error}\n"
@@ -93,7 +109,7 @@ class Hang:
     def report(self, forwarder: Any, on_event: Callable[[int, str, dict], None]) -> None:
         """Write the report where the job's output goes; one ``"hang"`` event per rank."""
         forwarder.note(self.ranks[0], self.text())
-        for rank in self.ranks:
+        for rank in [] if self.busy else self.ranks:
             data = {"seconds": self.seconds, "call": self.calls.get(rank), "time": time.time()}
             on_event(rank, "hang", data)
 
@@ -108,6 +124,7 @@ class Watchdog:
         self._since = 0.0  # when the last progress was seen
         self._reports = 0  # reports since then
         self._counts: dict[int, int | None] = {}  # last known collective count per rank
+        self._cpu: dict[int, tuple[float, float]] = {}  # rank -> (cpu seconds, when)
 
     def look(
         self,
@@ -128,6 +145,7 @@ class Watchdog:
             return None
         self._next_look = now + self.policy.look_every
         answers = self._probe(busy)
+        working = self._working(answers, now)
         for rank in busy:
             if rank in answers:
                 self._counts[rank] = answers[rank].get("collectives")
@@ -142,7 +160,13 @@ class Watchdog:
         calls = {r: (answers.get(r, {}).get("waiting") or {}).get("call") for r in busy}
         known = {r: c for r, c in counts.items() if c is not None}
         ahead = max(known.values(), default=0)
-        if not any(calls.values()) and len(set(known.values())) < 2:
+        waits = any(calls.values()) or len(set(known.values())) > 1
+        working = [r for r in working if not calls[r]]
+        blocked = {r: answers.get(r, {}).get("in_torch") for r in busy}
+        if working and waits:
+            others = [r for r in busy if r not in working]
+            return self._busy(working, others, calls, answers, idle) if others else None
+        if not waits and (working or not all(blocked.values())):
             return None  # nobody waits on a peer: a long computation, not a hang
         self._reports += 1
         lines = [
@@ -156,15 +180,81 @@ class Watchdog:
                 state = f"waiting in {calls[rank]}"
             elif rank not in answers:
                 state = "did not answer (busy outside Python, e.g. in a C++ call)"
+            elif blocked.get(rank):
+                state = f"idle inside {blocked[rank]} (a collective in C++ that cannot complete?)"
             else:
                 state = "not in a torch.distributed call (running Python code)"
             if known.get(rank, ahead) < ahead:
                 state += f"; issued {known[rank]} collectives, others {ahead}"
             lines.append(f"  rank {rank}: {state}")
         stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in busy}
+        if not waits:
+            lines.append(
+                "  every rank issued the same number of collectives and sits idle in torch: "
+                "a collective called differently on different ranks (shapes, or another "
+                "call)? debug_collectives=True makes torch name the mismatch."
+            )
         hang = Hang(sorted(busy), "\n".join(lines), stacks, calls, idle, self.policy)
         hang.next_report = self.policy.after * 2**self._reports
         return hang
 
+    def _working(self, answers: Mapping[int, dict[str, Any]], now: float) -> list[int]:
+        """The ranks whose CPU time advanced by ``BUSY_SHARE`` since the previous look."""
+        out = []
+        for rank, answer in answers.items():
+            cpu = answer.get("cpu")
+            if cpu is None:
+                continue
+            before = self._cpu.get(rank)
+            if before is not None and cpu - before[0] >= BUSY_SHARE * (now - before[1]) > 0:
+                out.append(rank)
+            self._cpu[rank] = (cpu, now)
+        return out
 
-__all__ = ["DEFAULT_HANG_AFTER", "Hang", "HangPolicy", "Watchdog"]
+    def _busy(
+        self,
+        working: list[int],
+        waiting: list[int],
+        calls: dict[int, str | None],
+        answers: Mapping[int, dict[str, Any]],
+        idle: float,
+    ) -> Hang:
+        """``waiting`` ranks wait for ``working`` ones, which compute: reported, not ended."""
+        self._reports += 1
+        where = ", ".join(
+            f"rank {r}, which is busy in {answers[r].get('frame') or 'its code'}" for r in working
+        )
+        lines = [
+            f"rank(s) {', '.join(map(str, waiting))} wait for {where} (no progress for "
+            f"{idle:.0f}s, but its CPU time advances: it works, it is not stuck; the job "
+            "goes on whatever on_hang says)."
+        ]
+        lines += [f"  rank {r}: waiting in {calls[r]}" for r in waiting if calls.get(r)]
+        stacks = {r: answers[r]["stack"] for r in working}
+        ranks = sorted(waiting + working)
+        hang = Hang(ranks, "\n".join(lines), stacks, calls, idle, self.policy, busy=working)
+        hang.next_report = self.policy.after * 2**self._reports
+        return hang
+
+
+def subset_error(
+    rank: int, report: dict[str, Any], ranks: list[int], idle: list[int]
+) -> LaunchError | None:
+    """A job run on ``ranks`` only (``%%distributed --ranks``) whose ``rank`` entered a call
+    that needs a rank of ``idle`` too: the error naming them (None: no such call)."""
+    waiting = report.get("waiting")
+    if not waiting:
+        return None
+    needs = idle if waiting["ranks"] is None else waiting["ranks"]
+    missing = sorted(set(needs) & set(idle))
+    if not missing:
+        return None
+    return LaunchError(
+        f"rank {rank} entered {waiting['call']} (a call that needs rank(s) {missing} too) in "
+        f"a job run on rank(s) {ranks} only: rank(s) {missing} do not run it, so it can never "
+        "complete. Run the cell on every rank (without --ranks), or keep collectives out of "
+        f"cells run on some ranks.\n--- where rank {rank} was ---\n{report['stack']}"
+    )
+
+
+__all__ = ["DEFAULT_HANG_AFTER", "Hang", "HangPolicy", "Watchdog", "subset_error"]

@@ -2,20 +2,21 @@
 
 Each worker has exactly one two-way channel, one end of a Unix socket pair: the kernel
 sends jobs, questions and "exit" on it; the worker answers with hello, events, each
-job's outcome and the answers. A frame is an 8-byte big-endian length and a pickle.
+job's outcome and the answers (the messages: :mod:`~nbaccel.launch._messages`, one
+frozen dataclass each). A frame is an 8-byte big-endian length and a pickle.
 Values are pickled with :func:`dumps`, which moves every tensor to the CPU first (the
 kernel must never initialise CUDA) and uses plain pickle bytes rather than torch's
 shared-memory reducers; dill is the fallback for what plain pickle cannot handle
-(lambdas, classes defined in a notebook). Message kinds are an open set: a side that
-gets a kind it does not know ignores it (the worker answers a job of an unknown kind
-with an error).
+(lambdas, classes defined in a notebook). A side that gets a message type it does not
+act on ignores it (the worker answers a job of an unknown kind with an error).
 
 Example:
     >>> import pickle, socket
     >>> kernel, worker = (Channel(s) for s in socket.socketpair())
-    >>> worker.send(("hello", 7))
+    >>> from nbaccel.launch._messages import Hello
+    >>> worker.send(Hello(7))
     >>> kernel.receive(), loads(*dumps([1, 2]))
-    ([('hello', 7)], [1, 2])
+    ([Hello(pid=7)], [1, 2])
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ def _to_cpu(tensor: Any) -> Any:
 
 def _needs_move(obj: Any) -> bool:
     """A tensor whose storage is not on the CPU (CUDA, XLA, MPS...)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu"
+    # torch may be half imported (a probe answered while the job imports it): no Tensor yet
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor is not None and isinstance(obj, tensor) and obj.device.type != "cpu"
 
 
 def _cpu_reduction(pickler: Any, obj: Any) -> Any:

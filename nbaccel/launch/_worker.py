@@ -12,7 +12,7 @@ frame). Then:
 2. the rendezvous store (global rank 0 hosts it on the socket the kernel reserved) and,
    across nodes, the agreement check; then "ready";
 3. the loop: a job comes in (``run``/``call`` a function, ``exec`` a cell, ``push``/
-   ``pull``/``names``, ``script``), runs, and its outcome goes back as one ``done``
+   ``pull``/``names``, ``script``), runs, and its outcome goes back as one ``Done``
    message (value or error, and the collective count that reveals ranks out of step).
    A one-shot worker (notebook_launcher, nbaccel launch) leaves after its job; a pool
    worker waits for the next one. Job kinds are a table (:data:`JOBS`): a new kind is a
@@ -43,11 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import LaunchConfig, install_launch_config
-from ..platform import forksafe, torchcompat
+from ..platform import forksafe, torchcompat, tpu
 from ..platform.process_env import EnvironmentSnapshot, install_process_facts
 from ..tracking import events, progress, steps  # progress (tqdm) here: workers inherit it imported
 from . import _agreement, _jobs, _postmortem, _preload, _rendezvous
 from . import _worker_os as wos
+from ._messages import Debug, Done, Event, Exit, Fatal, Hello, Job, Probe, ProbeAnswer, Ready, Setup
 from ._wire import Channel, dumps
 
 
@@ -74,6 +75,7 @@ class WorkerSpec:
     store_fd: int | None = None  # global rank 0: the rendezvous socket the kernel reserved
     store_host: str = ""
     linger: float | None = None  # a failed one-shot worker waits this long for nbaccel.debug()
+    tpu: bool = False  # the TPU backend sets the process up before its runtime starts
 
     def facts(self) -> EnvironmentSnapshot:
         cfg = self.config
@@ -90,6 +92,13 @@ class WorkerSpec:
             debug=cfg.debug,
         )
 
+
+#: torch's NCCL watchdog by default ends the whole process when a collective times out
+#: (the cell would see a worker killed by SIGABRT, none of its error). Here it aborts the
+#: communicators only, so the error reaches the training function and the cell (a
+#: RanksMissingError naming the ranks, or torch's DistBackendError). The user's own
+#: setting wins. (Read when an NCCL process group forms; no effect on gloo or XLA.)
+NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 _inbox: queue.Queue[Any] = queue.Queue()
 _busy = False  # SIGINT raises KeyboardInterrupt only while a job runs
@@ -113,10 +122,14 @@ def _setup(spec: WorkerSpec, channel: Channel) -> None:
     wos.redirect_output(spec.fds["stdout"], spec.fds["stderr"])
     faulthandler.enable(file=sys.stderr, all_threads=True)  # fatal errors: stack on stderr
     os.environ.update(spec.env)  # torch's own env:// rendezvous reads these
+    for name, value in NCCL_SETTINGS.items():
+        os.environ.setdefault(name, value)
     torchcompat.reread_debug_level()  # debug_collectives: forked after torch read it
     install_launch_config(spec.config)  # the process's state: the runtime reads these two
     install_process_facts(spec.facts())
-    events.install_sink(lambda kind, data: channel.send(("event", kind, data, time.time())))
+    if spec.tpu:  # this process's chips and the runtime's local process variables
+        tpu.require_backend().setup_process(spec.local_rank, spec.local_world_size)
+    events.install_sink(lambda kind, data: channel.send(Event(kind, data, time.time())))
     with contextlib.suppress(Exception):  # never fail a launch over a progress bar
         progress.use_text_bars_in_worker()  # tqdm.auto bars: text on rank 0, into the cell
     os.register_at_fork(after_in_child=_forget_channel)
@@ -143,10 +156,10 @@ def _read(channel: Channel, rank: int) -> None:
         message = channel.next()
         if message is None:  # the supervisor is gone (killed, or closed the channel)
             wos.die(1)
-        elif message[0] == "probe":
+        elif isinstance(message, Probe):
             report = wos.main_thread_report(rank)
             report["collectives"] = _jobs.collective_count()  # the hang watchdog's progress
-            channel.send(("probe", message[1], report))
+            channel.send(ProbeAnswer(message.request, report))
         else:
             _inbox.put(message)
 
@@ -175,24 +188,23 @@ def error_info(exc: BaseException, *, skip: tuple[str, ...] = ()) -> dict[str, A
     }
 
 
-def _run_job(worker: _jobs.Worker, channel: Channel, job: tuple[Any, ...]) -> int:
+def _run_job(worker: _jobs.Worker, channel: Channel, job: Job) -> int:
     """Run one job and send its ``done``; return the exit code a one-shot worker takes."""
     global _busy
-    _kind, job_id, kind, want, *body = job
     code = 0
     steps.reset()  # the live monitor's step clock starts afresh with each job
     _postmortem.forget()
     try:
         _busy = True
         try:
-            value = JOBS[kind](worker, *body)
+            value = JOBS[job.kind](worker, *job.body)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
             value = None  # sys.exit(0) ends a function as returning does
         finally:
             _busy = False
-        payload: Any = _jobs.ship(value, kind) if worker.rank in want else ("none", b"")
+        payload: Any = _jobs.ship(value, job.kind) if worker.rank in job.want else ("none", b"")
         ok = True
     except BaseException as exc:  # every failure is reported; a pool's loop goes on
         _busy = False
@@ -207,16 +219,16 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: tuple[Any, ...]) -> in
             stream.flush()
     wos.flush_c_stdio()
     events.flush()  # events are batched (tracking.events): the job's all arrive before it ends
-    channel.send(("done", job_id, ok, payload, _jobs.collective_count()))
+    channel.send(Done(job.id, ok, payload, _jobs.collective_count()))
     return code
 
 
 JOBS = _jobs.JOBS
 
 
-def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forked: bool) -> int:
+def serve(spec: WorkerSpec, channel: Channel, job: Job | None, forked: bool) -> int:
     """The worker's life after set-up; returns its exit code. Never raises."""
-    channel.send(("hello", os.getpid()))
+    channel.send(Hello(os.getpid()))
     worker = _jobs.Worker(spec.rank)
     learn = _preload.Learner(forked)
     code, store, lingered = 0, None, False
@@ -236,20 +248,17 @@ def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forke
         if spec.threads and torch is not None:
             with contextlib.suppress(Exception):
                 torch.set_num_threads(spec.threads)
-        channel.send(("ready",))
+        channel.send(Ready())
         while True:
-            job = job if job is not None else _inbox.get()
-            if job[0] == "exit":
-                break
-            if job[0] == "debug":  # nbaccel.debug(): pdb on the last failed job
-                _postmortem.session(job[1], channel, _inbox)
-                job = None
-                continue
-            if job[0] != "job":  # a kind this worker does not know: not for it
-                job = None
-                continue
-            code = _run_job(worker, channel, job)
+            message = job if job is not None else _inbox.get()
             job = None
+            if isinstance(message, Exit):
+                break
+            if isinstance(message, Debug):  # nbaccel.debug(): pdb on the last failed job
+                _postmortem.session(message.sid, channel, _inbox)
+            if not isinstance(message, Job):  # nothing this loop acts on
+                continue
+            code = _run_job(worker, channel, message)
             learn.report(channel)
             if not spec.persistent:
                 if code and spec.linger and _postmortem.kept() is not None:
@@ -259,7 +268,7 @@ def serve(spec: WorkerSpec, channel: Channel, job: tuple[Any, ...] | None, forke
     except BaseException as exc:  # set-up, rendezvous or agreement failed
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         with contextlib.suppress(Exception):
-            channel.send(("fatal", error_info(exc, skip=(__file__,))))
+            channel.send(Fatal(error_info(exc, skip=(__file__,))))
     finally:
         if lingered:
             torchcompat.skip_teardown_at_exit()  # os._exit closes the group's sockets
@@ -301,7 +310,7 @@ def _finish(code: int) -> None:
     wos.die(code)
 
 
-def fork_main(spec: WorkerSpec, sock: socket.socket, job: tuple[Any, ...] | None) -> None:
+def fork_main(spec: WorkerSpec, sock: socket.socket, job: Job | None) -> None:
     """Body of a forked worker. Never returns into the kernel's code."""
     code = 70
     try:
@@ -324,11 +333,11 @@ def spawn_main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     channel = Channel(sock)
     first = channel.next()
-    if first is None or first[0] != "setup":
+    if not isinstance(first, Setup):
         os._exit(70)  # the supervisor is gone already
-    _, spec, sys_path, sources = first
-    sys.path[:] = sys_path
-    linecache.cache.update(sources)  # notebook cells have no file on disk
+    spec = first.spec
+    sys.path[:] = first.sys_path
+    linecache.cache.update(first.sources)  # notebook cells have no file on disk
     _fds["channel"] = fd
     _setup(spec, channel)
     _finish(serve(spec, channel, None, forked=False))

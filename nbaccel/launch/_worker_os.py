@@ -191,7 +191,8 @@ def main_thread_report(rank: int) -> dict[str, Any]:
     waiting = None
     inner = frame
     while inner is not None and waiting is None:
-        if any(part in inner.f_code.co_filename for part in _DISTRIBUTED):
+        code = inner.f_code  # a module being imported is not a call that waits
+        if code.co_name != "<module>" and any(p in code.co_filename for p in _DISTRIBUTED):
             waiting = {"call": _qualname(inner), "ranks": _ranks_of(inner, rank)}
         inner = inner.f_back
     summary = traceback.extract_stack(frame) if frame is not None else []
@@ -202,7 +203,33 @@ def main_thread_report(rank: int) -> dict[str, Any]:
     stack = "".join(traceback.format_list(user)).rstrip()
     if waiting is not None:
         stack += f"\n  (waiting in {waiting['call']})"
-    return {"stack": stack, "waiting": waiting}
+    own = [e for e in user if not e.filename.startswith(("<frozen", *_libraries()))]
+    where = (own or user or summary)[-1:]  # the user's innermost frame, not a library's
+    return {
+        "stack": stack,
+        "waiting": waiting,
+        # the innermost frame, as "busy in <frame>" names it
+        "frame": f"{where[0].name} ({os.path.basename(where[0].filename)}:{where[0].lineno})"
+        if where
+        else None,
+        # a C++ call of torch's the main thread is in (autograd's backward, a sync): where
+        # DDP's and FSDP's collectives wait without a torch.distributed frame
+        "in_torch": _qualname(frame) if frame is not None and _in_torch(frame) else None,
+    }
+
+
+@functools.cache
+def _libraries() -> tuple[str, ...]:
+    """Where the standard library and installed packages live."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple({paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths})
+
+
+def _in_torch(frame: Any) -> bool:
+    module = str(frame.f_globals.get("__name__", ""))
+    return module.startswith("torch.") and not module.startswith("torch.utils.data")
 
 
 def _qualname(frame: Any) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import LaunchError
 from . import _kept
+from ._messages import Debug, PdbLine, PdbOutput
 from ._supervisor import JobFailed, Supervisor
 
 _sessions = itertools.count(1)
@@ -114,26 +115,25 @@ def _session(group: Supervisor, rank: int, script: list[str] | None) -> None:
     sid = next(_sessions)
     group.pdb_messages.clear()
     try:
-        group.send([rank], ("debug", sid))
+        group.send([rank], Debug(sid))
     except JobFailed as failed:
         raise LaunchError(f"rank {rank}'s worker is gone ({failed.error})") from None
     problem: BaseException | None = None
     while True:
         message = _next(group, rank, sid)
-        kind, text = message[2], message[3]
-        if kind == "none":
-            raise LaunchError(f"no post-mortem session on rank {rank}: {text}.")
-        _print(text)
-        if kind == "end":
+        if message.kind == "none":
+            raise LaunchError(f"no post-mortem session on rank {rank}: {message.text}.")
+        _print(message.text)
+        if message.kind == "end":
             break
         line = ""
         if problem is None:
             try:
-                line = _ask(message[4], script)
+                line = _ask(message.prompt, script)
             except (KeyboardInterrupt, NotImplementedError) as err:
                 problem = err  # release the worker first, then say so
         with contextlib.suppress(OSError, AttributeError):  # it may have left after "end"
-            group.procs[rank].channel.send(("pdb-in", sid, line))  # type: ignore[union-attr]
+            group.procs[rank].channel.send(PdbLine(sid, line))  # type: ignore[union-attr]
     if isinstance(problem, NotImplementedError):
         raise LaunchError(
             "this front end cannot answer input requests, so no pdb prompt can be shown "
@@ -156,7 +156,7 @@ def _ask(prompt: str, script: list[str] | None) -> str:
         return ""
 
 
-def _next(group: Supervisor, rank: int, sid: int) -> tuple[Any, ...]:
+def _next(group: Supervisor, rank: int, sid: int) -> PdbOutput:
     """The worker's next pdb message of session ``sid``; LaunchError if it dies. The
     interrupt button interrupts what pdb evaluates in the worker (it prompts again); a
     second press while the worker does not answer ends the session."""
@@ -167,18 +167,18 @@ def _next(group: Supervisor, rank: int, sid: int) -> tuple[Any, ...]:
         except KeyboardInterrupt:
             if interrupted:
                 with contextlib.suppress(OSError, AttributeError):
-                    group.procs[rank].channel.send(("pdb-in", sid, ""))  # type: ignore[union-attr]
+                    group.procs[rank].channel.send(PdbLine(sid, ""))  # type: ignore[union-attr]
                 raise
             interrupted = True
             group.procs[rank].send_signal(signal.SIGINT)
             _print(f"(interrupting rank {rank}; press again to leave the session)\n")
 
 
-def _wait(group: Supervisor, rank: int, sid: int) -> tuple[Any, ...]:
+def _wait(group: Supervisor, rank: int, sid: int) -> PdbOutput:
     proc = group.procs[rank]
     while True:
-        for index, message in enumerate(group.pdb_messages):
-            if message[0] == rank and message[1] == sid:
+        for index, (sender, message) in enumerate(group.pdb_messages):
+            if sender == rank and message.sid == sid:
                 del group.pdb_messages[index]
                 return message
         if proc.poll() is not None:

@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import threading
 import weakref
@@ -30,11 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import Stopped
+from . import _lifetimes
 from ._status import Observed, RankStatus
 
 _LIVE: weakref.WeakSet[LaunchHandle] = weakref.WeakSet()
 _TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
-_atexit_registered = False
 
 #: runs the job to its end: gets the handle (its ``stop_requested``, its ``on_event``),
 #: returns ``{rank: value}`` of the wanted ranks or raises
@@ -151,10 +150,7 @@ class LaunchHandle(Observed):
         self._finish(True, values)
 
     def run_in_background(self) -> None:
-        global _atexit_registered
-        if not _atexit_registered:  # workers must not outlive the kernel's exit
-            atexit.register(_stop_live_handles)
-            _atexit_registered = True
+        _lifetimes.register("handle", _stop_live_handles)  # nothing outlives the kernel
         _LIVE.add(self)
         self._thread = threading.Thread(target=self._background, name="nbaccel-job", daemon=True)
         self._thread.start()

@@ -6,8 +6,8 @@ A launch is "check, then launch":
    arguments > ``NBACCEL_*`` environment > config file > defaults), device count,
    CUDA-before-fork, an Accelerator already in the kernel, a busy port. Any
    problem raises here, before a process exists;
-2. one process: the function runs in the kernel itself; TPU: ``torch_xla``;
-   otherwise a one-shot group of workers (:mod:`nbaccel.launch._start`): forked (or
+2. one process: the function runs in the kernel itself (on a TPU never: the backend's
+   processes are workers, each set up by it); otherwise a one-shot group of workers (:mod:`nbaccel.launch._start`): forked (or
    spawned with dill when CUDA is already initialised), each given the typed
    configuration, torch's own TCPStore rendezvous listening on loopback only
    (:mod:`nbaccel.launch._rendezvous`), and the function as its one job;
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +41,7 @@ from ..platform.process_env import EnvironmentSnapshot
 from . import _kept
 from ._cell_output import CellOutput
 from ._environ import installed, patched_environ
+from ._messages import Job
 from ._preflight import DEBUG_TIMEOUT, LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
 from ._supervisor import JobFailed, Supervisor
@@ -157,13 +157,11 @@ def notebook_launcher(
 
 
 def launch(plan: LaunchPlan) -> Any:
-    """Run a planned launch: in the kernel, on TPUs, or on a one-shot group of workers
-    (a :class:`LaunchHandle` when ``plan.block`` is False)."""
+    """Run a planned launch: in the kernel, or on a one-shot group of workers (TPUs too:
+    the backend sets each one up); a :class:`LaunchHandle` when ``plan.block`` is False."""
     _free_kept_gpu_memory(plan)
     if plan.method == "kernel":
         return _run_in_kernel(plan)
-    if plan.method == "xla":
-        return _run_xla(plan)
     started: list[Supervisor] = []
     handle = LaunchHandle(
         plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.return_all_ranks
@@ -195,14 +193,18 @@ def _free_kept_gpu_memory(plan: LaunchPlan) -> None:
         )
 
 
-def _attempts(plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor]) -> dict[int, Any]:
-    """One group of workers per attempt, ``max_restarts`` more after a failure."""
+def _attempts(
+    plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor], job: Job | None = None
+) -> dict[int, Any]:
+    """One group of workers per attempt, ``max_restarts`` more after a failure: the one
+    restart loop of every launch (``job``: another than the plan's function, a script)."""
     while True:
-        group = started.pop() if started else _start(plan, handle)
+        group = started.pop() if started else _start(plan, handle, job)
         handle.supervisor = group
         kept = last = False
         try:
-            return group.run_job(1, plan.ranks, _wanted(plan), handle.stop_requested)
+            want = job.want if job is not None else _wanted(plan)
+            return group.run_job(1, plan.ranks, want, handle.stop_requested)
         except JobFailed as failed:
             err = failed.error
             last = isinstance(err, (Stopped, KeyboardInterrupt)) or (
@@ -224,12 +226,12 @@ def _wanted(plan: LaunchPlan) -> set[int]:
     return set(plan.ranks) if plan.return_all_ranks else {plan.ranks[0]}
 
 
-def _start(plan: LaunchPlan, handle: LaunchHandle) -> Supervisor:
+def _start(plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None) -> Supervisor:
     want = _wanted(plan)
-    if plan.method == "fork":  # inherited through the fork: nothing is pickled
-        job: tuple[Any, ...] = ("job", 1, "call", want, plan.function, plan.args, {})
-    else:
-        job = ("job", 1, "run", want, plan.payload)
+    if job is None and plan.method == "fork":  # inherited through the fork: nothing is pickled
+        job = Job(1, "call", want, (plan.function, plan.args, {}))
+    elif job is None:
+        job = Job(1, "run", want, (plan.payload,))
     group = start_group(
         plan,
         on_event=handle.on_event,
@@ -296,13 +298,6 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
     return [value] if plan.return_all_ranks else value
 
 
-def _run_xla(plan: LaunchPlan) -> Any:
-    from ._xla import launch_xla
-
-    results = launch_xla(plan.function, plan.args, plan.num_processes, plan.config)
-    return list(results) if plan.return_all_ranks else results[0]
-
-
 def run_script(cfg: LaunchConfig, command: list[str]) -> int:
     """``nbaccel launch``: ``command`` (``[-m] script_or_module args...``) as ``__main__``
     on ``cfg``'s processes, the same engine with a ``script`` job; returns the exit code
@@ -314,27 +309,16 @@ def run_script(cfg: LaunchConfig, command: list[str]) -> int:
         0
     """
     plan = plan_script(cfg)
-    stop = threading.Event()
-    for attempt in range(cfg.max_restarts + 1):
-        if attempt:
-            print(f"nbaccel launch: restarting, attempt {attempt} of {cfg.max_restarts}",
-                  file=sys.stderr)  # fmt: skip
-        job: tuple[object, ...] = ("job", 1, "script", set(), list(command))
-        try:
-            group = start_group(plan, on_event=_ignore, round_=attempt, first_job=job)
-        except KeyboardInterrupt:
-            return 130
-        try:
-            group.run_job(1, plan.ranks, set(), stop)
-            return 0
-        except JobFailed as failed:
-            code = _exit_code(failed.error)
-        finally:
-            group.terminate()
-            group.close()
-        if code == 130:
-            return code
-    return code
+    job = Job(1, "script", set(), (list(command),))
+    handle = LaunchHandle(plan.ranks, lambda h: _attempts(plan, h, [], job))
+    try:
+        handle.run()
+    except KeyboardInterrupt:
+        return 130
+    error = handle.exception()
+    if error is not None and handle.supervisor is None:  # no group started: a bad setting,
+        raise error  # said as the command's other errors are (a busy port: exit code 2)
+    return 0 if error is None else _exit_code(error)
 
 
 def _exit_code(error: BaseException) -> int:
@@ -353,10 +337,6 @@ def _exit_code(error: BaseException) -> int:
         return code
     print(f"nbaccel launch: {error}", file=sys.stderr)
     return 1
-
-
-def _ignore(rank: int, kind: str, data: dict) -> None:
-    """A script's events have no live view in a terminal."""
 
 
 __all__ = [

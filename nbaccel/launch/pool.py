@@ -21,14 +21,13 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LaunchError
-from . import _kept
+from . import _kept, _lifetimes
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
 from ._preflight import plan_launch
@@ -37,7 +36,6 @@ _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 # The pools %%distributed may use, newest last. Weak: a pool the notebook no longer
 # references is garbage-collected, and closed, like any object (see __del__).
 _current: list[weakref.ref[WorkerPool]] = []
-_atexit_registered = [False]
 
 
 def _close_live_pools() -> None:
@@ -255,12 +253,6 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
         CUDAInitializedError: ``start_method="fork"`` after CUDA was initialised.
         WorkerError, LaunchError: a worker could not start.
     """
-    from ..platform.xla import xla_requested
-
-    no_tpu = "start_workers does not support TPUs (torch_xla) yet; use notebook_launcher."
-    config = options.get("config")
-    if config.compute_device == "tpu" if config is not None else xla_requested():
-        raise LaunchError(no_tpu)  # before the planner, whose TPU message is about block=False
     if "debug_timeout" in options:
         raise TypeError(
             "start_workers() takes no debug_timeout: a pool's failed rank keeps its traceback "
@@ -271,13 +263,9 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
         raise TypeError(f"start_workers() takes no {own}: they are options of pool.call().")
     # block=False: always worker processes (never "run in the kernel"), in their own session
     plan = plan_launch(_idle, (), num_processes=num_processes, block=False, **options)
-    if plan.method == "xla":
-        raise LaunchError(no_tpu)
     pool = WorkerPool(plan)
     pool._start()
-    if not _atexit_registered[0]:  # workers must not outlive the kernel
-        atexit.register(_close_live_pools)
-        _atexit_registered[0] = True
+    _lifetimes.register("pool", _close_live_pools)  # workers must not outlive the kernel
     _LIVE.add(pool)
     _current.append(weakref.ref(pool))
     return pool

@@ -93,7 +93,7 @@ def names_timeouts(operation: str) -> Callable[[F], F]:
             try:
                 return function(*args, **kwargs)
             except RuntimeError as err:
-                if "Timed out" not in str(err) or isinstance(err, RanksMissingError):
+                if not _TIMED_OUT.search(str(err)) or isinstance(err, RanksMissingError):
                     raise
                 raise RanksMissingError(
                     f"{operation} on rank {dist.get_rank()} timed out after the process-group "
@@ -105,6 +105,11 @@ def names_timeouts(operation: str) -> Callable[[F], F]:
         return call  # type: ignore[return-value]
 
     return wrap
+
+
+#: gloo's "Timed out waiting ... for recv"; NCCL's watchdog "... before timing out" (the
+#: launcher keeps NCCL from ending the process, so the error reaches this frame)
+_TIMED_OUT = re.compile(r"timed out|timing out", re.IGNORECASE)
 
 
 def _missing_ranks(message: str) -> list[int]:

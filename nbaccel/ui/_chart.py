@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from xml.sax.saxutils import escape
 
 PANEL_W, PANEL_H = 320, 180
@@ -58,19 +59,28 @@ def _mean_band(ranks: dict[int, Points]) -> tuple[Points, Points, Points]:
 
 
 def _panel(name: str, ranks: dict[int, Points], mode: str, ox: int, oy: int) -> str:
-    lines = {r: _thin(p) for r, p in ranks.items() if p}
+    # NaN/inf (a diverging loss) are marked in red at the top (bottom: -inf) and named in
+    # the title from their first step, never dropped; the lines and scale use the rest
+    bad = sorted((x, r, y) for r, p in ranks.items() for x, y in p if not math.isfinite(y))
+    lines = {r: _thin([pt for pt in p if math.isfinite(pt[1])]) for r, p in ranks.items()}
+    lines = {r: p for r, p in lines.items() if p}
     everything = [pt for pts in lines.values() for pt in pts]
+    title = f"{name} ({bad[0][2]} at step {_fmt(bad[0][0])}, rank {bad[0][1]})" if bad else name
     parts = [
         f'<g class="nbaccel-chart" data-metric="{escape(name, {chr(34): "&quot;"})}" '
         f'transform="translate({ox},{oy})">',
         f'<rect x="0.5" y="0.5" width="{PANEL_W - 1}" height="{PANEL_H - 1}" fill="#fff" '
         'stroke="#ddd"/>',
-        f'<text x="{LEFT}" y="15" font-weight="bold">{escape(name)}</text>',
+        f'<text x="{LEFT}" y="15" font-weight="bold">{escape(title)}</text>',
     ]
-    if not everything:
+    if not everything and not bad:
         return "".join(parts) + "</g>"
-    x0, x1 = min(p[0] for p in everything), max(p[0] for p in everything)
-    y0, y1 = min(p[1] for p in everything), max(p[1] for p in everything)
+    steps = [p[0] for p in everything] + [x for x, _, _ in bad]
+    x0, x1 = min(steps), max(steps)
+    y0, y1 = (
+        min((p[1] for p in everything), default=0.0),
+        max((p[1] for p in everything), default=1.0),
+    )
     if x1 == x0:
         x1 = x0 + 1
     span = max(abs(y0), abs(y1)) * 0.02 or 0.1  # a 0.3 % change must not fill the chart
@@ -93,7 +103,11 @@ def _panel(name: str, ranks: dict[int, Points], mode: str, ox: int, oy: int) -> 
         f'<text x="{LEFT}" y="{bottom + 15}">{_fmt(x0)}</text>',
         f'<text x="{LEFT + width}" y="{bottom + 15}" text-anchor="end">step {_fmt(x1)}</text>',
     ]
-    if mode == "mean":
+    for x, rank, y in bad[:: max(1, len(bad) // MAX_POINTS)]:
+        at = xy(x, y0 if y < 0 else y1).split(",")
+        parts.append(f'<text class="nbaccel-nonfinite" data-rank="{rank}" x="{at[0]}" '
+                     f'y="{at[1]}" fill="#d62728" text-anchor="middle">×</text>')  # fmt: skip
+    if mode == "mean" and lines:
         mean, low, high = _mean_band(lines)
         band = " ".join(xy(x, y) for x, y in low + high[::-1])
         parts.append(f'<polygon class="nbaccel-band" points="{band}" fill="{COLORS[0]}" '

@@ -34,11 +34,12 @@ SYSTEM_CHARTS = {
 RECENT = 5
 
 
-def _number(value: Any) -> float | None:
+def _number(value: Any, *, finite: bool = True) -> float | None:
+    """A plottable number; ``finite=False`` keeps NaN/inf (a diverging loss is shown)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     number = float(value)
-    return number if math.isfinite(number) else None
+    return number if math.isfinite(number) or not finite else None
 
 
 class Series:
@@ -109,7 +110,7 @@ class History:
             return False
         changed = False
         for name, raw in values.items():
-            value = _number(raw)
+            value = _number(raw, finite=False)
             if value is not None:
                 self._add(self._series, str(name), rank, float(step), value)
                 changed = True

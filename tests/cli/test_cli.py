@@ -321,6 +321,29 @@ def test_launch_uncaught_exception_exits_1(cli_env, tmp_path):
     assert "RuntimeError: boom" in out.stderr
 
 
+RESTARTED_SCRIPT = """
+import os, sys
+if os.environ["RANK"] == "1" and not os.path.exists("failed-once"):
+    open("failed-once", "w").close()
+    sys.exit(3)
+print("attempt done", flush=True)
+"""
+
+
+@pytest.mark.integration
+def test_launch_restarts_through_the_launchers_one_restart_loop(cli_env, tmp_path):
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED_SCRIPT)
+    out = nbaccel(
+        "launch", "--cpu", "--num_processes", "2", "--max_restarts", "1", str(script),
+        env=cli_env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    # notebook_launcher's loop and words: which failure caused the restart
+    assert "workers failed (rank 1" in out.stderr and "restarting, attempt 1 of 1" in out.stderr
+    assert out.stdout.count("attempt done") >= 2, out.stdout
+
+
 def test_launch_rejects_bad_settings_before_starting(cli_env, tmp_path):
     script = tmp_path / "s.py"
     script.write_text("print('should not run')\n")

@@ -32,9 +32,11 @@ class Script:
     def __init__(self) -> None:
         self.answers: dict[int, dict] = {}
 
-    def set(self, rank: int, count: int | None, call: str | None = None) -> None:
+    def set(self, rank: int, count: int | None, call: str | None = None, **more: object) -> None:
         waiting = {"call": call, "ranks": None} if call else None
-        self.answers[rank] = {"stack": f"stack of {rank}", "waiting": waiting, "collectives": count}
+        self.answers[rank] = {
+            "stack": f"stack of {rank}", "waiting": waiting, "collectives": count, **more
+        }  # fmt: skip
 
     def __call__(self, ranks: list[int]) -> dict[int, dict]:
         return {r: self.answers[r] for r in ranks if r in self.answers}
@@ -95,6 +97,33 @@ def test_a_finished_rank_behind_in_collectives_counts_as_waited_for():
     hangs = [dog.look([0], {1: 1}, 3, now=t / 4) for t in range(1, 12)]
     hang = next(h for h in hangs if h is not None)
     assert "rank 1: finished its part of the job; issued 1 collectives, others 2" in hang.text()
+
+
+def test_a_working_rank_is_waited_for_and_never_ended_but_idle_ranks_in_torch_are_stuck():
+    script = Script()
+    dog = Watchdog(HangPolicy(after=2.0, action="raise"), script, now=0.0)
+    found = []
+    for step in range(1, 40):  # rank 0 evaluates alone (CPU time advancing), 1 waits
+        t = step * 0.25
+        script.set(0, 3, cpu=t * 0.9, frame="evaluate (nb.py:12)", in_torch=None)
+        script.set(1, 3, "torch.distributed.barrier", cpu=1.0)
+        found += [h for h in [dog.look([0, 1], {}, 5, now=t)] if h is not None]
+    hang = found[0]
+    assert hang.busy == [0] and hang.ranks == [0, 1]  # the supervisor never ends such a job
+    assert "rank(s) 1 wait for rank 0, which is busy in evaluate (nb.py:12)" in hang.text()
+    assert "stack of 0" in hang.text() and "appear stuck" not in hang.text()
+    # both ranks idle inside a C++ call of torch's, the same count: a mismatch, stuck
+    dog, script = _watch()
+    for rank in (0, 1):
+        script.set(rank, 7, cpu=1.0, in_torch="torch.autograd.graph._engine_run_backward")
+    hang = next(h for t in range(1, 40) if (h := dog.look([0, 1], {}, 5, now=t / 4)))
+    assert not hang.busy and "idle inside torch.autograd.graph._engine_run_backward" in hang.text()
+    assert "debug_collectives=True makes torch name the mismatch" in hang.text()
+    # the same in the user's own code (sleeping, or reading a file): a long step, no report
+    dog, script = _watch()
+    for rank in (0, 1):
+        script.set(rank, 7, cpu=1.0, in_torch=None)
+    assert all(dog.look([0, 1], {}, 5, now=t / 4) is None for t in range(1, 100))
 
 
 def test_settings_default_environment_cli_and_errors(tmp_path):
@@ -199,6 +228,37 @@ def test_on_hang_raise_ends_the_job_naming_the_rank_and_the_finished_one():
     assert err.stuck_ranks == [0], str(err)
     assert "rank 0: " + REPORTED in err.reason and "rank 1: finished" in err.reason, str(err)
     assert "dist.all_reduce(value)" in err.stacks[0], err.stacks
+
+
+def evaluates_alone(flag: str) -> int:
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    if accelerator.is_main_process:  # evaluating alone: CPU-bound, no collective
+        total = 0
+        while not os.path.exists(flag):
+            total += sum(range(10_000))
+    accelerator.wait_for_everyone()
+    return accelerator.process_index
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_ranks_waiting_for_a_working_rank_are_reported_and_on_hang_raise_ends_nothing(tmp_path):
+    flag, lines = tmp_path / "go", Lines("which is busy in")
+    handle = notebook_launcher(
+        evaluates_alone, (str(flag),), num_processes=2, config=CPU, hang_after=2,
+        on_hang="raise", block=False, output=lines, return_all_ranks=True,
+    )  # fmt: skip
+    try:
+        assert lines.seen.wait(120), lines.text
+        flag.touch()  # rank 0 is done evaluating
+        assert handle.result(timeout=120) == [0, 1]  # not ended: it was working
+    finally:
+        handle.stop(timeout=10)
+    text = lines.text
+    assert "rank(s) 1 wait for rank 0, which is busy in evaluates_alone" in text, text
+    assert "--- where rank 0 is ---" in text and "in evaluates_alone\n" in text, text
 
 
 def steady_but_slow(steps: int) -> int:

@@ -755,8 +755,12 @@ def test_spawn_ships_main_module_functions_lambdas_and_classes(tmp_path):
 
 INTERRUPTIBLE = textwrap.dedent(
     """
-    import time, psutil
+    import signal, time, psutil
     from nbaccel import notebook_launcher
+
+    # as a kernel does for each cell: the interrupt raises KeyboardInterrupt even when
+    # this process inherited SIGINT ignored (pytest started as a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def train():
         import torch.distributed as dist

@@ -188,7 +188,7 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_interrupt_stops_a_long_evaluation_and_the_session_goes_on(capsys):
+def test_interrupt_stops_a_long_evaluation_and_the_session_goes_on(capsys, kernel_sigint):
     import signal
     import threading
 

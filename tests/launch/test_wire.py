@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import sys
 
 import pytest
 import torch
@@ -62,3 +63,70 @@ def test_frames_are_decoded_on_the_cpu(monkeypatch):
     body = _gpu_tagged(("result", 0, torch.ones(2)), monkeypatch)
     [message] = _wire.FrameReader().feed(_wire.HEADER.pack(len(body)) + body)
     assert message[2].device.type == "cpu"
+
+
+def test_every_message_is_a_small_frozen_dataclass_that_crosses_the_channel():
+    import dataclasses
+    import socket
+
+    from nbaccel.launch import _messages
+
+    kernel, worker = (_wire.Channel(s) for s in socket.socketpair())
+    try:
+        sent = [
+            _messages.Job(3, "call", {0}, (len, ([1],), {})),
+            _messages.Done(3, True, ("pickle", b""), 2),
+            _messages.PdbOutput(1, "ask", "text\n", "(Pdb) "),
+            _messages.Exit(),
+        ]
+        for message in sent:
+            worker.send(message)
+        got = [kernel.next() for _ in sent]
+        assert got == sent and [type(m) for m in got] == [type(m) for m in sent]
+    finally:
+        kernel.close()
+        worker.close()
+    for name in _messages.__all__:
+        cls = getattr(_messages, name)
+        assert dataclasses.is_dataclass(cls), name
+        assert cls.__dataclass_params__.frozen, f"{name} is not frozen"
+
+
+def test_no_launch_module_speaks_in_positional_tuples():
+    # Messages are dispatched by type: a tuple sent on a channel, or a message read by
+    # index (message[0] == "done"), is the protocol this replaced.
+    import ast
+    import pathlib
+
+    import nbaccel.launch
+
+    offenders = []
+    for path in sorted(pathlib.Path(nbaccel.launch.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            sends = (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "send"
+                and any(isinstance(a, ast.Tuple) for a in node.args)
+            )
+            indexed = (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("message", "job")
+                and isinstance(node.slice, ast.Constant)
+            )
+            if sends or indexed:
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
+
+
+def test_a_probe_answered_while_torch_is_half_imported_is_sent(monkeypatch):
+    # The channel thread answers probes while the job may be importing torch: the
+    # pickler must not need torch.Tensor then (the thread died, and with it the channel)
+    import types
+
+    from nbaccel.launch._messages import ProbeAnswer
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # no Tensor yet
+    message = ProbeAnswer(3, {"stack": "...", "waiting": None})
+    assert _wire.FrameReader().feed(_wire.frame(message)) == [message]

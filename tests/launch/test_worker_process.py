@@ -76,7 +76,7 @@ def _never_runs() -> None:  # pragma: no cover - the launch is interrupted first
     time.sleep(60)
 
 
-def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
+def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch, kernel_sigint):
     # A notebook interrupt that arrives while os.fork() runs is raised the moment the call
     # returns. Here the interrupt arrives just after the first fork: the launch must end
     # with KeyboardInterrupt and with that worker killed and reaped, not running on alone.
@@ -90,8 +90,6 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
         return pid
 
     monkeypatch.setattr(_process, "_fork", fork_then_interrupt)
-    # as in a kernel, SIGINT raises KeyboardInterrupt (a shell's background job ignores it)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             notebook_launcher(_never_runs, num_processes=2, start_method="fork")
@@ -105,4 +103,19 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch):
             if _is_our_zombie_or_alive(pid):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-        signal.signal(signal.SIGINT, previous)
+
+
+def _nccl_settings() -> str | None:
+    return os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def test_workers_keep_nccl_from_ending_the_process_unless_the_user_said(monkeypatch):
+    # NCCL's watchdog would abort the worker on a collective timeout (no GPU here: the
+    # setting is what torch reads when an NCCL group forms); the user's own value wins
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    values = notebook_launcher(
+        _nccl_settings, num_processes=2, start_method="fork", return_all_ranks=True
+    )
+    assert values == ["2", "2"]
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    assert notebook_launcher(_nccl_settings, num_processes=2, start_method="fork") == "1"

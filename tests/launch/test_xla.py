@@ -1,13 +1,15 @@
 """The torch_xla (TPU) path.
 
-Unit tests of :mod:`nbaccel.platform.xla`, :mod:`nbaccel.runtime.xla` and :mod:`nbaccel.launch._xla`
-run here, without torch_xla. The tests marked ``xla`` run ``tests/xla_scenarios.py`` with
+Unit tests of :mod:`nbaccel.platform.xla` and :mod:`nbaccel.runtime.xla` run here, without
+torch_xla. The tests marked ``xla`` run ``tests/xla_scenarios.py`` with
 ``PJRT_DEVICE=CPU`` in an interpreter that has torch_xla: this one when it does (the
 Kaggle-like stack: torch/torch_xla 2.8, scripts/stacks.env), else the separate ``.xla-venv``
-(torch 2.9.0 + torch_xla 2.9.0, made by ``scripts/setup_xla.sh``). ``notebook_launcher``
-trains through the ``Accelerator`` on the XLA device, once in a worker started by the TPU
-backend's ``start`` (torch_xla's ``xmp.spawn``) and once in the launching process itself;
-Colab's TPU markers (v5e-1) refuse 8 processes. One process each: CPU-XLA collectives
+(torch 2.9.0 + torch_xla 2.9.0, made by ``scripts/setup_xla.sh``). The one engine
+trains through the ``Accelerator`` on the XLA device in workers the TPU backend sets up
+(as torch_xla's ``xmp.spawn`` would): ``notebook_launcher``, ``block=False`` with its
+status, the warm pool, a failure and ``nbaccel.debug()``; the launching process never
+starts the XLA runtime; once it has, a launch is refused; Colab's TPU markers (v5e-1)
+refuse 8 processes. One process each: CPU-XLA collectives
 across processes do not work, so multi-process XLA needs a TPU (the 8-process start on
 Kaggle's markers is tests/platform/test_tpu_backend.py).
 """
@@ -24,8 +26,8 @@ from typing import Any
 
 import pytest
 
+from nbaccel import LaunchConfig, notebook_launcher
 from nbaccel.errors import LaunchError
-from nbaccel.launch import _xla as xla_launch
 from nbaccel.platform import xla
 from nbaccel.platform.tpu.torch_xla_backend import TorchXlaBackend
 from nbaccel.runtime import xla as xla_runtime
@@ -69,7 +71,7 @@ def test_launch_without_torch_xla_says_what_to_install(monkeypatch: pytest.Monke
     monkeypatch.setattr(TorchXlaBackend, "available", lambda self: False)
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     with pytest.raises(LaunchError, match="torch_xla is not installed: pip install torch_xla"):
-        xla_launch.launch_xla(print, (), 1)
+        notebook_launcher(print, config=LaunchConfig(compute_device="tpu"))
 
 
 def test_helpers_do_nothing_when_torch_xla_is_not_loaded() -> None:
@@ -129,7 +131,7 @@ def test_importing_nbaccel_does_not_import_torch_xla(scenarios: dict[str, Any]) 
 
 
 @pytest.mark.xla
-def test_notebook_launcher_trains_in_an_xmp_spawn_worker(scenarios: dict[str, Any]) -> None:
+def test_notebook_launcher_trains_in_a_worker_the_backend_set_up(scenarios: dict[str, Any]) -> None:
     run = scenarios["spawned"]
     _trained_on_xla(run)
     assert run["pid"] != run["launcher_pid"]  # a worker process trained
@@ -148,22 +150,35 @@ def test_a_worker_failure_arrives_as_the_original_type(scenarios: dict[str, Any]
 
 
 @pytest.mark.xla
-def test_notebook_launcher_trains_in_process_with_one_process(scenarios: dict[str, Any]) -> None:
-    run = scenarios["in_process"]
+def test_one_process_is_a_worker_too_and_the_kernel_never_starts_xla(scenarios) -> None:
+    run = scenarios["one_worker"]
     _trained_on_xla(run)
-    assert run["pid"] == run["launcher_pid"]
+    assert run["pid"] != run["launcher_pid"]
     assert run["losses"] == scenarios["spawned"]["losses"]  # same seed, same device: same run
-    assert scenarios["runtime_after_in_process"] is True
+    assert scenarios["runtime_after_workers"] is False
 
 
 @pytest.mark.xla
-def test_spawning_after_the_runtime_started_is_refused_clearly(
-    scenarios: dict[str, Any],
-) -> None:
+def test_block_false_the_pool_and_post_mortem_serve_xla_workers(scenarios) -> None:
+    engine = scenarios["engine"]
+    assert "crashed" not in engine, engine.get("crashed")
+    assert engine["background_device"].startswith("xla") and engine["logged_loss"]
+    assert engine["background_pid"] != scenarios["spawned"]["launcher_pid"]
+    first, second = engine["pool_pids"]
+    assert first == second and engine["pool_device"].startswith("xla")  # one warm worker
+    assert engine["pool_failure"]["types"][0] == "ValueError"
+    assert "bad value 5 on xla:0" in engine["pool_failure"]["message"]
+    assert "(Pdb) p value + 1\n6\n" in engine["debug_output"], engine["debug_output"]
+    assert engine["restarts"] == 0
+
+
+@pytest.mark.xla
+def test_a_launch_after_the_kernel_started_the_runtime_is_refused_clearly(scenarios) -> None:
+    assert scenarios["runtime_started_here"] is True
     refused = scenarios["refused"]
-    assert refused["types"][0] == "LaunchError"
-    assert "already initialised" in refused["message"]
-    assert "num_processes=1" in refused["message"]
+    assert refused["types"][0] == "ConfigError", refused
+    assert "runtime is already started in this kernel" in refused["message"]
+    assert "Restart the kernel" in refused["message"]
 
 
 @pytest.mark.xla

@@ -1,24 +1,25 @@
 """The TPU backend interface (nbaccel.platform.tpu): a second backend is a module and a
 registration, and the hosted TPUs (Colab's v5e-1, Kaggle's v5e-8) launch through it.
 
-``FakeTpu`` below is such a second backend, written only against the protocol: its
-``start`` forks one real process per device and its device is the CPU. Registered first,
-it carries ``notebook_launcher`` on Kaggle's and Colab's TPU markers. The torch_xla
+``FakeTpu`` below is such a second backend, written only against the protocol: nbaccel's
+engine starts one real worker per device and the backend sets each up (its rank); its
+device is the CPU. Registered first, it carries ``notebook_launcher``, ``block=False``,
+the warm pool, the watchdog and ``nbaccel.debug()`` on Kaggle's and Colab's TPU markers. The torch_xla
 backend itself trains on the CPU (``PJRT_DEVICE=CPU``) in tests/launch/test_xla.py, on
 torch_xla 2.9 (.xla-venv) and 2.8 (the Kaggle-like stack).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
 import torch
 
-from nbaccel import notebook_launcher
+import nbaccel
+from nbaccel import notebook_launcher, start_workers
 from nbaccel.errors import ConfigError
 from nbaccel.platform import hardware, tpu, xla
 from nbaccel.platform.tpu.torch_xla_backend import TorchXlaBackend
@@ -40,9 +41,6 @@ class FakeTpu:
     device_type = "faketpu"
     process_group_backend = "gloo"
 
-    def __init__(self) -> None:
-        self.started: list[int | None] = []
-
     def available(self) -> bool:
         return True
 
@@ -50,7 +48,7 @@ class FakeTpu:
         return tpu.tpu_present(environ)
 
     def loaded(self) -> bool:
-        return _RANK in os.environ or bool(self.started)
+        return _RANK in os.environ
 
     def version(self) -> str | None:
         return "0.1"
@@ -61,21 +59,8 @@ class FakeTpu:
     def device_count(self, environ: Mapping[str, str] | None = None) -> int | None:
         return TorchXlaBackend().device_count(environ)  # the same markers
 
-    def start(self, worker: Callable[[int], None], nprocs: int | None, *, start_method: str):
-        self.started.append(nprocs)
-        if nprocs == 1:
-            worker(0)
-            return
-        count = nprocs or self.device_count() or 1
-        ctx = multiprocessing.get_context("fork")
-        procs = [ctx.Process(target=_child, args=(worker, i, count)) for i in range(count)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        failed = [p.exitcode for p in procs if p.exitcode]
-        if failed:
-            raise RuntimeError(f"faketpu workers failed: exit codes {failed}")
+    def setup_process(self, local_rank: int, local_world_size: int) -> None:
+        os.environ[_RANK] = f"{local_rank}/{local_world_size}"
 
     def device(self) -> torch.device:
         return torch.device("cpu")
@@ -98,11 +83,6 @@ class FakeTpu:
 
     def set_rng_state(self, state: Any) -> None:
         pass
-
-
-def _child(worker: Callable[[int], None], index: int, count: int) -> None:
-    os.environ[_RANK] = f"{index}/{count}"
-    worker(index)
 
 
 def where_am_i() -> tuple[str, int]:
@@ -145,29 +125,75 @@ def test_a_registered_backend_is_what_every_layer_uses(fake: FakeTpu, monkeypatc
     assert hardware.detect_hardware().summary().startswith("8 x TPU (v5e, faketpu 0.1)")
 
 
-def test_kaggle_v5e_8_starts_8_processes_through_the_backend(fake, monkeypatch) -> None:
+def fails_on_rank_3() -> None:
+    secret = os.environ[_RANK]
+    if secret.startswith("3/"):
+        raise KeyError(f"missing {secret}")
+
+
+def busy_alone(flag: str) -> int:
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    accelerator = Accelerator()  # the backend's device (the CPU) and world: gloo here
+    if accelerator.is_main_process:
+        while not os.path.exists(flag):
+            sum(range(10_000))
+    dist.barrier()
+    return accelerator.process_index
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_kaggle_v5e_8_runs_8_workers_of_the_one_engine(fake, monkeypatch, capsys, tmp_path):
     _markers(monkeypatch, KAGGLE_TPU)
     results = notebook_launcher(where_am_i, return_all_ranks=True)
-    assert fake.started == [8]
-    assert [rank for rank, _ in results] == [f"{i}/8" for i in range(8)]
+    assert [rank for rank, _ in results] == [f"{i}/8" for i in range(8)]  # set up by it
     assert len({pid for _, pid in results} | {os.getpid()}) == 9  # 8 worker processes
+    handle = notebook_launcher(where_am_i, block=False)  # background runs, handles
+    assert handle.result(timeout=120)[0] == "0/8"
+    with start_workers() as pool:  # the warm pool: 8 workers, many calls, post-mortem
+        assert [r for r, _ in pool.call(where_am_i, return_all_ranks=True)] == [
+            f"{i}/8" for i in range(8)
+        ]
+        with pytest.raises(KeyError, match="missing 3/8"):
+            pool.call(fails_on_rank_3)
+        nbaccel.debug(rank=3, commands=["p secret", "q"])
+        assert "'3/8'" in capsys.readouterr().out
+        # the watchdog: 7 ranks wait in a barrier for rank 0, which works (never ended)
+        flag, lines = tmp_path / "go", []
+
+        def output(rank: int, stream: str, line: str) -> None:
+            lines.append(line)
+            if "which is busy in" in line:
+                flag.touch()
+
+        ranks = pool.call(busy_alone, (str(flag),), hang_after=2, on_hang="raise",
+                          output=output, return_all_ranks=True)  # fmt: skip
+        assert ranks == list(range(8)), lines
+        assert any("rank(s) 1, 2, 3, 4, 5, 6, 7 wait for rank 0" in ln for ln in lines), lines
+        assert pool.restarts == 0
 
 
-def test_colab_v5e_1_runs_one_process_and_refuses_8_naming_the_runtime(fake, monkeypatch):
+def test_colab_v5e_1_runs_one_worker_and_refuses_8_naming_the_runtime(fake, monkeypatch):
     _markers(monkeypatch, COLAB_TPU)
-    assert notebook_launcher(where_am_i) == ("kernel", os.getpid())  # in this process
-    assert fake.started == [1]
+    rank, pid = notebook_launcher(where_am_i)
+    assert (rank, pid != os.getpid()) == ("0/1", True)  # a worker, never the kernel
     with pytest.raises(ConfigError) as err:
         notebook_launcher(where_am_i, num_processes=8)
     message = str(err.value)
     assert "num_processes=8" in message and "Google Colab, TPU v5e-1" in message
     assert "num_processes=1" in message
-    assert fake.started == [1]  # nothing was started for the refused launch
 
 
 def test_check_process_count_reads_the_markers() -> None:
     assert tpu.check_process_count(None, KAGGLE_TPU) == 8
-    assert tpu.check_process_count(4, KAGGLE_TPU) == 4
+    assert tpu.check_process_count(1, KAGGLE_TPU) == 1
+    # torch_xla starts 1 process or one per device: 4 would run 8, refused before start
+    with pytest.raises(ConfigError, match=r"num_processes=4, but Kaggle.*8 TPU device.*"
+                       r"num_processes=8 .*or num_processes=1"):  # fmt: skip
+        tpu.check_process_count(4, KAGGLE_TPU)
     assert tpu.check_process_count(None, COLAB_TPU) == 1
     assert tpu.check_process_count(None, {}) is None  # unknown: the backend decides
     with pytest.raises(ConfigError, match=r"Kaggle, TPU v5e-8 has 8 TPU device"):

@@ -52,3 +52,7 @@ def test_gather_on_the_main_process_alone_is_named(tmp_path):
     error = caught.value
     assert error.rank == 0 and error.exc_type == "RanksMissingError", error
     assert "gather on rank 0 timed out" in error.message and "every rank" in error.message
+    # named although a gather has no barrier that could tell: rank 1 ran fewer collectives
+    notes = "\n".join(getattr(error, "__notes__", []))
+    assert error.missing == [1] and "Rank(s) [1] did not come" in notes, notes
+    assert "--- rank 1: finished the job" in notes, notes  # and where it is

@@ -30,7 +30,7 @@ def test_history_keeps_numbers_per_rank_and_skips_the_rest():
     history = History()
     for rank in (0, 1):
         for step in range(3):
-            values = {"loss": 1.0 / (step + 1) + rank, "flag": True, "name": "x", "nan": math.nan}
+            values = {"loss": 1.0 / (step + 1) + rank, "flag": True, "name": "x"}
             assert history.record(rank, "log", {"step": step, "values": values})
     assert not history.record(0, "log", {"step": "3", "values": {"loss": 1.0}})
     assert not history.record(0, "progress", {"n": 3})
@@ -38,6 +38,16 @@ def test_history_keeps_numbers_per_rank_and_skips_the_rest():
     data = history.data()
     assert data["loss"][0] == [(0.0, 1.0), (1.0, 0.5), (2.0, 1 / 3)]
     assert data["loss"][1][0] == (0.0, 2.0)
+
+
+def test_a_diverging_loss_is_shown_not_dropped():
+    history = History()
+    for step, loss in enumerate([1.0, 0.5, math.nan, math.inf]):
+        history.record(1, "log", {"step": step, "values": {"loss": loss, "gnorm": -math.inf}})
+    svg = render_svg(history.data())
+    assert "loss (nan at step 2, rank 1)" in svg and "gnorm (-inf at step 0, rank 1)" in svg
+    assert svg.count('class="nbaccel-nonfinite"') == 2 + 4  # loss: nan, inf; gnorm: -inf x4
+    assert 'data-metric="loss"' in svg and svg.count("<polyline") == 1  # the finite part
 
 
 def test_history_system_charts_and_step_times():

@@ -1,7 +1,7 @@
 """The TPU backend protocol, and the TPU host markers every backend shares.
 
 A TPU backend is what nbaccel needs from a TPU runtime, in one small interface:
-detect (installed? wanted here?), count devices, start the processes, the device,
+detect (installed? wanted here?), count devices, set up a process nbaccel started, the device,
 where the process stands (rank, world), the collectives' mapping (the
 ``torch.distributed`` backend and its ``init_process_group`` arguments), the
 after-step hook (run the lazy graph) and save/load (tensor identity for tied weights,
@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported lazily
@@ -98,12 +98,10 @@ class TpuBackend(Protocol):
         """Local devices, from the host's markers without starting the runtime (None: unknown)."""
         ...
 
-    # ---- processes
-    def start(
-        self, worker: Callable[[int], None], nprocs: int | None, *, start_method: str
-    ) -> None:
-        """Run ``worker(index)`` in ``nprocs`` processes (``None``: one per local device;
-        1: in this process) and wait for them; raises when one failed."""
+    # ---- processes (nbaccel's engine starts them: its worker loop, channel, supervisor)
+    def setup_process(self, local_rank: int, local_world_size: int) -> None:
+        """In a worker nbaccel started, before the runtime starts: make it the runtime's
+        local process ``local_rank`` of ``local_world_size`` (its environment, its chips)."""
         ...
 
     # ---- in the process that trains

@@ -110,7 +110,8 @@ def check_process_count(
         ``num_processes``, or the device count when it is ``None`` and known.
 
     Raises:
-        ConfigError: more processes than the host has TPU devices (one process per device).
+        ConfigError: a count the backend cannot start here: neither 1 nor one process
+            per device (e.g. 4 or 16 on a v5e-8), before any process starts.
 
     Example:
         >>> check_process_count(None, {"TPU_ACCELERATOR_TYPE": "v5litepod-8"})
@@ -122,12 +123,13 @@ def check_process_count(
         return num_processes
     if num_processes is None:
         return devices
-    if num_processes > devices:
+    if num_processes not in (1, devices):  # the backend starts 1, or one per device
         runtime = runtime or detect_host(environ).label
+        other = " or num_processes=1 (in this process)" if devices != 1 else ""
         raise ConfigError(
             f"num_processes={num_processes}, but {runtime} has {devices} TPU device(s) and "
-            f"{backend.name} runs one process per device: use num_processes={devices} "
-            "(or None for one per device)."
+            f"{backend.name} runs one process per device (or one alone): use num_processes="
+            f"{devices} (or None for one per device){other}."
         )
     return num_processes
 

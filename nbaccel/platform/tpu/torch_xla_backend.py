@@ -1,7 +1,7 @@
 """torch_xla, the first TPU backend (PyTorch/XLA, ``PJRT_DEVICE=TPU``; ``CPU`` in tests).
 
 Everything nbaccel does with torch_xla is here: finding it (``find_spec``, never an
-import, until a process trains), ``xmp.spawn``, the XLA device, the runtime's ranks,
+import, until a process trains), setting up each process as ``xmp.spawn`` would, the XLA device, the runtime's ranks,
 the ``"xla"`` process-group backend, ``torch_xla.sync()`` after each step, XLA tensor
 ids and RNG state. torch_xla 2.9 is its last release; a successor gets a module of its
 own next to this one (see :mod:`nbaccel.platform.tpu`).
@@ -20,7 +20,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..hosts import tpu_devices
@@ -79,14 +79,19 @@ class TorchXlaBackend:
         return int(value) if value.isdigit() else None
 
     # ------------------------------------------------------------------ processes
-    def start(
-        self, worker: Callable[[int], None], nprocs: int | None, *, start_method: str
-    ) -> None:
-        import torch_xla.distributed.xla_multiprocessing as xmp
+    def setup_process(self, local_rank: int, local_world_size: int) -> None:
+        # What xmp.spawn does first in each process it starts (torch_xla._internal.pjrt,
+        # the names of 2.9, with 2.8's before): the local process variables, this
+        # process's chips on a TPU, the replication; the runtime starts here, in the worker.
+        from torch_xla._internal import pjrt
 
-        # xmp.spawn takes 1 (this process) or None (one per local device, its decision);
-        # a count equal to the local devices means the latter.
-        xmp.spawn(worker, args=(), nprocs=1 if nprocs == 1 else None, start_method=start_method)
+        if local_world_size == 1:
+            one = getattr(pjrt, "initialize_singleprocess", None)
+            if one is not None:
+                one()
+                return
+        many = getattr(pjrt, "initialize_multiprocess", None) or pjrt._initialize_multiprocess
+        many(local_rank, local_world_size)
 
     # ------------------------------------------------------------------ training
     def device(self) -> torch.device:
