@@ -24,7 +24,7 @@ from ..config import (
     save_config,
     write_basic_config,
 )
-from ..config.launch_config import coerce
+from ..config.fields import coerce
 from ..errors import ConfigError
 
 EPILOG = """\

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from ..config.launch_config import field_kind
+from ..config.fields import field_kind
 from ..platform.forksafe import release_openmp_threads
 
 _DYNAMO = "torch._dynamo"
