@@ -295,6 +295,15 @@ def _check_debug(debug: Any, timeout: Any) -> float | None:
     return float(DEBUG_TIMEOUT if timeout is None else timeout)
 
 
+def _check_deepspeed(cfg: LaunchConfig, args: tuple[Any, ...]) -> None:
+    """DeepSpeed asked for (strategy, or a plugin among the arguments) but not installed:
+    one error naming the install command, in the kernel, before any worker starts."""
+    from ..runtime.deepspeed_plugin import DeepSpeedPlugin, require_deepspeed
+
+    if cfg.strategy == "deepspeed" or any(isinstance(a, DeepSpeedPlugin) for a in args):
+        require_deepspeed("strategy='deepspeed' (or a DeepSpeedPlugin)")
+
+
 def _decide(
     cfg: LaunchConfig,
     function: Any,
@@ -311,6 +320,7 @@ def _decide(
         if cfg.strategy == "fsdp":
             raise ConfigError("strategy='fsdp' is not available on TPU (torch_xla); use 'ddp'.")
         return LaunchPlan(function, args, cfg, nproc, "xla", process_env(cfg, None), **common)
+    _check_deepspeed(cfg, args)
     nproc = _count_processes(cfg)
     in_kernel = nproc == 1 and cfg.num_nodes == 1 and common["block"]
     if not in_kernel:
