@@ -216,7 +216,7 @@ class LaunchConfig:
     )
     deepspeed_gradient_clipping: float | None = field(
         default=None,
-        metadata={"help": "clip the global gradient norm to this value (none: no clipping)."},
+        metadata={"help": "clip the global gradient norm to this value (none: DeepSpeed's 1.0)."},
     )
     deepspeed_config_file: str | None = field(
         default=None,
@@ -303,9 +303,11 @@ class LaunchConfig:
             )
         clip = self.deepspeed_gradient_clipping
         if clip is not None and (
-            isinstance(clip, bool) or not isinstance(clip, int | float) or clip <= 0
+            isinstance(clip, bool) or not isinstance(clip, int | float) or clip < 0
         ):
-            raise ConfigError(f"deepspeed_gradient_clipping={clip!r} must be a number > 0.")
+            raise ConfigError(
+                f"deepspeed_gradient_clipping={clip!r} must be a number >= 0 (0: no clipping)."
+            )
 
     def replace(self, **changes: object) -> LaunchConfig:
         """Return a copy with ``changes`` applied (and validated).

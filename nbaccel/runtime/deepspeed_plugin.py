@@ -61,7 +61,8 @@ class DeepSpeedPlugin:
             When given, the fields below only fill its ``"auto"`` values.
         gradient_accumulation_steps: micro-steps per update; ``None``: the Accelerator's.
         gradient_clipping: clip the global gradient norm to this value (inside
-            ``accelerator.backward``); ``None``: no clipping.
+            ``accelerator.backward``); ``None``: DeepSpeed's default (1.0 in deepspeed
+            0.19, as under Accelerate); 0: no clipping.
         zero_stage: 0 (plain data parallel), 1 (optimizer state sharded), 2 (+ gradients),
             3 (+ parameters).
         is_train_batch_min: with several dataloaders, the smallest batch size is the
@@ -288,6 +289,7 @@ def check_deepspeed_argument(plugin: Any, fsdp_plugin: Any = None) -> DeepSpeedP
             f"deepspeed_plugin={plugin!r} must be a nbaccel.DeepSpeedPlugin "
             "(from nbaccel import DeepSpeedPlugin)."
         )
+    require_deepspeed("Accelerator(deepspeed_plugin=...)")  # before any process state exists
     return plugin
 
 

@@ -27,6 +27,7 @@ from ._widgets_compat import tooltip_kwargs
 _INT_MAXIMUMS = {
     "master_port": MAX_PORT,
     "fsdp_min_num_params": 10**15,
+    "deepspeed_zero_stage": 3,
 }  # others: effectively unbounded, kept sane for typing
 _SANE_MAX = 4096
 

@@ -35,7 +35,7 @@ def test_strategy_defaults_to_ddp_and_every_strategy_field_has_help():
         ({"deepspeed_zero_stage": True}, "deepspeed_zero_stage=True"),
         ({"deepspeed_offload_optimizer_device": "gpu"}, "deepspeed_offload_optimizer_device="),
         ({"deepspeed_offload_param_device": "cpu"}, "needs deepspeed_zero_stage=3"),
-        ({"deepspeed_gradient_clipping": 0}, "deepspeed_gradient_clipping=0 must be"),
+        ({"deepspeed_gradient_clipping": -1}, "deepspeed_gradient_clipping=-1 must be"),
         ({"fsdp_auto_wrap_policy": "layer_wrap"}, "fsdp_auto_wrap_policy='layer_wrap'"),
         ({"fsdp_state_dict_type": "LOCAL_STATE_DICT"}, "fsdp_state_dict_type="),
         ({"fsdp_min_num_params": -1}, "fsdp_min_num_params=-1"),

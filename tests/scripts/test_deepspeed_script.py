@@ -16,6 +16,9 @@ pytestmark = [
         importlib.util.find_spec("deepspeed") is None,
         reason="deepspeed is not installed (pip install 'nbaccel[deepspeed]'; setup.sh does)",
     ),
+    # Accelerate turns DeepSpeed off on CPU (ACCELERATE_USE_CPU: state.deepspeed_plugin is
+    # None), so this script has no CPU run under Accelerate to compare with
+    pytest.mark.skipif(UNDER_ACCELERATE, reason="Accelerate runs DeepSpeed on GPUs only"),
 ]
 
 DS_CONFIG = {

@@ -140,7 +140,9 @@ class DeepSpeed(SingleProcess):
     ) -> torch.Tensor:
         """The engine clipped inside ``backward`` (``gradient_clipping`` of the config);
         return the global norm it measured before clipping."""
-        configured = float(self.config.get("gradient_clipping") or 0.0)
+        # the engine's value: without "gradient_clipping" DeepSpeed clips at its default (1.0)
+        engine = self.engine
+        configured = float(engine.gradient_clipping() if engine is not None else 0.0)
         if configured != float(max_norm) or norm_type != 2.0:
             raise ConfigError(
                 f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) under DeepSpeed: "
@@ -149,7 +151,7 @@ class DeepSpeed(SingleProcess):
                 f'gradient_clipping={max_norm}) (or "gradient_clipping": {max_norm} in the '
                 "DeepSpeed config) so both agree."
             )
-        norm = self.engine.get_global_grad_norm() if self.engine is not None else None
+        norm = engine.get_global_grad_norm() if engine is not None else None
         return torch.as_tensor(0.0 if norm is None else float(norm))
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> Any:
