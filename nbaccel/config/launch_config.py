@@ -152,7 +152,7 @@ class LaunchConfig:
         metadata={
             "help": '"ddp" (every process holds the whole model), "fsdp" (FSDP2: '
             "parameters, gradients and optimizer state sharded across processes) or "
-            '"deepspeed" (DeepSpeed ZeRO; needs pip install nbaccel[deepspeed]).'
+            '"deepspeed" (DeepSpeed ZeRO; needs the deepspeed package).'
         },
     )
     fsdp_auto_wrap_policy: FsdpWrapPolicyType = field(

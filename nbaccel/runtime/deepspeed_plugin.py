@@ -1,6 +1,6 @@
 """``DeepSpeedPlugin``, ``DummyOptim``, ``DummyScheduler``: DeepSpeed's settings, as Accelerate names them.
 
-The ``deepspeed`` package is an optional extra (``pip install 'nbaccel[deepspeed]'``);
+The ``deepspeed`` package is an optional extra (``pip install --no-build-isolation deepspeed``);
 nothing here imports it. A plugin holds one DeepSpeed configuration dict
 (:attr:`DeepSpeedPlugin.deepspeed_config`): read from ``hf_ds_config`` (a JSON file, a
 dict) or built from the fields. Values written ``"auto"`` are filled in ``prepare`` from
@@ -31,7 +31,7 @@ from ..config.choices import DEEPSPEED_OFFLOAD_DEVICES, DEEPSPEED_ZERO_STAGES
 from ..errors import ConfigError
 
 #: the one command that makes DeepSpeed available (named by every "not installed" error)
-INSTALL = "pip install 'nbaccel[deepspeed]'  (or: pip install --no-build-isolation deepspeed)"
+INSTALL = "pip install --no-build-isolation deepspeed  (after torch; its build imports torch)"
 
 
 def deepspeed_installed() -> bool:

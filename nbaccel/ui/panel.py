@@ -206,7 +206,9 @@ class LaunchPanel(widgets.VBox):
         if cfg.strategy == "fsdp" and (cfg.num_processes or 1) * cfg.num_nodes < 2:
             found["strategy"] = "fsdp shards across processes: use 2 or more processes."
         if cfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-            found["strategy"] = "deepspeed is not installed: pip install 'nbaccel[deepspeed]'."
+            found["strategy"] = (
+                "deepspeed is not installed: pip install --no-build-isolation deepspeed"
+            )
         return found
 
     def warnings(self) -> dict[str, str]:

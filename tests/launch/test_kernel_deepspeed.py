@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
         importlib.util.find_spec("deepspeed") is None,
-        reason="deepspeed is not installed (pip install 'nbaccel[deepspeed]'; setup.sh does)",
+        reason="deepspeed is not installed (pip install --no-build-isolation deepspeed; setup.sh does)",
     ),
 ]
 

@@ -14,7 +14,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
         importlib.util.find_spec("deepspeed") is None,
-        reason="deepspeed is not installed (pip install 'nbaccel[deepspeed]'; setup.sh does)",
+        reason="deepspeed is not installed (pip install --no-build-isolation deepspeed; setup.sh does)",
     ),
     # Accelerate turns DeepSpeed off on CPU (ACCELERATE_USE_CPU: state.deepspeed_plugin is
     # None), so this script has no CPU run under Accelerate to compare with
