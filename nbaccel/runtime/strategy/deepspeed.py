@@ -98,6 +98,9 @@ class DeepSpeed(SingleProcess):
                 "create another Accelerator for the other model."
             )
         _ensure_group(self.state)
+        # the engine reads its device index from LOCAL_RANK (set by nbaccel's workers, absent
+        # in a one-process run inside the kernel)
+        os.environ.setdefault("LOCAL_RANK", str(self.state.local_rank))
         import deepspeed
         import deepspeed.ops
 
