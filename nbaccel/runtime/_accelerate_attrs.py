@@ -67,7 +67,8 @@ SETTABLE = frozenset(
 # Accelerate attributes that nbaccel does not have: what to do instead
 NOT_HONOURED = {
     "scaler": "the fp16 GradScaler is built from kwargs_handlers=[GradScalerKwargs(...)]",
-    "deepspeed_engine_wrapped": "DeepSpeed is not part of nbaccel (use fsdp_plugin=...)",
+    "deepspeed_engine_wrapped": "under DeepSpeed the prepared model is the engine itself "
+    "(accelerator.backward runs engine.backward and engine.step)",
     "fp8_recipe_handler": "fp8 runs through torchao with its default recipe",
     "flag_tensor": "use set_trigger() / check_trigger()",
     "delayed_fp8_autocast": "fp8 runs through torchao with its default recipe",
@@ -121,6 +122,11 @@ class AccelerateAttributes:
             stacklevel=2,
         )
         return self.mixed_precision != "no"
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """The ``DeepSpeedPlugin`` this Accelerator trains with (``None`` without DeepSpeed)."""
+        return self.state.deepspeed_plugin
 
     @property
     def native_amp(self) -> bool:

@@ -77,6 +77,8 @@ class DeepSpeedPlugin:
         zero3_save_16bit_model: ZeRO-3's ``stage3_gather_16bit_weights_on_model_save``
             (nbaccel gathers the full weights for ``save_model``/``get_state_dict`` anyway).
         transformer_moe_cls_names: accepted for compatibility (MoE leaf modules are not set).
+        enable_msamp: MS-AMP fp8: only ``False`` (nbaccel does not drive MS-AMP).
+        msamp_opt_level: accepted for compatibility (MS-AMP's level).
 
     Raises:
         ConfigError: an unknown stage or offload device, an unreadable config file, or
@@ -95,9 +97,16 @@ class DeepSpeedPlugin:
     zero3_init_flag: bool | None = None
     zero3_save_16bit_model: bool | None = None
     transformer_moe_cls_names: str | None = None
+    enable_msamp: bool = False
+    msamp_opt_level: str = "O1"
     deepspeed_config: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.enable_msamp:
+            raise ConfigError(
+                "DeepSpeedPlugin(enable_msamp=True): nbaccel does not drive MS-AMP; train in "
+                "bf16 (mixed_precision='bf16') and drop enable_msamp."
+            )
         if self.zero_stage is not None and self.zero_stage not in DEEPSPEED_ZERO_STAGES:
             raise ConfigError(
                 f"DeepSpeedPlugin(zero_stage={self.zero_stage!r}) is unknown; use 0, 1, 2 or 3."
