@@ -80,6 +80,7 @@ class AccelerateAttributes:
     """Accelerate's extra attributes, ``profile()``, and the assignment policy."""
 
     _process: Any
+    state: Any
     _handlers: dict[type, Any]
     dataloader_config: Any
     project_configuration: Any
