@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..deepspeed_plugin import DeepSpeedPlugin, deepspeed_from_launch_config
-from ..fsdp_plugin import FullyShardedDataParallelPlugin, fsdp_from_launch_config
+from ...config import launch_config
+from ..deepspeed_plugin import DeepSpeedPlugin
+from ..fsdp_plugin import FullyShardedDataParallelPlugin
 from ..state import DistributedType, ProcessState
 from .base import SingleProcess
 from .ddp import DDP
@@ -48,11 +49,13 @@ def select_strategy(
     launch configuration says ``strategy="deepspeed"``/``"fsdp"``), else the one for the
     distributed type. The strategy's ``state`` is the state the Accelerator reports
     (``DistributedType.FSDP`` under FSDP, ``DEEPSPEED`` under DeepSpeed)."""
-    if fsdp_plugin is None and deepspeed_plugin is None:
-        if state.distributed_type is not DistributedType.XLA:
-            deepspeed_plugin = deepspeed_from_launch_config()
-        if deepspeed_plugin is None and state.distributed_type is not DistributedType.XLA:
-            fsdp_plugin = fsdp_from_launch_config() if state.world_size > 1 else None
+    from_config = fsdp_plugin is None and deepspeed_plugin is None
+    if from_config and state.distributed_type is not DistributedType.XLA:
+        cfg = launch_config()  # read once: the launcher's object in a worker
+        if cfg.strategy == "deepspeed":  # also one process (ZeRO-Offload on one GPU)
+            deepspeed_plugin = DeepSpeedPlugin.from_config(cfg)
+        elif cfg.strategy == "fsdp" and state.world_size > 1:
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_config(cfg)
     if deepspeed_plugin is not None:
         return DeepSpeed(state, deepspeed_plugin, mixed_precision=mixed_precision)
     if fsdp_plugin is not None:
