@@ -521,6 +521,7 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
+        self.strategy.free_memory()
         self.gradient_state = self._new_gradient_state()
         forget = getattr(self.precision, "forget_optimizers", None)
         if callable(forget):  # fp16 no longer waits for the released optimizers to step

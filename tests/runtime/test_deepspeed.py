@@ -162,6 +162,10 @@ def _scenarios(directory):
     for xb, _yb in loader:
         with torch.no_grad():
             predictions.append(acc.gather_for_metrics(model(xb)))
+    acc.free_memory()  # as cross-validation does: a fresh engine for the next fold
+    fold = _Net()
+    again = acc.prepare(fold, torch.optim.SGD(fold.parameters(), lr=0.1))
+    out["after_free_memory"] = type(again[0]).__name__
     out["bf16"] = {
         "mixed_precision": acc.mixed_precision,
         "dtype": str(next(acc.unwrap_model(model).parameters()).dtype),
@@ -225,6 +229,7 @@ def test_bf16_trains_with_bf16_weights_and_gather_for_metrics_counts_every_sampl
     got = results[0]["bf16"]
     assert got["mixed_precision"] == "bf16" and got["dtype"] == "torch.bfloat16"
     assert got["loss"] < 5.0 and got["gathered"] == 64
+    assert results[0]["after_free_memory"] == "DeepSpeedEngine"
 
 
 # ------------------------------------------------------------------ plugin and "auto" values

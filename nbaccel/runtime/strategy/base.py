@@ -101,6 +101,9 @@ class SingleProcess:
         """Restore what :meth:`optimizer_state_dict` produced."""
         optimizer.load_state_dict(state)
 
+    def free_memory(self) -> None:
+        """Forget the prepared models this strategy holds (``Accelerator.free_memory``)."""
+
     def after_optimizer_step(self, optimizer: Any) -> None:
         """Hook run after every real optimizer step (XLA cuts its lazy graph here)."""
 

@@ -131,6 +131,9 @@ class DeepSpeed(SingleProcess):
         if sync_gradients:
             self.engine.step()
 
+    def free_memory(self) -> None:
+        self.engine = None  # a later prepare() builds a new engine (e.g. the next fold)
+
     def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # deepspeed.initialize places (and partitions) it
 
