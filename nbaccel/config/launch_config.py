@@ -214,9 +214,11 @@ class LaunchConfig:
         default="none",
         metadata={"help": "ZeRO-3 only: parameters in cpu (or nvme) memory between uses."},
     )
-    deepspeed_gradient_clipping: float | None = field(
-        default=None,
-        metadata={"help": "clip the global gradient norm to this value (none: DeepSpeed's 1.0)."},
+    deepspeed_gradient_clipping: float = field(
+        default=1.0,
+        metadata={
+            "help": "clip the global gradient norm to this (DeepSpeed's default 1.0; 0: off)."
+        },
     )
     deepspeed_config_file: str | None = field(
         default=None,
@@ -302,9 +304,7 @@ class LaunchConfig:
                 "deepspeed_zero_stage=3 (only ZeRO-3 partitions parameters)."
             )
         clip = self.deepspeed_gradient_clipping
-        if clip is not None and (
-            isinstance(clip, bool) or not isinstance(clip, int | float) or clip < 0
-        ):
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or clip < 0:
             raise ConfigError(
                 f"deepspeed_gradient_clipping={clip!r} must be a number >= 0 (0: no clipping)."
             )

@@ -34,6 +34,8 @@ _SANE_MAX = 4096
 
 def label(name: str) -> str:
     """A field's label: ``fsdp_cpu_offload`` -> ``fsdp cpu offload``."""
+    if name == "deepspeed_gradient_clipping":  # a norm, not seconds
+        return "deepspeed gradient clipping (0 = off)"
     if field_kind(name)[0] is float:  # timeout; 0 means "no timeout"
         return f"{name.replace('_', ' ')} (s, 0 = none)"
     return name.replace("_", " ")

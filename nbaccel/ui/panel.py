@@ -171,7 +171,7 @@ class LaunchPanel(widgets.VBox):
         values = {name: control.value for name, control in self.controls.items()}
         if values["num_nodes"] == 1:  # one machine: the launcher picks a free port
             values["node_rank"], values["master_port"] = 0, None
-        for name in ("gpu_ids", "fsdp_transformer_cls_names_to_wrap"):
+        for name in ("gpu_ids", "fsdp_transformer_cls_names_to_wrap", "deepspeed_config_file"):
             values[name] = (values[name] or "").strip() or None
         values["timeout"] = values["timeout"] or None
         return values
