@@ -272,6 +272,7 @@ def zero2_table(res: dict) -> list[str]:
     for label, key, scale, fmt in (
         ("median step, slower rank (ms)", "median_step_s", 1e3, "{:.1f}"),
         ("peak RSS above entry, max over ranks (MB)", "peak_rss_mb", 1, "{:.0f}"),
+        ("final loss, rank 0 (the same training: must agree)", "final_loss", 1, "{:.4f}"),
     ):
         names = [f"zero2/{v}" for v in ("fsdp2", "nbaccel", "deepspeed")]
         row = f"| {label} |" + "".join(f" {cell(res, n, key, scale, fmt)} |" for n in names)
