@@ -357,3 +357,40 @@ def test_without_deepspeed_one_error_names_the_install_before_any_process_starts
     config = LaunchConfig(strategy="deepspeed", num_processes=2, compute_device="cpu")
     with pytest.raises(ConfigError, match=r"pip install --no-build-isolation deepspeed"):
         notebook_launcher(print, config=config)  # the autouse fixture: no child was started
+
+
+def _stall_in_rank_1():
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from nbaccel import Accelerator, DeepSpeedPlugin
+
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+    model = _Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = acc.prepare(model, optimizer, DataLoader(_data(), batch_size=4))
+    for step, (xb, yb) in enumerate(loader):
+        if acc.process_index == 1 and step == 1:
+            time.sleep(600)  # rank 1 stops taking part; rank 0 waits in the engine's all-reduce
+        acc.backward(torch.nn.functional.mse_loss(model(xb), yb))
+        optimizer.step()
+
+
+@deepspeed_missing
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_hang_watchdog_sees_a_rank_stuck_inside_the_engine():
+    from nbaccel.errors import WorkerTimeoutError
+    from nbaccel.launch.testing import run_on_workers
+
+    # 12 s: far above any gap between the ranks while they start (both import DeepSpeed)
+    env = {"NBACCEL_HANG_AFTER": "12", "NBACCEL_ON_HANG": "raise"}
+    with pytest.raises(WorkerTimeoutError) as caught:
+        run_on_workers(_stall_in_rank_1, 2, env=env, timeout=240)
+    message = str(caught.value)
+    assert "rank 0: waiting in torch.distributed.all_reduce" in message
+    # where rank 0 was: the user's line first, then nbaccel's strategy, then DeepSpeed's engine
+    where = message[message.index("where rank 0 was") :]
+    assert where.index("acc.backward") < where.index("strategy/deepspeed.py")
+    assert "deepspeed/runtime/engine.py" in where
