@@ -202,9 +202,8 @@ class DeepSpeedPlugin:
             >>> DeepSpeedPlugin.from_config(LaunchConfig(strategy="deepspeed")).zero_stage
             2
         """
-        if cfg.deepspeed_config_file:
-            return cls(hf_ds_config=cfg.deepspeed_config_file, zero_stage=cfg.deepspeed_zero_stage)
-        return cls(
+        return cls(  # with a config file the fields fill only its "auto" values
+            hf_ds_config=cfg.deepspeed_config_file or None,
             zero_stage=cfg.deepspeed_zero_stage,
             offload_optimizer_device=cfg.deepspeed_offload_optimizer_device,
             offload_param_device=cfg.deepspeed_offload_param_device,

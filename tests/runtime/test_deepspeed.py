@@ -394,3 +394,15 @@ def test_the_hang_watchdog_sees_a_rank_stuck_inside_the_engine():
     where = message[message.index("where rank 0 was") :]
     assert where.index("acc.backward") < where.index("strategy/deepspeed.py")
     assert "deepspeed/runtime/engine.py" in where
+
+
+@deepspeed_missing
+def test_prepare_model_alone_cannot_build_the_engine_and_says_how():
+    from nbaccel import Accelerator, DeepSpeedPlugin
+
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+    with pytest.raises(ConfigError, match=r"accelerator\.prepare\(model, optimizer, \.\.\.\)"):
+        acc.prepare_model(torch.nn.Linear(2, 2))
+    assert (
+        acc.prepare_model(torch.nn.Linear(2, 2), evaluation_mode=True).weight.device.type == "cpu"
+    )

@@ -134,8 +134,17 @@ class DeepSpeed(SingleProcess):
     def free_memory(self) -> None:
         self.engine = None  # a later prepare() builds a new engine (e.g. the next fold)
 
-    def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model  # deepspeed.initialize places (and partitions) it
+    def wrap_model(
+        self, model: torch.nn.Module, *, ddp_kwargs: Mapping[str, Any] | None = None
+    ) -> torch.nn.Module:
+        # prepare() hands the model to deepspeed.initialize; a model prepared on its own
+        # would silently train outside the engine
+        raise ConfigError(
+            "under DeepSpeed prepare the model together with its optimizer (and dataloader, "
+            "scheduler): accelerator.prepare(model, optimizer, ...); prepare_model() alone "
+            "cannot build DeepSpeed's engine (evaluation_mode=True places a model for "
+            "inference only)."
+        )
 
     def no_sync(self, model: Any) -> contextlib.AbstractContextManager[Any]:
         # the engine knows the accumulation boundary (set in backward): nothing to switch
