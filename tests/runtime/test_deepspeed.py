@@ -357,6 +357,8 @@ def test_without_deepspeed_one_error_names_the_install_before_any_process_starts
     config = LaunchConfig(strategy="deepspeed", num_processes=2, compute_device="cpu")
     with pytest.raises(ConfigError, match=r"pip install --no-build-isolation deepspeed"):
         notebook_launcher(print, config=config)  # the autouse fixture: no child was started
+    with pytest.raises(ConfigError, match=r"pip install --no-build-isolation deepspeed"):
+        notebook_launcher(print, args=(DeepSpeedPlugin(),), config=config.replace(strategy="ddp"))
 
 
 def _stall_in_rank_1():
