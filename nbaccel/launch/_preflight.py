@@ -317,8 +317,10 @@ def _decide(
         if not common["block"]:
             raise ConfigError("block=False is not supported on TPU (torch_xla); use block=True.")
         nproc = cfg.num_processes or environment.tpu_core_count()
-        if cfg.strategy == "fsdp":
-            raise ConfigError("strategy='fsdp' is not available on TPU (torch_xla); use 'ddp'.")
+        if cfg.strategy in ("fsdp", "deepspeed"):
+            raise ConfigError(
+                f"strategy={cfg.strategy!r} is not available on TPU (torch_xla); use 'ddp'."
+            )
         return LaunchPlan(function, args, cfg, nproc, "xla", process_env(cfg, None), **common)
     _check_deepspeed(cfg, args)
     nproc = _count_processes(cfg)

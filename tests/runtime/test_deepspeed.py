@@ -408,3 +408,12 @@ def test_prepare_model_alone_cannot_build_the_engine_and_says_how():
     assert (
         acc.prepare_model(torch.nn.Linear(2, 2), evaluation_mode=True).weight.device.type == "cpu"
     )
+
+
+def test_deepspeed_on_tpu_is_refused_before_starting():
+    from nbaccel import LaunchConfig
+    from nbaccel.launch._preflight import plan_launch
+
+    config = LaunchConfig(compute_device="tpu", num_processes=1, strategy="deepspeed")
+    with pytest.raises(ConfigError, match=r"strategy='deepspeed' is not available on TPU"):
+        plan_launch(print, config=config)
