@@ -162,6 +162,11 @@ def _scenarios(directory):
     for xb, _yb in loader:
         with torch.no_grad():
             predictions.append(acc.gather_for_metrics(model(xb)))
+    acc.gradient_accumulation_steps = 4  # after prepare: the engine's count is fixed
+    try:
+        acc.backward(model(torch.ones(1, 3)).sum())
+    except ConfigError as err:
+        out["late_accumulation_change"] = str(err)
     acc.free_memory()  # as cross-validation does: a fresh engine for the next fold
     fold = _Net()
     again = acc.prepare(fold, torch.optim.SGD(fold.parameters(), lr=0.1))
@@ -230,6 +235,7 @@ def test_bf16_trains_with_bf16_weights_and_gather_for_metrics_counts_every_sampl
     assert got["mixed_precision"] == "bf16" and got["dtype"] == "torch.bfloat16"
     assert got["loss"] < 5.0 and got["gathered"] == 64
     assert results[0]["after_free_memory"] == "DeepSpeedEngine"
+    assert "engine was built with 2" in results[0]["late_accumulation_change"]
 
 
 # ------------------------------------------------------------------ plugin and "auto" values

@@ -126,6 +126,13 @@ class DeepSpeed(SingleProcess):
                 "accelerator.backward() under DeepSpeed needs a prepared model: call "
                 "accelerator.prepare(model, optimizer, dataloader, ...) first."
             )
+        fixed = self.engine.gradient_accumulation_steps()
+        if num_steps != fixed:  # the engine would scale the loss by its own count, silently
+            raise ConfigError(
+                f"gradient_accumulation_steps is {num_steps} but DeepSpeed's engine was built "
+                f"with {fixed} (its loss scaling and update boundary): set it before "
+                "accelerator.prepare(), in the Accelerator or the DeepSpeed config."
+            )
         self.engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
         self.engine.backward(loss, **kwargs)
         if sync_gradients:
