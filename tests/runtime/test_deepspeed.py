@@ -122,9 +122,15 @@ def _scenarios(directory):
     norms = _epoch(acc, model, optimizer, loader, scheduler)[0]
     norms += _epoch(acc, model, optimizer, loader, scheduler)[0]
     out["ddp"] = {"weights": _weights(acc, model), "norms": norms, "step": acc.step}
+    ddp_checkpoint = acc.save_state(f"{directory}/ddp")
     for name, kwargs in VARIANTS.items():
         acc, model, optimizer, loader, scheduler = _setup(_plugin(kwargs))
         norms = _epoch(acc, model, optimizer, loader, scheduler)[0]
+        if name == "zero2":  # a checkpoint saved under DDP: refused, naming why
+            try:
+                acc.load_state(ddp_checkpoint)
+            except Exception as err:
+                out["ddp-checkpoint"] = f"{type(err).__name__}: {err}"
         if name in ("zero2", "zero3"):  # resume: save, go on, load, redo the same epoch
             path = acc.save_state(f"{directory}/{name}")
             _epoch(acc, model, optimizer, loader, scheduler)
@@ -223,6 +229,8 @@ def test_every_zero_stage_and_offload_ends_with_the_weights_of_ddp(results, name
 def test_save_state_resumes_exactly_through_the_durable_checkpoint(results, name):
     for rank in results:
         assert rank[f"{name}-resume"]["exact"]
+    refused = results[0]["ddp-checkpoint"]
+    assert refused.startswith("CheckpointError") and "saved without DeepSpeed" in refused
     files = results[0][f"{name}-resume"]["files"]
     # DeepSpeed's own files inside nbaccel's manifest-checked directory
     assert {"nbaccel_checkpoint.json", "pytorch_model", "scheduler.bin", "rank_0.pt"} <= set(files)

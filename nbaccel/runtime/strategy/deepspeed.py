@@ -197,15 +197,18 @@ class DeepSpeed(SingleProcess):
     def load_model_state_dict(
         self, model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True
     ) -> Any:
-        """Load full weights (every rank passes them) into the engine's module."""
-        module = self.unwrap_model(model)
-        if self._stage() != 3:
-            return module.load_state_dict(state, strict=strict)
-        import deepspeed
+        # reached only for a checkpoint of full files (DDP, FULL_STATE_DICT): refused before
+        # anything is loaded, so a failed load_state leaves the engine as it was
+        raise CheckpointError(_NOT_OURS)
 
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            return module.load_state_dict(state, strict=strict)
+    def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        raise CheckpointError(  # save_state writes the engine's files instead (save_shards)
+            "DeepSpeed's optimizer state is partitioned across ranks: save it with "
+            "accelerator.save_state(), which writes the engine's own per-rank files."
+        )
+
+    def load_optimizer_state_dict(self, optimizer: Any, state: Mapping[str, Any]) -> None:
+        raise CheckpointError(_NOT_OURS)
 
     # -- checkpoints: DeepSpeed's own files, inside nbaccel's durable directory ---------
 
@@ -229,6 +232,13 @@ class DeepSpeed(SingleProcess):
 
     def __repr__(self) -> str:
         return f"DeepSpeed(world_size={self.state.world_size}, zero_stage={self._stage()})"
+
+
+_NOT_OURS = (
+    "this checkpoint was saved without DeepSpeed: its optimizer state cannot go into "
+    "DeepSpeed's partitioned optimizer. Resume it under the strategy that saved it, or load "
+    "only its weights into the model before accelerator.prepare() and start a new optimizer."
+)
 
 
 def _ensure_group(state: ProcessState) -> None:
