@@ -415,13 +415,16 @@ def test_the_hang_watchdog_sees_a_rank_stuck_inside_the_engine():
 @deepspeed_missing
 def test_prepare_model_alone_cannot_build_the_engine_and_says_how():
     from nbaccel import Accelerator, DeepSpeedPlugin
+    from nbaccel.runtime.state import reset_state
 
-    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
-    with pytest.raises(ConfigError, match=r"accelerator\.prepare\(model, optimizer, \.\.\.\)"):
-        acc.prepare_model(torch.nn.Linear(2, 2))
-    assert (
-        acc.prepare_model(torch.nn.Linear(2, 2), evaluation_mode=True).weight.device.type == "cpu"
-    )
+    try:  # one process, this one: no engine is built (deepspeed is not even imported)
+        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2), cpu=True)
+        with pytest.raises(ConfigError, match=r"accelerator\.prepare\(model, optimizer, \.\.\.\)"):
+            acc.prepare_model(torch.nn.Linear(2, 2))
+        model = acc.prepare_model(torch.nn.Linear(2, 2), evaluation_mode=True)
+        assert model.weight.device.type == "cpu"
+    finally:
+        reset_state()  # the next tests launch workers from this process
 
 
 def test_deepspeed_on_tpu_is_refused_before_starting():

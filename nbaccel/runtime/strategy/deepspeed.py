@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,10 @@ from .base import SingleProcess
 ENGINE_FOLDER, TAG = "pytorch_model", "state"
 
 
-def _engine_type() -> type:
-    from deepspeed import DeepSpeedEngine
-
-    return DeepSpeedEngine
+def _is_engine(model: Any) -> bool:
+    # no import: before deepspeed is imported nothing can be one of its engines
+    deepspeed = sys.modules.get("deepspeed")
+    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
 
 
 def _folder(i: int) -> str:
@@ -177,7 +178,7 @@ class DeepSpeed(SingleProcess):
         return torch.as_tensor(0.0 if norm is None else float(norm))
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> Any:
-        inner: Any = model.module if isinstance(model, _engine_type()) else model
+        inner: Any = model.module if _is_engine(model) else model
         return super().unwrap_model(inner, keep_fp32_wrapper=keep_fp32_wrapper)
 
     def _stage(self) -> int:
@@ -187,7 +188,7 @@ class DeepSpeed(SingleProcess):
 
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full weights on the main process (ZeRO-3 gathers the partitions); ``{}`` elsewhere."""
-        if isinstance(model, _engine_type()) and self._stage() == 3:
+        if _is_engine(model) and self._stage() == 3:
             engine: Any = model
             state = engine._zero3_consolidated_16bit_state_dict()
             return dict(state) if state is not None and self.state.is_main_process else {}
