@@ -270,6 +270,33 @@ def fsdp_table(res: dict) -> list[str]:
     return lines
 
 
+def zero2_table(res: dict) -> list[str]:
+    """Issue 36: a ZeRO-2 step as FSDP2, as nbaccel's DeepSpeed strategy, as DeepSpeed by hand."""
+    if not any(k.startswith("zero2/") for k in res["samples"]):
+        return []
+    lines = [
+        "",
+        "## A ZeRO-2 step: FSDP2, nbaccel + DeepSpeed, DeepSpeed by hand (MLP 8×1024² + head = "
+        f"8.4M params, AdamW, batch 32/process, 2 processes; {res.get('config', {}).get('zero2')} "
+        "interleaved runs each, after one unrecorded round)",
+        "",
+        "| | FSDP2 (no reshard) | nbaccel DeepSpeed | DeepSpeed by hand "
+        "| FSDP2 / by hand | nbaccel / by hand |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, key, scale, fmt in (
+        ("median step, slower rank (ms)", "median_step_s", 1e3, "{:.1f}"),
+        ("peak RSS above entry, max over ranks (MB)", "peak_rss_mb", 1, "{:.0f}"),
+        ("final loss, rank 0 (the same training: must agree)", "final_loss", 1, "{:.4f}"),
+    ):
+        names = [f"zero2/{v}" for v in ("fsdp2", "nbaccel", "deepspeed")]
+        row = f"| {label} |" + "".join(f" {cell(res, n, key, scale, fmt)} |" for n in names)
+        for name in names[:2]:
+            row += f" {_r(ratio(med(res, name, key), med(res, names[2], key)))} |"
+        lines.append(row)
+    return lines
+
+
 def monitor_table(res: dict) -> list[str]:
     """Issue 28: logging every step (and watching it live) against the same training without."""
     if not any(k.startswith("monitor/") for k in res["samples"]):
@@ -476,6 +503,7 @@ def render_markdown(res: dict) -> str:
         )
     lines += pool_rows(res)
     lines += fsdp_table(res)
+    lines += zero2_table(res)
     lines += monitor_table(res)
     if res.get("errors"):
         lines += ["", "## Failed measurements", ""] + [f"- {e}" for e in res["errors"]]

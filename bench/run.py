@@ -37,10 +37,11 @@ from kernel_harness import KernelSession, isolated_env  # noqa: E402
 from report import machine_info, render_markdown  # noqa: E402
 
 SCENARIOS = (
-    "launch", "train", "gather", "spawn", "checkpoint", "pool", "memory", "fsdp", "monitor"
+    "launch", "train", "gather", "spawn", "checkpoint", "pool", "memory", "fsdp", "monitor",
+    "zero2",
 )  # fmt: skip
 CELLS = ("common", "launch", "train", "gather", "spawn", "checkpoint", "pool", "memory", "fsdp",
-         "monitor")  # fmt: skip
+         "monitor", "zero2")  # fmt: skip
 IMPORTS = {  # what a notebook using each system imports in its first cell
     "raw": "import torch.multiprocessing",
     "nbaccel": "from nbaccel import Accelerator, notebook_launcher",
@@ -192,6 +193,15 @@ def bench_main(
         kinds = ("ddp", "fsdp", "ddp+mmap", "fsdp+mmap")
         variants = [(k, f"bench_fsdp_once({k!r})") for k in kinds]
         rounds("fsdp", cfg["fsdp"], variants, 600)
+    if "zero2" in scenarios:  # issue 36: FSDP2 / nbaccel+DeepSpeed / DeepSpeed by hand
+        if bench.call("__import__('importlib').util.find_spec('deepspeed') is not None"):
+            variants = [(k, f"bench_zero2_once({k!r})") for k in ("fsdp2", "nbaccel", "deepspeed")]
+            rounds("zero2warmup", 1, variants, 600)  # DeepSpeed's first import: not recorded
+            for key, _ in variants:
+                samples.pop(f"zero2warmup/{key}", None)
+            rounds("zero2", cfg["zero2"], variants, 600)
+        else:
+            errors.append("zero2: deepspeed is not installed in the kernel's interpreter")
     if "monitor" in scenarios and "nbaccel" in systems:  # issue 28: the live monitor's cost
         kinds = ("off", "log", "log+watch")
         rounds("monitorwarmup", 1, [(k, f"bench_monitor_once({k!r})") for k in kinds], 600)
@@ -228,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.update(gather=1 if q else 3, spawn=1 if q else 3, checkpoint=1 if q else 2)
     cfg["memory"] = 1 if q else 3
     cfg["fsdp"] = 1 if q else 3
+    cfg["zero2"] = 1 if q else 5
     cfg["monitor"] = 1 if q else 7
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -244,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             parser.error(f"system(s) {missing} not installed in {python}; run bench/setup_peers.sh")
         imports = "\n".join(IMPORTS[s] for s in systems)
-        if {"train", "gather", "checkpoint", "fsdp", "monitor"} & set(scenarios):
+        if {"train", "gather", "checkpoint", "fsdp", "monitor", "zero2"} & set(scenarios):
             # DDP's constructor imports torch._dynamo (seconds); do it once here rather
             # than in every worker of every launch (same for every system, see README).
             imports += "\nimport torch._dynamo"

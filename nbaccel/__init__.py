@@ -61,7 +61,7 @@ _EXPORTS: dict[str, str] = {
     "synchronize_rng_states": "runtime.rng",
     "init_empty_weights": "runtime.not_applicable",
     "init_on_device": "runtime.not_applicable",
-    "DeepSpeedPlugin": "runtime.not_applicable",
+    "DeepSpeedPlugin": "runtime.deepspeed_plugin",
     "dispatch_model": "runtime.not_applicable",
     "infer_auto_device_map": "runtime.not_applicable",
     "load_checkpoint_and_dispatch": "runtime.not_applicable",
@@ -91,6 +91,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .runtime.compat import find_executable_batch_size as find_executable_batch_size
     from .runtime.compat import prepare_data_loader as prepare_data_loader
     from .runtime.data import skip_first_batches as skip_first_batches
+    from .runtime.deepspeed_plugin import DeepSpeedPlugin as DeepSpeedPlugin
     from .runtime.fsdp_plugin import (
         FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin,
     )

@@ -13,3 +13,9 @@ TORCH_SPEC=${NBACCEL_TORCH_SPEC:-torch==2.13.0}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
 .venv/bin/python -m pip install -q -e ".[notebook,test]"
+# DeepSpeed (the optional `deepspeed` extra; tests of strategy="deepspeed"): an sdist whose build
+# imports torch, hence --no-build-isolation after torch; pip keeps the built wheel in its cache.
+# Only when missing (measured on a fresh venv: see README, "DeepSpeed").
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('deepspeed') is None)"; then
+  .venv/bin/python -m pip install -q --no-build-isolation "deepspeed==0.19.8"
+fi

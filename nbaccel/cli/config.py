@@ -24,7 +24,7 @@ from ..config import (
     save_config,
     write_basic_config,
 )
-from ..config.launch_config import coerce
+from ..config.fields import coerce
 from ..errors import ConfigError
 
 EPILOG = """\
@@ -171,8 +171,8 @@ def questionnaire(path: Path, ask: Callable[[str], str] = input) -> LaunchConfig
         if name == "gpu_ids" and not _may_use_gpus(current["compute_device"]):
             current[name] = None
             continue
-        if name.startswith("fsdp_") and current["strategy"] != "fsdp":
-            continue  # FSDP options are asked only when FSDP was chosen
+        if name.startswith(("fsdp_", "deepspeed_")) and not name.startswith(current["strategy"]):
+            continue  # a strategy's options are asked only when it was chosen
         current[name] = _ask_field(name, current, ask)
         if name == "num_nodes":
             current["node_rank"] = min(current["node_rank"], current[name] - 1)

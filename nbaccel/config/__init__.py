@@ -22,15 +22,9 @@ from .choices import (
     StartMethodType,
     normalize_precision,
 )
+from .fields import field_help, field_kind, field_names
 from .file import CONFIG_VERSION, RENAMED_KEYS, default_config_path
-from .launch_config import (
-    INT_MINIMUMS,
-    MAX_PORT,
-    LaunchConfig,
-    field_help,
-    field_kind,
-    field_names,
-)
+from .launch_config import INT_MINIMUMS, MAX_PORT, LaunchConfig
 from .precedence import (
     ENV_VARS,
     install_launch_config,

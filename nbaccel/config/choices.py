@@ -1,6 +1,6 @@
 """Every choice of the launch configuration, defined once.
 
-Precision modes, start methods, compute devices, strategies, FSDP options and what a
+Precision modes, start methods, compute devices, strategies, FSDP and DeepSpeed options and what a
 hang does are ``Literal`` types here; the
 launcher, the runtime, the CLI and the widget panel derive their options from these
 tuples so they can never drift apart.
@@ -21,10 +21,11 @@ from ..errors import ConfigError
 PrecisionType = Literal["no", "fp16", "bf16", "fp8"]
 StartMethodType = Literal["auto", "fork", "spawn"]
 ComputeDeviceType = Literal["auto", "cpu", "gpu", "tpu"]
-StrategyType = Literal["ddp", "fsdp"]
+StrategyType = Literal["ddp", "fsdp", "deepspeed"]
 FsdpWrapPolicyType = Literal["transformer_based_wrap", "size_based_wrap", "no_wrap"]
 FsdpStateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 OnHangType = Literal["report", "raise"]
+DeepSpeedOffloadType = Literal["none", "cpu", "nvme"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionType)
 START_METHODS: tuple[str, ...] = get_args(StartMethodType)
@@ -33,6 +34,8 @@ STRATEGIES: tuple[str, ...] = get_args(StrategyType)
 FSDP_WRAP_POLICIES: tuple[str, ...] = get_args(FsdpWrapPolicyType)
 FSDP_STATE_DICT_TYPES: tuple[str, ...] = get_args(FsdpStateDictType)
 ON_HANG: tuple[str, ...] = get_args(OnHangType)
+DEEPSPEED_OFFLOAD_DEVICES: tuple[str, ...] = get_args(DeepSpeedOffloadType)
+DEEPSPEED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 
 def normalize_precision(value: object, *, argument: str = "mixed_precision") -> str:
@@ -60,6 +63,8 @@ def normalize_precision(value: object, *, argument: str = "mixed_precision") -> 
 
 __all__ = [
     "COMPUTE_DEVICES",
+    "DEEPSPEED_OFFLOAD_DEVICES",
+    "DEEPSPEED_ZERO_STAGES",
     "FSDP_STATE_DICT_TYPES",
     "FSDP_WRAP_POLICIES",
     "ON_HANG",
@@ -67,6 +72,7 @@ __all__ = [
     "START_METHODS",
     "STRATEGIES",
     "ComputeDeviceType",
+    "DeepSpeedOffloadType",
     "FsdpStateDictType",
     "FsdpWrapPolicyType",
     "OnHangType",

@@ -13,17 +13,14 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union, get_args
 
 from ..errors import ConfigError
 from .choices import (
     COMPUTE_DEVICES,
+    DEEPSPEED_OFFLOAD_DEVICES,
+    DEEPSPEED_ZERO_STAGES,
     FSDP_STATE_DICT_TYPES,
     FSDP_WRAP_POLICIES,
     ON_HANG,
@@ -31,6 +28,7 @@ from .choices import (
     START_METHODS,
     STRATEGIES,
     ComputeDeviceType,
+    DeepSpeedOffloadType,
     FsdpStateDictType,
     FsdpWrapPolicyType,
     OnHangType,
@@ -49,6 +47,7 @@ INT_MINIMUMS: dict[str, int] = {
     "master_port": 1,
     "max_restarts": 0,
     "fsdp_min_num_params": 0,
+    "deepspeed_zero_stage": 0,
 }
 MAX_PORT = 65535
 
@@ -151,8 +150,9 @@ class LaunchConfig:
     strategy: StrategyType = field(
         default="ddp",
         metadata={
-            "help": '"ddp" (every process holds the whole model) or "fsdp" (FSDP2: '
-            "parameters, gradients and optimizer state sharded across processes)."
+            "help": '"ddp" (every process holds the whole model), "fsdp" (FSDP2: '
+            "parameters, gradients and optimizer state sharded across processes) or "
+            '"deepspeed" (DeepSpeed ZeRO; needs the deepspeed package).'
         },
     )
     fsdp_auto_wrap_policy: FsdpWrapPolicyType = field(
@@ -195,6 +195,36 @@ class LaunchConfig:
         metadata={
             "help": "only rank 0 loads real weights (the others build the model on the meta "
             "device); prepare() shards them out from rank 0."
+        },
+    )
+
+    # -- the deepspeed_* fields matter only with strategy="deepspeed" ----------------------
+    deepspeed_zero_stage: int = field(
+        default=2,
+        metadata={
+            "help": "ZeRO stage: 0 (data parallel), 1 (optimizer state sharded), "
+            "2 (+ gradients), 3 (+ parameters)."
+        },
+    )
+    deepspeed_offload_optimizer_device: DeepSpeedOffloadType = field(
+        default="none",
+        metadata={"help": "ZeRO-Offload: optimizer state and fp32 weights in cpu (or nvme)."},
+    )
+    deepspeed_offload_param_device: DeepSpeedOffloadType = field(
+        default="none",
+        metadata={"help": "ZeRO-3 only: parameters in cpu (or nvme) memory between uses."},
+    )
+    deepspeed_gradient_clipping: float = field(
+        default=1.0,
+        metadata={
+            "help": "clip the global gradient norm to this (DeepSpeed's default 1.0; 0: off)."
+        },
+    )
+    deepspeed_config_file: str | None = field(
+        default=None,
+        metadata={
+            "help": 'a DeepSpeed JSON config (its "auto" values are filled in prepare); '
+            "replaces the offload and clipping options above."
         },
     )
 
@@ -263,6 +293,21 @@ class LaunchConfig:
         for name in FSDP_BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
+        stage = self.deepspeed_zero_stage
+        if isinstance(stage, bool) or stage not in DEEPSPEED_ZERO_STAGES:
+            raise ConfigError(f"deepspeed_zero_stage={stage!r} is unknown; use 0, 1, 2 or 3.")
+        for name in ("deepspeed_offload_optimizer_device", "deepspeed_offload_param_device"):
+            _check_choice(name, getattr(self, name), DEEPSPEED_OFFLOAD_DEVICES)
+        if self.deepspeed_offload_param_device != "none" and stage != 3:
+            raise ConfigError(
+                f"deepspeed_offload_param_device={self.deepspeed_offload_param_device!r} needs "
+                "deepspeed_zero_stage=3 (only ZeRO-3 partitions parameters)."
+            )
+        clip = self.deepspeed_gradient_clipping
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or clip < 0:
+            raise ConfigError(
+                f"deepspeed_gradient_clipping={clip!r} must be a number >= 0 (0: no clipping)."
+            )
 
     def replace(self, **changes: object) -> LaunchConfig:
         """Return a copy with ``changes`` applied (and validated).
@@ -288,113 +333,12 @@ FSDP_BOOL_FIELDS = (
 )
 
 
-# --------------------------------------------------------------------------- field types
-def field_names() -> tuple[str, ...]:
-    """The :class:`LaunchConfig` field names, in declaration order (CLI/widget derive from it)."""
-    return tuple(f.name for f in dataclasses.fields(LaunchConfig))
-
-
-def field_help() -> dict[str, str]:
-    """``{field: one-line description}`` from each field's ``metadata["help"]``.
-
-    Example:
-        >>> field_help()["num_nodes"]
-        'machines taking part (>= 1).'
-    """
-    return {
-        f.name: str(f.metadata.get("help", "")).replace("``", "")
-        for f in dataclasses.fields(LaunchConfig)
-    }
-
-
-def field_kind(name: str) -> tuple[Any, tuple[str, ...] | None]:
-    """``(python type, choices or None)`` of a LaunchConfig field."""
-    hint, _ = _split_optional(_field_types()[name])
-    if typing.get_origin(hint) is Literal:
-        return str, tuple(get_args(hint))
-    return hint, None
-
-
-@functools.cache
-def _field_types() -> dict[str, Any]:
-    # evaluated once: the string annotations cost ~0.5 ms per call, and every launch (and
-    # every Accelerator in a worker) coerces a few values
-    return typing.get_type_hints(LaunchConfig)
-
-
-def _split_optional(hint: Any) -> tuple[Any, bool]:
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        args = [a for a in get_args(hint) if a is not type(None)]
-        return (args[0] if len(args) == 1 else hint), len(args) < len(get_args(hint))
-    return hint, False
-
-
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off")
-
-
-def coerce(name: str, value: Any, source: str, *, from_text: bool = False) -> Any:
-    """Check (and for environment text, parse) one field value; errors name key and source."""
-    hint, optional = _split_optional(_field_types()[name])
-    if value is None or (from_text and value.strip().lower() in ("none", "null")):
-        if optional:
-            return None
-        raise ConfigError(f"{name} in {source} must not be empty/null.")
-    if typing.get_origin(hint) is Literal:
-        choices = get_args(hint)
-        if name == "mixed_precision" and (value is False or isinstance(value, str)):
-            # YAML 1.1 reads a bare `no` as False; that is what the user meant by "no".
-            with contextlib.suppress(ConfigError):
-                return normalize_precision("no" if value is False else value)
-        elif isinstance(value, str) and value.strip().lower() in (c.lower() for c in choices):
-            # the canonical spelling ("SHARDED_STATE_DICT" is upper case, the rest lower)
-            return next(c for c in choices if c.lower() == value.strip().lower())
-        raise ConfigError(
-            f"{name}={value!r} in {source} is unknown; use one of {', '.join(choices)}."
-        )
-    if from_text:
-        text = value.strip()
-        try:
-            if hint is bool:
-                if text.lower() not in TRUE_WORDS + FALSE_WORDS:
-                    raise ValueError(text)
-                return text.lower() in TRUE_WORDS
-            if hint is int:
-                return int(text)
-            if hint is float:
-                return float(text)
-        except ValueError:
-            raise ConfigError(
-                f"{name}={value!r} in {source} is not a valid {hint.__name__}."
-            ) from None
-        return text
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, int | float) and not isinstance(value, bool),
-        str: isinstance(value, str) or (name == "gpu_ids" and isinstance(value, int)),
-    }.get(hint, True)
-    if not ok:
-        kind = getattr(hint, "__name__", str(hint)) + (" or null" if optional else "")
-        raise ConfigError(
-            f"{name}={value!r} in {source} has the wrong type "
-            f"({type(value).__name__}); expected {kind}."
-        )
-    return str(value) if hint is str else value
-
-
 __all__ = [
     "COMPUTE_DEVICES",
-    "FALSE_WORDS",
     "FSDP_BOOL_FIELDS",
     "INT_MINIMUMS",
     "MAX_PORT",
     "PRECISIONS",
     "START_METHODS",
-    "TRUE_WORDS",
     "LaunchConfig",
-    "coerce",
-    "field_help",
-    "field_kind",
-    "field_names",
 ]

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import ConfigError
+from .fields import FALSE_WORDS, TRUE_WORDS, coerce, field_names
 from .file import default_config_path
-from .launch_config import FALSE_WORDS, TRUE_WORDS, LaunchConfig, coerce, field_names
+from .launch_config import LaunchConfig
 from .store import values_from_file
 
 

@@ -21,8 +21,9 @@ from ..errors import ConfigError
 from ..platform.hardware import detect_hardware
 from ..platform.hosts import NotebookHost
 from .choices import normalize_precision
+from .fields import coerce, field_names
 from .file import default_config_path, read_config_values, write_config_values
-from .launch_config import LaunchConfig, coerce, field_names
+from .launch_config import LaunchConfig
 
 
 def values_from_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The strategy part of the launch configuration, as the workers receive it.
 
-``strategy`` and the ``fsdp_*`` fields of :class:`~nbaccel.config.LaunchConfig` travel
+``strategy`` and the ``fsdp_*``/``deepspeed_*`` fields of :class:`~nbaccel.config.LaunchConfig` travel
 to every worker as ``NBACCEL_*`` environment text (as ``mixed_precision`` does), so the
-``Accelerator()`` inside the launched function picks FSDP without a code change.
+``Accelerator()`` inside the launched function picks FSDP or DeepSpeed without a code
+change.
 
 Example:
     >>> from nbaccel.config import LaunchConfig
@@ -12,16 +13,20 @@ Example:
 
 from __future__ import annotations
 
-from .launch_config import LaunchConfig, field_names
+from .fields import field_names
+from .launch_config import LaunchConfig
 
 
 def strategy_fields() -> tuple[str, ...]:
-    """``strategy`` and the ``fsdp_*`` fields: what a worker's ``Accelerator()`` must see."""
-    return tuple(n for n in field_names() if n == "strategy" or n.startswith("fsdp_"))
+    """``strategy`` and the ``fsdp_*``/``deepspeed_*`` fields: what a worker's
+    ``Accelerator()`` must see."""
+    return tuple(
+        n for n in field_names() if n == "strategy" or n.startswith(("fsdp_", "deepspeed_"))
+    )
 
 
 def strategy_environment(cfg: LaunchConfig) -> dict[str, str]:
-    """``NBACCEL_STRATEGY`` and (for "fsdp") ``NBACCEL_FSDP_*`` for the workers.
+    """``NBACCEL_STRATEGY`` and (for "fsdp"/"deepspeed") the strategy's fields for the workers.
 
     The launcher passes the strategy the same way as ``mixed_precision``: as environment
     text that :func:`nbaccel.config.resolve_launch_config` parses back in every worker.

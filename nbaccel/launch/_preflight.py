@@ -318,8 +318,10 @@ def _tpu_plan(cfg: LaunchConfig, function: Any, args: tuple[Any, ...], common: A
     """TPU: the backend's processes, started and served by the one engine (never in the
     kernel, whose XLA runtime must stay unstarted for the workers to own the chips)."""
     backend = tpu.require_backend()
-    if cfg.strategy == "fsdp":
-        raise ConfigError("strategy='fsdp' is not available on TPU (torch_xla); use 'ddp'.")
+    if cfg.strategy in ("fsdp", "deepspeed"):
+        raise ConfigError(
+            f"strategy={cfg.strategy!r} is not available on TPU (torch_xla); use 'ddp'."
+        )
     nproc = tpu.check_process_count(cfg.num_processes) or 1  # e.g. 4 on a v5e-8: refused
     if backend.runtime_initialized():
         raise ConfigError(
@@ -334,6 +336,15 @@ def _tpu_plan(cfg: LaunchConfig, function: Any, args: tuple[Any, ...], common: A
     return LaunchPlan(function, args, cfg, nproc, method, env, None, payload, **common, tpu=True)
 
 
+def _check_deepspeed(cfg: LaunchConfig, args: tuple[Any, ...]) -> None:
+    """DeepSpeed asked for (strategy, or a plugin among the arguments) but not installed:
+    one error naming the install command, in the kernel, before any worker starts."""
+    from ..runtime.deepspeed_plugin import DeepSpeedPlugin, require_deepspeed
+
+    if cfg.strategy == "deepspeed" or any(isinstance(a, DeepSpeedPlugin) for a in args):
+        require_deepspeed("strategy='deepspeed' (or a DeepSpeedPlugin)")
+
+
 def _decide(
     cfg: LaunchConfig,
     function: Any,
@@ -345,6 +356,7 @@ def _decide(
         cfg.compute_device == "auto" and environment.xla_requested()
     ):
         return _tpu_plan(cfg, function, args, common)
+    _check_deepspeed(cfg, args)
     nproc = _count_processes(cfg)
     in_kernel = nproc == 1 and cfg.num_nodes == 1 and common["block"]
     if not in_kernel:

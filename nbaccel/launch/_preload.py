@@ -22,7 +22,7 @@ import contextlib
 import sys
 from typing import Any
 
-from ..config.launch_config import field_kind
+from ..config.fields import field_kind
 from ..platform.forksafe import release_openmp_threads
 from ._messages import Imported
 

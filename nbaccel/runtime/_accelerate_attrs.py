@@ -67,7 +67,8 @@ SETTABLE = frozenset(
 # Accelerate attributes that nbaccel does not have: what to do instead
 NOT_HONOURED = {
     "scaler": "the fp16 GradScaler is built from kwargs_handlers=[GradScalerKwargs(...)]",
-    "deepspeed_engine_wrapped": "DeepSpeed is not part of nbaccel (use fsdp_plugin=...)",
+    "deepspeed_engine_wrapped": "under DeepSpeed the prepared model is the engine itself "
+    "(accelerator.backward runs engine.backward and engine.step)",
     "fp8_recipe_handler": "fp8 runs through torchao with its default recipe",
     "flag_tensor": "use set_trigger() / check_trigger()",
     "delayed_fp8_autocast": "fp8 runs through torchao with its default recipe",
@@ -79,6 +80,7 @@ class AccelerateAttributes:
     """Accelerate's extra attributes, ``profile()``, and the assignment policy."""
 
     _process: Any
+    state: Any
     _handlers: dict[type, Any]
     dataloader_config: Any
     project_configuration: Any
@@ -121,6 +123,11 @@ class AccelerateAttributes:
             stacklevel=2,
         )
         return self.mixed_precision != "no"
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """The ``DeepSpeedPlugin`` this Accelerator trains with (``None`` without DeepSpeed)."""
+        return self.state.deepspeed_plugin
 
     @property
     def native_amp(self) -> bool:

@@ -47,6 +47,7 @@ from ._tracking_api import TrackingAPI
 from .accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
 from .compat import empty_cuda_caches
 from .data import PreparedDataLoader, prepare_data_loader, skip_first_batches
+from .deepspeed_plugin import DeepSpeedPlugin, check_deepspeed_argument
 from .fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
 from .hooks import HookRegistry
 from .options import (
@@ -129,6 +130,9 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         dynamo_plugin: a ``TorchDynamoPlugin`` (backend, mode, fullgraph, dynamic, options).
         fsdp_plugin: a ``FullyShardedDataParallelPlugin``: shard models with FSDP2 (``None``
             reads ``strategy="fsdp"`` from the launch configuration when several processes run).
+        deepspeed_plugin: a ``DeepSpeedPlugin``: train with DeepSpeed's ZeRO engine (needs
+            the ``deepspeed`` package; ``None`` reads ``strategy="deepspeed"`` from the launch
+            configuration).
 
     Raises:
         TypeError: an unknown keyword (the message lists the valid ones).
@@ -157,9 +161,11 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         dynamo_backend: Any = None,
         dynamo_plugin: dynamo.TorchDynamoPlugin | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
         **unexpected: Any,
     ) -> None:
-        fsdp_plugin = check_fsdp_arguments(fsdp_plugin, unexpected)  # before deepspeed's error
+        fsdp_plugin = check_fsdp_arguments(fsdp_plugin, unexpected)
+        deepspeed_plugin = check_deepspeed_argument(deepspeed_plugin, fsdp_plugin)
         if unexpected:  # inspect.signature costs ~1 ms: only when there is something to report
             valid = [p for p in inspect.signature(Accelerator).parameters if p != "unexpected"]
             check_unexpected_keywords("Accelerator", unexpected, valid)
@@ -185,18 +191,21 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         init = handlers.get(InitProcessGroupKwargs)
         process = get_state(cpu=cpu, init_kwargs=init.to_kwargs() if init else None)
         self.strategy: Strategy = select_strategy(
-            process, fsdp_plugin, mixed_precision=mixed_precision
+            process, fsdp_plugin, deepspeed_plugin, mixed_precision=mixed_precision
         )
         self._process: ProcessState = self.strategy.state  # DistributedType.FSDP under FSDP
+        # DeepSpeed's engine casts and scales itself: nbaccel's precision then runs "no"
+        mixed_precision, own_precision = self.strategy.precision_modes(mixed_precision)
         scaler, autocast = handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs)
         self.precision = make_precision(  # unsupported modes raise ConfigError here
-            mixed_precision,
+            own_precision,
             self.device,
             scaler_kwargs=scaler.to_kwargs() if scaler else None,
             autocast_kwargs=autocast.to_kwargs() if autocast else None,
         )
         self.mixed_precision: str = mixed_precision
         self.state = AcceleratorState.for_accelerator(self._process, mixed_precision)
+        self.state.deepspeed_plugin = getattr(self.strategy, "deepspeed_plugin", None)
         ddp = handlers.get(DistributedDataParallelKwargs)
         self.ddp_kwargs: dict[str, Any] = ddp.to_kwargs() if ddp else {}
         self.device_placement = device_placement
@@ -277,6 +286,11 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects."
             )
         placement = device_placement or [self.device_placement] * len(args)
+        if getattr(self.strategy, "prepares_together", False):  # DeepSpeed: one engine of all
+            from ._deepspeed_prepare import prepare_deepspeed
+
+            together = prepare_deepspeed(self, args, placement)
+            return together[0] if len(together) == 1 else tuple(together)
         kinds = [self._kind(obj) for obj in args]
         steps: dict[str, Callable[[Any, bool], Any]] = {
             "model": self.prepare_model,
@@ -406,10 +420,14 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` scaled for accumulation and (fp16) loss scaling."""
-        if self.gradient_state.num_steps > 1:
-            loss = loss / self.gradient_state.num_steps
         step_clock.backward_started()  # the live monitor's step timing (no-op outside a launch)
-        self.precision.backward(loss, **kwargs)
+        self.strategy.backward(
+            loss,
+            precision=self.precision,
+            num_steps=self.gradient_state.num_steps,
+            sync_gradients=self.gradient_state.sync_gradients,
+            **kwargs,
+        )
         step_clock.backward_finished()
 
     def accumulate(self, *models: Any) -> contextlib.AbstractContextManager[None]:
@@ -513,6 +531,7 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
+        self.strategy.free_memory()
         self.gradient_state = self._new_gradient_state()
         forget = getattr(self.precision, "forget_optimizers", None)
         if callable(forget):  # fp16 no longer waits for the released optimizers to step

@@ -2,12 +2,12 @@
 
 Each answers for *this* nbaccel: a package check (``is_wandb_available``: can the wandb
 tracker start?), a device nbaccel can train on (``is_cuda_available``), or ``False`` for
-what nbaccel never drives, whatever is installed (DeepSpeed, Megatron-LM, MS-AMP,
+what nbaccel never drives, whatever is installed (Megatron-LM, MS-AMP,
 TransformerEngine, NPU/XPU/MLU/MUSA/SDAA/HPU devices), so a script never takes a code
 path that nbaccel would then refuse. Package checks never import the package.
 
 Example:
-    >>> is_deepspeed_available(), is_torch_version(">=", "2.0")
+    >>> is_megatron_lm_available(), is_torch_version(">=", "2.0")
     (False, True)
 """
 
@@ -31,6 +31,7 @@ _PACKAGES: dict[str, tuple[str, ...]] = {
     "is_clearml_available": ("clearml",),
     "is_comet_ml_available": ("comet_ml",),
     "is_datasets_available": ("datasets",),
+    "is_deepspeed_available": ("deepspeed",),  # the DeepSpeed strategy (an optional extra)
     "is_dvclive_available": ("dvclive",),
     "is_lomo_available": ("lomo_optim",),
     "is_matplotlib_available": ("matplotlib",),
@@ -52,7 +53,6 @@ _PACKAGES: dict[str, tuple[str, ...]] = {
 }
 # what nbaccel never runs, so a script's "if available" branch must not be taken
 _NEVER = (
-    "is_deepspeed_available",
     "is_megatron_lm_available",
     "is_msamp_available",
     "is_transformer_engine_available",

@@ -234,19 +234,15 @@ def check_fsdp_arguments(
     """Validate ``Accelerator(fsdp_plugin=...)`` before anything else happens; return it.
 
     Raises:
-        ConfigError: ``plugin`` is not a plugin, or ``deepspeed_plugin`` is given too.
+        ConfigError: ``plugin`` is not a plugin, or ``deepspeed_plugins`` is given too.
     """
     if plugin is not None and not isinstance(plugin, FullyShardedDataParallelPlugin):
         raise ConfigError(
             f"fsdp_plugin={plugin!r} must be a nbaccel.FullyShardedDataParallelPlugin "
             "(from nbaccel import FullyShardedDataParallelPlugin)."
         )
-    deepspeed = unexpected.get("deepspeed_plugin") or unexpected.get("deepspeed_plugins")
-    if plugin is not None and deepspeed is not None:
-        raise ConfigError(
-            "fsdp_plugin and deepspeed_plugin were both given: choose one. nbaccel has no "
-            "DeepSpeed; remove deepspeed_plugin (FSDP shards the model instead)."
-        )
+    if plugin is not None and unexpected.get("deepspeed_plugins") is not None:
+        raise ConfigError("fsdp_plugin and deepspeed_plugins were both given: choose one strategy.")
     return plugin
 
 

@@ -1,6 +1,6 @@
 """Accelerate names for what nbaccel does not do: each raises, at the call, naming the way.
 
-nbaccel drives ``torch.distributed`` (DDP, FSDP2) only. DeepSpeed, Megatron-LM, tensor
+nbaccel drives ``torch.distributed`` (DDP, FSDP2) and DeepSpeed only. Megatron-LM, tensor
 parallelism, pipeline inference and big-model dispatch (``device_map="auto"``,
 ``dispatch_model``, ``infer_auto_device_map``, CPU/disk offload hooks) are other
 engines: their classes and functions exist here so a ported script imports, and fails
@@ -10,10 +10,10 @@ alternative, never an ``ImportError`` or ``AttributeError``. ``init_empty_weight
 
 Example:
     >>> try:
-    ...     DeepSpeedPlugin(zero_stage=3)
+    ...     MegatronLMPlugin(tp_degree=2)
     ... except ValueError as err:
     ...     print(str(err).split(":")[0])
-    DeepSpeedPlugin is not part of nbaccel
+    MegatronLMPlugin is not part of nbaccel
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ _PLACE = (
     "(Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(cpu_offload=True)))"
 )
 ALTERNATIVES: dict[str, str] = {
-    "DeepSpeedPlugin": _FSDP + "; for ZeRO-1/2 use torch's ZeroRedundancyOptimizer with DDP",
-    "DummyOptim": "create a torch optimizer and pass it to prepare()",
-    "DummyScheduler": "create a torch LR scheduler and pass it to prepare()",
     "MegatronLMPlugin": _FSDP,
     "TorchTensorParallelPlugin": _FSDP,
     "TorchContextParallelConfig": _FSDP,
@@ -80,7 +77,6 @@ REFUSED: dict[str, Any] = {
     name: (_refusing_class(name) if name[0].isupper() else _refusing_function(name))
     for name in ALTERNATIVES
 }
-DeepSpeedPlugin = REFUSED["DeepSpeedPlugin"]
 MegatronLMPlugin = REFUSED["MegatronLMPlugin"]
 
 
@@ -136,7 +132,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ALTERNATIVES",
     "REFUSED",
-    "DeepSpeedPlugin",
     "MegatronLMPlugin",
     "init_empty_weights",
     "init_on_device",

@@ -231,13 +231,10 @@ class GradientAccumulationPlugin:
 
 # Keywords of the best-known peer that nbaccel accepts only as None, with what to use instead.
 PEER_ONLY_KEYWORDS: dict[str, str] = {
-    "deepspeed_plugin": (
-        "DeepSpeed is not part of nbaccel. For ZeRO-3-style sharding of parameters, "
-        "gradients and optimizer state use PyTorch FSDP2 (fsdp_plugin=...); for ZeRO-1/2 "
-        "memory savings use torch.distributed.optim.ZeroRedundancyOptimizer with the "
-        "default DDP; drop deepspeed_plugin."
+    "deepspeed_plugins": (
+        "nbaccel drives one DeepSpeed engine per Accelerator: pass one "
+        "deepspeed_plugin=DeepSpeedPlugin(...)."
     ),
-    "deepspeed_plugins": "DeepSpeed is not part of nbaccel: use fsdp_plugin=... (FSDP2).",
     "fsdp_plugin": "FSDP is not available in this nbaccel build; remove fsdp_plugin.",
     "megatron_lm_plugin": (
         "Megatron-LM (tensor/pipeline parallelism) is not part of nbaccel. Shard a model "

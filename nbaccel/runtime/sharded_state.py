@@ -26,6 +26,7 @@ import torch
 from ..checkpoint.sharded import is_dcp, load_dcp, read_rows, save_dcp, weight_locations
 from ..checkpoint.weights import CheckpointError
 from ..platform import torchcompat
+from .strategy.deepspeed import holds_engine_state
 from .strategy.fsdp import owner_model
 
 
@@ -44,6 +45,10 @@ def save_sharded(acc: Any, directory: Path) -> None:
         get_optimizer_state_dict,
     )
 
+    own = getattr(acc.strategy, "save_shards", None)
+    if own is not None:  # DeepSpeed: the engine writes its own per-rank files
+        own(acc._models, directory)
+        return
     modules = _modules(acc)
     for i, module in enumerate(modules):
         save_dcp({"model": get_model_state_dict(module)}, directory / f"model{_suffix(i)}.dcp")
@@ -54,7 +59,10 @@ def save_sharded(acc: Any, directory: Path) -> None:
 
 
 def holds_sharded(source: str | os.PathLike[str]) -> bool:
-    """True if the checkpoint at ``source`` holds DCP model/optimizer folders."""
+    """True if the checkpoint at ``source`` holds DCP model/optimizer folders (or
+    DeepSpeed's engine files)."""
+    if holds_engine_state(source):
+        return True
     return is_dcp(Path(source) / "model.dcp") or is_dcp(Path(source) / "optimizer.dcp")
 
 
@@ -68,6 +76,17 @@ def load_sharded(acc: Any, source: Path, *, strict: bool = True) -> None:
         set_optimizer_state_dict,
     )
 
+    own = getattr(acc.strategy, "load_shards", None)
+    if holds_engine_state(source) != (own is not None):
+        raise CheckpointError(
+            f"{str(source)!r} was saved under "
+            f"{'DeepSpeed' if holds_engine_state(source) else 'FSDP'} and this Accelerator "
+            f"runs {acc.strategy.name}: load it with the strategy that saved it (DeepSpeed "
+            "checkpoints convert to full weights with the zero_to_fp32.py script inside them)."
+        )
+    if own is not None:
+        own(acc._models, source, strict=strict)
+        return
     modules = _modules(acc)
     for i, module in enumerate(modules):
         state = get_model_state_dict(module)

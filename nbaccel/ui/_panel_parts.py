@@ -27,12 +27,15 @@ from ._widgets_compat import tooltip_kwargs
 _INT_MAXIMUMS = {
     "master_port": MAX_PORT,
     "fsdp_min_num_params": 10**15,
+    "deepspeed_zero_stage": 3,
 }  # others: effectively unbounded, kept sane for typing
 _SANE_MAX = 4096
 
 
 def label(name: str) -> str:
     """A field's label: ``fsdp_cpu_offload`` -> ``fsdp cpu offload``."""
+    if name == "deepspeed_gradient_clipping":  # a norm, not seconds
+        return "deepspeed gradient clipping (0 = off)"
     if field_kind(name)[0] is float:  # timeout; 0 means "no timeout"
         return f"{name.replace('_', ' ')} (s, 0 = none)"
     return name.replace("_", " ")

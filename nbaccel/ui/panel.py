@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import html
+import importlib.util
 import re
 import threading
 import traceback
@@ -170,7 +171,7 @@ class LaunchPanel(widgets.VBox):
         values = {name: control.value for name, control in self.controls.items()}
         if values["num_nodes"] == 1:  # one machine: the launcher picks a free port
             values["node_rank"], values["master_port"] = 0, None
-        for name in ("gpu_ids", "fsdp_transformer_cls_names_to_wrap"):
+        for name in ("gpu_ids", "fsdp_transformer_cls_names_to_wrap", "deepspeed_config_file"):
             values[name] = (values[name] or "").strip() or None
         values["timeout"] = values["timeout"] or None
         return values
@@ -204,6 +205,10 @@ class LaunchPanel(widgets.VBox):
             found["mixed_precision"] = precision
         if cfg.strategy == "fsdp" and (cfg.num_processes or 1) * cfg.num_nodes < 2:
             found["strategy"] = "fsdp shards across processes: use 2 or more processes."
+        if cfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            found["strategy"] = (
+                "deepspeed is not installed: pip install --no-build-isolation deepspeed"
+            )
         return found
 
     def warnings(self) -> dict[str, str]:
@@ -237,10 +242,10 @@ class LaunchPanel(widgets.VBox):
             self.controls["compute_device"].value == "auto" and self.hardware.kind == "gpu"
         )
         self.rows["gpu_ids"].layout.display = None if uses_gpu else "none"
-        fsdp = self.controls["strategy"].value == "fsdp"  # its options only when chosen
+        chosen = self.controls["strategy"].value + "_"  # a strategy's options only when chosen
         for name in self.rows:
-            if name.startswith("fsdp_"):
-                self.rows[name].layout.display = None if fsdp else "none"
+            if name.startswith(("fsdp_", "deepspeed_")):
+                self.rows[name].layout.display = None if name.startswith(chosen) else "none"
         found, advice = self.problems(), self.warnings()
         for name, message in self.messages.items():
             text, color = (

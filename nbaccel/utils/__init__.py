@@ -71,6 +71,10 @@ _EXPORTS: dict[str, str] = {
     "DynamoBackend": "runtime.dynamo",
     # launching
     "PrepareForLaunch": "runtime.compat",
+    # DeepSpeed (the optional deepspeed extra)
+    "DeepSpeedPlugin": "runtime.deepspeed_plugin",
+    "DummyOptim": "runtime.deepspeed_plugin",
+    "DummyScheduler": "runtime.deepspeed_plugin",
     # building models without memory
     "init_empty_weights": "runtime.not_applicable",
     "init_on_device": "runtime.not_applicable",

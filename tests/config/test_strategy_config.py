@@ -1,4 +1,4 @@
-"""``strategy`` and the ``fsdp_*`` fields of LaunchConfig: validation, environment, YAML
+"""``strategy`` and the ``fsdp_*``/``deepspeed_*`` fields of LaunchConfig: validation, environment, YAML
 and what the workers receive."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from nbaccel.config import (
 from nbaccel.errors import ConfigError
 
 
-def test_strategy_defaults_to_ddp_and_every_fsdp_field_has_help():
+def test_strategy_defaults_to_ddp_and_every_strategy_field_has_help():
     cfg = LaunchConfig()
-    assert cfg.strategy == "ddp" and STRATEGIES == ("ddp", "fsdp")
-    assert strategy_fields()[0] == "strategy" and len(strategy_fields()) == 9
+    assert cfg.strategy == "ddp" and STRATEGIES == ("ddp", "fsdp", "deepspeed")
+    assert strategy_fields()[0] == "strategy" and len(strategy_fields()) == 14
     assert all(field_help()[name] for name in strategy_fields())
     assert {"NBACCEL_STRATEGY", "NBACCEL_FSDP_AUTO_WRAP_POLICY"} <= set(ENV_VARS)
 
@@ -30,7 +30,12 @@ def test_strategy_defaults_to_ddp_and_every_fsdp_field_has_help():
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [
-        ({"strategy": "deepspeed"}, "strategy='deepspeed' is unknown"),
+        ({"strategy": "megatron"}, "strategy='megatron' is unknown"),
+        ({"deepspeed_zero_stage": 4}, "deepspeed_zero_stage=4 is unknown; use 0, 1, 2 or 3"),
+        ({"deepspeed_zero_stage": True}, "deepspeed_zero_stage=True"),
+        ({"deepspeed_offload_optimizer_device": "gpu"}, "deepspeed_offload_optimizer_device="),
+        ({"deepspeed_offload_param_device": "cpu"}, "needs deepspeed_zero_stage=3"),
+        ({"deepspeed_gradient_clipping": -1}, "deepspeed_gradient_clipping=-1 must be"),
         ({"fsdp_auto_wrap_policy": "layer_wrap"}, "fsdp_auto_wrap_policy='layer_wrap'"),
         ({"fsdp_state_dict_type": "LOCAL_STATE_DICT"}, "fsdp_state_dict_type="),
         ({"fsdp_min_num_params": -1}, "fsdp_min_num_params=-1"),
@@ -66,6 +71,14 @@ def test_worker_environment_round_trips_through_resolve():
     assert {n: getattr(back, n) for n in strategy_fields()} == {
         n: getattr(cfg, n) for n in strategy_fields()
     }
+    deepspeed = LaunchConfig(
+        strategy="deepspeed",
+        deepspeed_zero_stage=3,
+        deepspeed_offload_param_device="cpu",  # "none" is a choice here, not a null
+        deepspeed_gradient_clipping=0.5,
+    )
+    back = resolve_launch_config(environ=strategy_environment(deepspeed), config_file=False)
+    assert back == deepspeed and back.deepspeed_offload_optimizer_device == "none"
     # ddp is said explicitly, so a kernel's own NBACCEL_STRATEGY=fsdp cannot leak in
     assert strategy_environment(LaunchConfig()) == {"NBACCEL_STRATEGY": "ddp"}
 
@@ -88,4 +101,18 @@ def test_yaml_round_trip_of_the_strategy(tmp_path):
     )
     path = save_config(cfg, tmp_path / "c.yaml")
     assert "strategy: fsdp" in path.read_text()
+    assert load_config(path) == cfg
+
+
+def test_yaml_round_trip_of_deepspeed_options(tmp_path):
+    cfg = LaunchConfig(
+        strategy="deepspeed",
+        deepspeed_zero_stage=2,
+        deepspeed_offload_optimizer_device="cpu",
+        deepspeed_config_file="ds_config.json",
+    )
+    path = save_config(cfg, tmp_path / "c.yaml")
+    text = path.read_text()
+    assert "deepspeed_offload_optimizer_device: cpu" in text
+    assert "deepspeed_offload_param_device: none" in text
     assert load_config(path) == cfg

@@ -67,7 +67,7 @@ def test_peer_plugins_are_accepted_only_as_none():
     with pytest.raises(ConfigError, match="fsdp_plugin"):
         Accelerator(fsdp_plugin=object())
     # the error names what to use instead
-    with pytest.raises(ConfigError, match=r"deepspeed_plugin=\.\.\.\) is not supported.*FSDP2"):
+    with pytest.raises(ConfigError, match=r"must be a nbaccel\.DeepSpeedPlugin"):
         Accelerator(deepspeed_plugin=object())
     with pytest.raises(ConfigError, match=r"megatron_lm_plugin.*FSDP2.*DDP"):
         Accelerator(megatron_lm_plugin=object())

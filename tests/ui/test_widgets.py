@@ -170,6 +170,10 @@ def test_config_property_round_trips_every_field():
         fsdp_activation_checkpointing=True,
         fsdp_state_dict_type="FULL_STATE_DICT",
         fsdp_cpu_ram_efficient_loading=True,
+        deepspeed_zero_stage=3,
+        deepspeed_offload_param_device="cpu",
+        deepspeed_gradient_clipping=0.5,
+        deepspeed_config_file="ds_config.json",
     )
     assert LaunchPanel(train, config=cfg, hardware=CPU).config == cfg
 

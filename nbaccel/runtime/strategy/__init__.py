@@ -3,7 +3,8 @@
 One object per ``Accelerator``, chosen from the process state by
 :func:`select_strategy`: :class:`SingleProcess` (one process), :class:`DDP`
 (several processes on CPU or GPU), :class:`FSDP` (several processes, an FSDP plugin
-or ``strategy="fsdp"`` in the launch configuration) or :class:`XLA` (torch_xla devices). Each one
+or ``strategy="fsdp"`` in the launch configuration), :class:`DeepSpeed` (a DeepSpeed
+plugin or ``strategy="deepspeed"``) or :class:`XLA` (torch_xla devices). Each one
 wraps the model, controls gradient sync, clips, and makes state dicts; the
 facade calls them and never compares distributed types.
 
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..fsdp_plugin import FullyShardedDataParallelPlugin, fsdp_from_launch_config
+from ...config import launch_config
+from ..deepspeed_plugin import DeepSpeedPlugin
+from ..fsdp_plugin import FullyShardedDataParallelPlugin
 from ..state import DistributedType, ProcessState
 from .base import SingleProcess
 from .ddp import DDP
+from .deepspeed import DeepSpeed
 from .fsdp import FSDP
 from .xla import XLA
 
@@ -37,18 +41,26 @@ _BY_TYPE: dict[DistributedType, type[SingleProcess]] = {
 def select_strategy(
     state: ProcessState,
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+    deepspeed_plugin: DeepSpeedPlugin | None = None,
     *,
     mixed_precision: str = "no",
 ) -> Any:
-    """The strategy for this process: FSDP when a plugin is given (or the launch
-    configuration says ``strategy="fsdp"`` and several processes run), else the one for
-    the distributed type. The strategy's ``state`` is the state the Accelerator reports
-    (``DistributedType.FSDP`` under FSDP)."""
-    if fsdp_plugin is None and state.distributed_type is not DistributedType.XLA:
-        fsdp_plugin = fsdp_from_launch_config() if state.world_size > 1 else None
+    """The strategy for this process: DeepSpeed or FSDP when a plugin is given (or the
+    launch configuration says ``strategy="deepspeed"``/``"fsdp"``), else the one for the
+    distributed type. The strategy's ``state`` is the state the Accelerator reports
+    (``DistributedType.FSDP`` under FSDP, ``DEEPSPEED`` under DeepSpeed)."""
+    from_config = fsdp_plugin is None and deepspeed_plugin is None
+    if from_config and state.distributed_type is not DistributedType.XLA:
+        cfg = launch_config()  # read once: the launcher's object in a worker
+        if cfg.strategy == "deepspeed":  # also one process (ZeRO-Offload on one GPU)
+            deepspeed_plugin = DeepSpeedPlugin.from_config(cfg)
+        elif cfg.strategy == "fsdp" and state.world_size > 1:
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_config(cfg)
+    if deepspeed_plugin is not None:
+        return DeepSpeed(state, deepspeed_plugin, mixed_precision=mixed_precision)
     if fsdp_plugin is not None:
         return FSDP(state, fsdp_plugin, mixed_precision=mixed_precision)
     return _BY_TYPE[state.distributed_type](state)
 
 
-__all__ = ["DDP", "FSDP", "XLA", "SingleProcess", "Strategy", "select_strategy"]
+__all__ = ["DDP", "FSDP", "XLA", "DeepSpeed", "SingleProcess", "Strategy", "select_strategy"]

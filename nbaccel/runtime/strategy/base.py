@@ -40,6 +40,24 @@ class SingleProcess:
     def __init__(self, state: ProcessState) -> None:
         self.state = state
 
+    def precision_modes(self, requested: str) -> tuple[str, str]:
+        """(the precision the Accelerator reports, the one nbaccel's precision runs)."""
+        return requested, requested
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        precision: Any,
+        num_steps: int,
+        sync_gradients: bool,
+        **kwargs: Any,
+    ) -> None:
+        """``loss.backward()`` scaled for accumulation, through the precision (loss scaling)."""
+        if num_steps > 1:
+            loss = loss / num_steps
+        precision.backward(loss, **kwargs)
+
     def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move the model to this process's device (before :meth:`wrap_model`)."""
         return model.to(self.state.device)
@@ -82,6 +100,9 @@ class SingleProcess:
     def load_optimizer_state_dict(self, optimizer: Any, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`optimizer_state_dict` produced."""
         optimizer.load_state_dict(state)
+
+    def free_memory(self) -> None:
+        """Forget the prepared models this strategy holds (``Accelerator.free_memory``)."""
 
     def after_optimizer_step(self, optimizer: Any) -> None:
         """Hook run after every real optimizer step (XLA cuts its lazy graph here)."""
