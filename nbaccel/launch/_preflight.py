@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..platform import cudatrace, environment, hardware, tpu
 from ..platform.hardware import default_num_processes
 from ._kept import DEBUG_TIMEOUT
-from ._rendezvous import elastic_meet
+from ._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
 from ._safety import (
     check_gpus_per_process,
     check_no_state_in_kernel,
@@ -43,8 +43,6 @@ from ._safety import (
     fork_safe_threads,
     worker_threads,
 )
-
-RDZV_BACKENDS = ("static", "c10d")
 
 
 @dataclass
@@ -96,15 +94,6 @@ def _check_function(function: Any) -> None:
         )
 
 
-def _parse_endpoint(endpoint: str) -> tuple[str | None, int | None]:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep:
-        return endpoint or None, None
-    if not port.isdigit():
-        raise ConfigError(f"rdzv_endpoint={endpoint!r} must look like 'host:port'.")
-    return host or None, int(port)
-
-
 def _check_port(use_port: Any) -> int | None:
     """``use_port`` as an int (Accelerate's scripts pass it as a string, "29500"), or None."""
     if isinstance(use_port, str) and use_port.strip().isdigit():
@@ -115,30 +104,6 @@ def _check_port(use_port: Any) -> int | None:
     if use_port > 65535:
         raise ConfigError(f"use_port={use_port} must be <= 65535.")
     return int(use_port) or None
-
-
-def _check_rendezvous(backend: Any, conf: Any, run_id: Any, endpoint: Any, nodes: int) -> None:
-    """The static rendezvous, or c10d (elastic's): refuse what would otherwise be ignored."""
-    if backend == "c10d" and nodes > 1 and not endpoint:
-        raise ConfigError(
-            f"rdzv_backend='c10d' with num_nodes={nodes} needs rdzv_endpoint='host:port': "
-            "where the machines meet (a host every machine reaches, e.g. the first one's "
-            "address, and a free port), the same on every machine."
-        )
-    if backend not in RDZV_BACKENDS:
-        raise ConfigError(f"rdzv_backend={backend!r} is unknown; use 'static' (or 'c10d').")
-    if backend == "c10d":  # rdzv_conf and rdzv_id configure it
-        return
-    if conf:
-        raise ConfigError(
-            f"rdzv_conf={conf!r} configures the c10d rendezvous, which nbaccel does not run; "
-            "remove it (the static rendezvous' waiting time is timeout=...)."
-        )
-    if run_id not in (None, "", "none"):
-        raise ConfigError(
-            f"rdzv_id={run_id!r} names a c10d rendezvous run, which nbaccel does not use; "
-            "remove it (nodes of a static rendezvous meet at master_addr:use_port)."
-        )
 
 
 def _accelerate_env(cfg: LaunchConfig) -> dict[str, str]:
@@ -252,10 +217,10 @@ def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
         raise TypeError(f"timeout={timeout!r} must be a number of seconds (or None).")
     rdzv = (o["rdzv_backend"], o["rdzv_conf"], o["rdzv_id"], o["rdzv_endpoint"])
     nodes = o["num_nodes"] or getattr(o["config"], "num_nodes", None) or 1
-    _check_rendezvous(*rdzv, nodes)
+    check_rendezvous_args(*rdzv, nodes)
     elastic = o["rdzv_backend"] == "c10d" and nodes > 1
     if o["rdzv_endpoint"] and not elastic:
-        host, port = _parse_endpoint(str(o["rdzv_endpoint"]))
+        host, port = parse_endpoint(str(o["rdzv_endpoint"]))
         o["master_addr"], o["use_port"] = host or o["master_addr"], port or o["use_port"]
     interval, template, output = o["monitor_interval"], o["log_line_prefix_template"], o["output"]
     if not isinstance(interval, int | float) or not interval > 0:
@@ -317,11 +282,11 @@ def _check_debug(debug: Any, timeout: Any) -> float | None:
 def _tpu_plan(cfg: LaunchConfig, function: Any, args: tuple[Any, ...], common: Any) -> LaunchPlan:
     """TPU: the backend's processes, started and served by the one engine (never in the
     kernel, whose XLA runtime must stay unstarted for the workers to own the chips)."""
-    backend = tpu.require_backend()
-    if cfg.strategy in ("fsdp", "deepspeed"):
+    if cfg.strategy in ("fsdp", "deepspeed"):  # a config error first, with or without torch_xla
         raise ConfigError(
             f"strategy={cfg.strategy!r} is not available on TPU (torch_xla); use 'ddp'."
         )
+    backend = tpu.require_backend()
     nproc = tpu.check_process_count(cfg.num_processes) or 1  # e.g. 4 on a v5e-8: refused
     if backend.runtime_initialized():
         raise ConfigError(

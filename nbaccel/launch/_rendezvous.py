@@ -44,6 +44,42 @@ from ..errors import ConfigError, LaunchError
 from ..platform import environment, torchcompat
 
 DEFAULT_TIMEOUT = 300.0  # torch's own default store timeout
+RDZV_BACKENDS = ("static", "c10d")
+
+
+def parse_endpoint(endpoint: str) -> tuple[str | None, int | None]:
+    """``rdzv_endpoint`` as (host, port); either may be missing."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep:
+        return endpoint or None, None
+    if not port.isdigit():
+        raise ConfigError(f"rdzv_endpoint={endpoint!r} must look like 'host:port'.")
+    return host or None, int(port)
+
+
+def check_rendezvous_args(backend: Any, conf: Any, run_id: Any, endpoint: Any, nodes: int) -> None:
+    """The static rendezvous, or c10d (elastic's): refuse what would otherwise be ignored."""
+    if backend == "c10d" and nodes > 1 and not endpoint:
+        raise ConfigError(
+            f"rdzv_backend='c10d' with num_nodes={nodes} needs rdzv_endpoint='host:port': "
+            "where the machines meet (a host every machine reaches, e.g. the first one's "
+            "address, and a free port), the same on every machine."
+        )
+    if backend not in RDZV_BACKENDS:
+        raise ConfigError(f"rdzv_backend={backend!r} is unknown; use 'static' (or 'c10d').")
+    if backend == "c10d":  # rdzv_conf and rdzv_id configure it
+        return
+    if conf:
+        raise ConfigError(
+            f"rdzv_conf={conf!r} configures the c10d rendezvous, not the static one: pass "
+            "rdzv_backend='c10d', or remove it (the static rendezvous' waiting time is timeout=...)."
+        )
+    if run_id not in (None, "", "none"):
+        raise ConfigError(
+            f"rdzv_id={run_id!r} names a c10d rendezvous run, not a static one: pass "
+            "rdzv_backend='c10d', or remove it (nodes of a static rendezvous meet at "
+            "master_addr:use_port)."
+        )
 
 
 class Rendezvous:

@@ -57,8 +57,9 @@ def main():
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
 
-    def train_epoch():
+    def train_epoch():  # the epoch's mean loss: one batch's loss depends on the data order
         model.train()
+        losses = []
         for x, y in train_dataloader:
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(x), y)
@@ -66,7 +67,8 @@ def main():
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
-        return loss.item()
+            losses.append(loss.item())
+        return sum(losses) / len(losses)
 
     def evaluate():
         model.eval()
