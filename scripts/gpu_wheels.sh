@@ -26,7 +26,12 @@ REQUIREMENTS=(
   "pytest>=8" "pytest-timeout>=2.3"
   # fp8 training (nbaccel's mixed_precision="fp8")
   "torchao==${TORCHAO}"
+  # DeepSpeed's own dependencies that the image lacks (tests/gpu/test_gpu_deepspeed.py);
+  # deepspeed itself is a source distribution: built into a wheel below
+  hjson "pydantic>=2"
 )
+# The optional `deepspeed` extra, built here (pure Python; its ops are JIT-built on use).
+DEEPSPEED=${GPU_DEEPSPEED_VERSION:-0.19.8}
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 
@@ -61,8 +66,9 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 "${PIP[@]}" download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
   "${PLATFORMS[@]}" -d "$OUT" -r "$work/carry.txt"
+"${PIP[@]}" wheel --quiet --no-deps --no-build-isolation -w "$OUT" "deepspeed==${DEEPSPEED}"
 # What gpu_check.sh installs (pip resolves the rest from the folder and the image).
-printf '%s\n' "${REQUIREMENTS[@]}" | grep -v '^#' >"$OUT/requirements.txt"
+printf '%s\n' "${REQUIREMENTS[@]}" "deepspeed==${DEEPSPEED}" | grep -v '^#' >"$OUT/requirements.txt"
 cp "$work/carry.txt" "$OUT/carried.txt"
 size_mb=$(du -sm "$OUT" | cut -f1)
 ls -1 "$OUT"/*.whl | wc -l | xargs echo "wheels:"
