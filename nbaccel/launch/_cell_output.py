@@ -83,6 +83,14 @@ class CellOutput:
         self._bars: dict[tuple[str, int], str] = {}  # (stream, rank) -> display id
         self._listener: OutputListener | None = None
 
+    @property
+    def key(self) -> str:
+        """Which notebook cell this is, across re-runs: the front end's cell id where it
+        sends one (JupyterLab, Notebook 7, VS Code), else the cell's source."""
+        metadata = self.parent.get("metadata") or {}
+        content = self.parent.get("content") or {}
+        return str(metadata.get("cellId") or content.get("code") or "")
+
     @classmethod
     def here(cls) -> CellOutput | None:
         """The cell being executed now, or None outside a notebook kernel's request."""

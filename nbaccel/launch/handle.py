@@ -25,12 +25,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import Stopped
 from ._status import Observed, RankStatus
+from ._tidy import show_in_cell
 
 _LIVE: weakref.WeakSet[LaunchHandle] = weakref.WeakSet()
 _TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
@@ -45,6 +47,26 @@ def _stop_live_handles() -> None:
     for handle in list(_LIVE):
         with contextlib.suppress(Exception):
             handle.stop(timeout=5)
+
+
+def running_from(cell: Any) -> LaunchHandle | None:
+    """The background run started from the same notebook cell as ``cell`` (a
+    ``CellOutput``) that is still going, if any."""
+    key = getattr(cell, "key", "")
+    for handle in list(_LIVE):
+        other = handle.cell_output
+        if key and other is not None and other.key == key and not handle.done():
+            return handle
+    return None
+
+
+def already_running(handle: LaunchHandle, what: str) -> str:
+    """The refusal to start a second job beside ``handle``; ``what`` says whose it is."""
+    return (
+        f"{what}: {handle!r}. nbaccel does not start a "
+        "second job beside it. Stop it first with handle.stop() (the kernel's interrupt "
+        "button does not reach a background run), or wait for handle.result()."
+    )
 
 
 class LaunchHandle(Observed):
@@ -64,6 +86,10 @@ class LaunchHandle(Observed):
         self.cell_output: Any = None
         #: The workers' supervisor while the job runs (set by the runner): for :meth:`stacks`.
         self.supervisor: Any = None
+        #: What runs, for messages and chart titles: "notebook_launcher(train)", "pool.call(f)".
+        self.label = "the run"
+        #: When the job was submitted (``time.time()``).
+        self.started = time.time()
 
     # ------------------------------------------------------------------ public API
     def wait(self, timeout: float | None = None) -> bool:
@@ -122,7 +148,11 @@ class LaunchHandle(Observed):
 
     def __repr__(self) -> str:
         states = sorted({s["state"] for s in self.status().values()})
-        return f"<LaunchHandle ranks={self.ranks} state={'/'.join(states)}>"
+        since = time.strftime("%H:%M:%S", time.localtime(self.started))
+        return (
+            f"<LaunchHandle {self.label} ranks={self.ranks} state={'/'.join(states)} "
+            f"started={since}>"
+        )
 
     # ------------------------------------------------------------------ running
     def on_event(self, rank: int, kind: str, data: dict) -> None:
@@ -136,7 +166,15 @@ class LaunchHandle(Observed):
                 self.on_event(rank, "state", {"state": final})
         self._outcome = (ok, value)
         _LIVE.discard(self)
+        if not ok and self._thread is threading.current_thread():
+            self._show_failure(value)  # before done: whoever waits sees it there already
         self._done.set()
+
+    def _show_failure(self, error: BaseException) -> None:
+        """A failed background run is not silent: its error shows in its launching cell."""
+        cell = self.cell_output
+        if cell is not None and not isinstance(error, (Stopped, KeyboardInterrupt)):
+            show_in_cell(cell, error, f"nbaccel: {self.label} (started in this cell) failed:")
 
     def run(self) -> None:
         """Run the job here; the outcome is kept for :meth:`result` (a KeyboardInterrupt
@@ -164,4 +202,4 @@ class LaunchHandle(Observed):
             self.run()
 
 
-__all__ = ["LaunchHandle"]
+__all__ = ["LaunchHandle", "already_running", "running_from"]

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import LaunchConfig
-from ..errors import Stopped, WorkerError, WorkerTimeoutError
+from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from ..platform.process_env import EnvironmentSnapshot
 from . import _kept
 from ._cell_output import CellOutput
@@ -44,7 +44,8 @@ from ._environ import installed, patched_environ
 from ._preflight import DEBUG_TIMEOUT, LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
 from ._supervisor import JobFailed, Supervisor
-from .handle import LaunchHandle
+from ._tidy import add_hint, clean
+from .handle import LaunchHandle, already_running, running_from
 
 
 def notebook_launcher(
@@ -152,12 +153,14 @@ def notebook_launcher(
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
     plan = plan_launch(**locals())  # first: locals() are exactly the arguments
+    __tracebackhide__ = True  # IPython shows the user's cell, then the error: not this frame
     return launch(plan)
 
 
 def launch(plan: LaunchPlan) -> Any:
     """Run a planned launch: in the kernel, on TPUs, or on a one-shot group of workers
     (a :class:`LaunchHandle` when ``plan.block`` is False)."""
+    __tracebackhide__ = True
     if plan.method == "kernel":
         return _run_in_kernel(plan)
     if plan.method == "xla":
@@ -166,8 +169,15 @@ def launch(plan: LaunchPlan) -> Any:
     handle = LaunchHandle(
         plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.return_all_ranks
     )
-    if plan.output is None:  # captured here, in the cell's thread (see _cell_output)
-        handle.cell_output = CellOutput.here()
+    handle.label = f"notebook_launcher({getattr(plan.function, '__name__', 'function')})"
+    cell = CellOutput.here()  # captured here, in the cell's thread (see _cell_output)
+    running = running_from(cell)
+    if running is not None:  # never two jobs from one cell without a word
+        raise clean(
+            LaunchError(already_running(running, "a run started from this cell is still going"))
+        )
+    if plan.output is None:
+        handle.cell_output = cell
     try:  # the first group starts in the calling thread (the kernel's main thread)
         started.append(_start(plan, handle))
         if not plan.block:
@@ -178,7 +188,13 @@ def launch(plan: LaunchPlan) -> Any:
             group.terminate()
             group.close()
         raise
-    handle.run()
+    try:
+        handle.run()
+    except KeyboardInterrupt:  # the user's own interrupt: no frames of ours to read through
+        raise clean(KeyboardInterrupt("the launch was interrupted; every worker is gone")) from None
+    error = handle.exception()
+    if error is not None:  # the remote traceback in its message is the story
+        raise clean(error)
     return handle.result()
 
 
@@ -197,6 +213,7 @@ def _attempts(plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor])
             )
             if last:  # for nbaccel.debug(): with debug=True the failed ranks stay
                 kept = _kept.after_launch(group, err, plan.debug_timeout)
+                add_hint(err, kept=plan.debug_timeout is not None)
         finally:
             if not kept:
                 group.terminate()

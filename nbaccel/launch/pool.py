@@ -79,6 +79,7 @@ class WorkerPool(PoolWorkers):
             >>> pool.run(lambda x: x + 1, 41)  # doctest: +SKIP
             42
         """
+        __tracebackhide__ = True
         return self.call(function, args, kwargs)
 
     def call(
@@ -121,7 +122,10 @@ class WorkerPool(PoolWorkers):
             (function, tuple(args), dict(kwargs or {})), "the function and its args"
         )
         hang = self._hang_policy(hang_after, on_hang)
-        return self._submit("run", (payload,), None, return_all_ranks, block, output, hang=hang)
+        __tracebackhide__ = True  # IPython shows the user's cell, then the error
+        name = getattr(function, "__name__", type(function).__name__)
+        return self._submit("run", (payload,), None, return_all_ranks, block, output, hang=hang,
+                            label=f"pool.call({name})")  # fmt: skip
 
     def exec_cell(
         self,

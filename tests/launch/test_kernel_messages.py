@@ -1,0 +1,128 @@
+"""Issue 35 in a REAL kernel: what a notebook user reads when a run fails.
+
+* a failed background run (``block=False``) shows its exception -- type, message, rank,
+  the user's frames -- in the cell that launched it, with or without ``watch``, and in no
+  other cell; torch's C++ stack dumps from the ranks are not forwarded;
+* running the launching cell again while its run is alive is refused, naming the run;
+* a blocking launch's and a pool call's error leads with the user's cell and error (no
+  nbaccel frames, no earlier failure chained after a pool restart) and says how to get
+  pdb on the failing frame; ``nbaccel.debug()`` misuse reads as a message.
+
+One kernel for the module; each launch is checked for several points at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from kernel_harness import KernelSession, module_kernel
+
+pytestmark = [pytest.mark.kernel, pytest.mark.integration]
+
+SETUP = """
+import os, time
+import nbaccel
+from nbaccel import Accelerator, notebook_launcher, start_workers
+from nbaccel.monitor import watch
+
+def fails_when_told(flag):
+    accelerator = Accelerator()
+    while not os.path.exists(flag):           # until the test says so
+        time.sleep(0.05)
+    if accelerator.process_index == 1:
+        raise ValueError("bad batch on purpose")
+    accelerator.wait_for_everyone()           # rank 0 waits for rank 1, which is gone
+    return 0
+
+def dies_or_raises(die):
+    if int(os.environ["RANK"]) == 1:
+        if die:
+            os._exit(3)
+        raise ValueError("second failure")
+    return 0
+"""
+
+# Files of nbaccel's own code that a user should not have to read through.
+OURS = ("launcher.py", "handle.py", "_pool.py", "pool.py", "_supervisor.py", "debugger.py")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelSession]:
+    yield from module_kernel(tmp_path_factory, SETUP)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_left_clean(kernel: KernelSession) -> Iterator[None]:
+    yield
+    if kernel.busy or not kernel.is_alive():
+        kernel.restart()
+        kernel.run(SETUP, timeout=120)
+    kernel.execute("for p in list(nbaccel.launch.pool._LIVE): p.close()", timeout=30)
+    kernel.assert_no_descendants(timeout=10)
+
+
+def _no_frames_of_ours(text: str) -> None:
+    shown = [name for name in OURS if f"/{name}" in text]
+    assert not shown, f"nbaccel's frames in what the user reads ({shown}):\n{text}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("watched", [False, True], ids=["plain", "watch"])
+def test_a_failed_background_run_speaks_in_its_own_cell(kernel, tmp_path, watched):
+    flag = tmp_path / "go"
+    launch_code = f"h = notebook_launcher(fails_when_told, args=({str(flag)!r},), num_processes=2, block=False)"
+    if watched:
+        launch_code += "\nmonitor = watch(h)"
+    launch = kernel.run(launch_code, timeout=120)
+    again = kernel.execute(launch_code, timeout=60)  # the same cell, run again
+    other = kernel.run("x = 1 + 1\nx", timeout=30)
+    assert again.error is not None and again.error.ename == "LaunchError", again.describe()
+    assert "still going" in again.error.evalue and "notebook_launcher(fails_when_told)" in (
+        again.error.evalue
+    ), again.describe()
+    assert kernel.evaluate("len(h.pids)") == "2"  # the first run goes on, alone
+    flag.write_text("go")
+    waiting = kernel.run("h.wait(120)", timeout=150)
+    kernel.drain(0.5)
+
+    error = launch.error
+    assert error is not None and error.ename == "ValueError", launch.describe()
+    text = error.text
+    assert "rank 1" in text and "bad batch on purpose" in text, text
+    assert 'raise ValueError("bad batch on purpose")' in text  # the user's frame
+    assert "notebook_launcher(fails_when_told)" in text and "debug=True" in text, text
+    _no_frames_of_ours(text)
+    assert "frame #" not in launch.stderr + launch.stdout, launch.describe()  # no C++ stacks
+    for cell in (again, other, waiting):  # the run's failure is in its cell only
+        assert "bad batch" not in cell.describe(), cell.describe()
+    assert other.streams == {} and waiting.streams == {}
+    kernel.run("h.exception()", timeout=30)  # still there for whoever asks
+
+
+@pytest.mark.timeout(240)
+def test_errors_lead_with_the_users_error(kernel, tmp_path):
+    flag = tmp_path / "go"
+    flag.write_text("go")
+    blocking = kernel.execute(f"notebook_launcher(fails_when_told, ({str(flag)!r},), 2)", 120)
+    assert blocking.error is not None and blocking.error.ename == "ValueError"
+    text = blocking.error.text
+    assert "Cell In[" in text and "bad batch on purpose" in text and "rank 1" in text, text
+    assert "debug=True" in text and "nbaccel.debug()" in text, text
+    _no_frames_of_ours(text)
+
+    kernel.run("pool = start_workers(num_processes=2)", timeout=120)
+    died = kernel.execute("pool.run(dies_or_raises, True)", timeout=120)  # the pool restarts
+    assert died.error is not None and "restarted its workers" in died.stderr, died.describe()
+    second = kernel.execute("pool.run(dies_or_raises, False)", timeout=120)
+    assert second.error is not None and second.error.ename == "ValueError", second.describe()
+    text = second.error.text
+    assert "second failure" in text and "During handling" not in text, text
+    assert "exited" not in text and "nbaccel.debug()" in text, text
+    _no_frames_of_ours(text)
+
+    misuse = kernel.execute("nbaccel.debug(5)", timeout=60)
+    assert misuse.error is not None and misuse.error.ename == "LaunchError"
+    assert "rank 5" in misuse.error.text, misuse.describe()
+    _no_frames_of_ours(misuse.error.text)
+    kernel.run("pool.close()", timeout=60)
