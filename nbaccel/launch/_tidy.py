@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import traceback
 import types
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 from ..errors import WorkerError, WorkerTimeoutError
 from ._failures import add_note
 
+_FRAME = re.compile(r'^  File "([^"]+)", line \d+')
 #: The note added by :func:`add_hint` starts with this (and is added once).
 HINT_START = "nbaccel: for pdb on the failing frame"
 
@@ -110,6 +112,43 @@ def add_hint(err: BaseException, *, kept: bool, pool: bool = False) -> None:
     add_note(err, text)
 
 
+def _internal(path: str) -> bool:
+    """nbaccel's own modules, and torch's (what a user's call went through to wait)."""
+    path = os.path.abspath(path)
+    return path.startswith(_PACKAGE + os.sep) or f"{os.sep}torch{os.sep}" in path
+
+
+def trim_stack(stack: str) -> str:
+    r"""A rank's Python stack (``traceback.format_stack`` text) without nbaccel's and
+    torch's frames below the user's: where the user's code was, and what it waits in.
+
+    Example:
+        >>> text = (
+        ...     '  File "/home/me/train.py", line 3, in train\n    barrier()\n'
+        ...     f'  File "{_PACKAGE}/runtime/ops.py", line 9, in barrier\n    dist.barrier()\n'
+        ...     "  (waiting in torch.distributed.barrier)"
+        ... )
+        >>> print(trim_stack(text))
+          File "/home/me/train.py", line 3, in train
+            barrier()
+          (waiting in torch.distributed.barrier)
+    """
+    out: list[str] = []
+    dropped = kept = 0
+    skipping = False
+    for line in stack.splitlines():
+        match = _FRAME.match(line)
+        if match is not None:
+            skipping = _internal(match.group(1))
+            dropped += skipping
+            kept += not skipping
+        elif not line.startswith("    "):  # a note such as "(waiting in ...)": kept
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out) if kept and dropped else stack
+
+
 def _error_content(err: BaseException, title: str) -> dict[str, Any]:
     """An ``error`` message's content, formatted as IPython formats an exception."""
     shown = clean(err)
@@ -138,4 +177,4 @@ def show_in_cell(cell: Any, err: BaseException, title: str) -> None:
         cell.send("error", content)
 
 
-__all__ = ["HINT_START", "add_hint", "clean", "show_in_cell"]
+__all__ = ["HINT_START", "add_hint", "clean", "show_in_cell", "trim_stack"]

@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import LaunchError
 from . import _kept
 from ._supervisor import JobFailed, Supervisor
-from ._tidy import clean
+from ._tidy import clean, trim_stack
 
 _sessions = itertools.count(1)
 WAIT_STEP = 0.05  # seconds per look at the worker while waiting for pdb's answer
@@ -109,8 +109,8 @@ def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
     if others:
         lines.append(f"The other ranks when rank {job.first} failed:")
         for other, text in others.items():
-            if "\n" in text or text.startswith("  File"):
-                lines += [f"--- rank {other}: ---", text]
+            if "\n" in text or text.startswith("  File"):  # a stack: from the user's frames
+                lines += [f"--- rank {other}: ---", trim_stack(text)]
             else:
                 lines.append(f"--- rank {other}: {text}")
     lines.append("q (or c) ends the session and releases the worker.")

@@ -123,13 +123,16 @@ def _legend(ranks: list[int], mode: str) -> str:
     return "".join(parts)
 
 
-def render_svg(data: dict[str, dict[int, Points]], *, lines: str = "auto", columns: int = 3) -> str:
+def render_svg(
+    data: dict[str, dict[int, Points]], *, lines: str = "auto", columns: int = 3, title: str = ""
+) -> str:
     """One SVG with a panel per metric of ``data`` (``{metric: {rank: [(step, value)]}}``).
 
     Args:
         data: the points (see :meth:`nbaccel.ui._history.History.data`).
         lines: ``"ranks"``, ``"mean"`` or ``"auto"`` (see the module docstring).
         columns: panels per row.
+        title: written at the right of the legend line (which run these charts are).
     """
     if lines not in ("auto", "ranks", "mean"):
         raise ValueError(f"lines={lines!r}: choose 'auto', 'ranks' or 'mean'.")
@@ -146,8 +149,15 @@ def render_svg(data: dict[str, dict[int, Points]], *, lines: str = "auto", colum
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" class="nbaccel-charts" width="{width}" '
         f'height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" '
-        f'font-size="11" fill="#333">{_legend(ranks, mode)}{"".join(panels)}</svg>'
+        f'font-size="11" fill="#333">{_legend(ranks, mode)}{_title(title, width)}'
+        f"{''.join(panels)}</svg>"
     )
+
+
+def _title(title: str, width: int) -> str:
+    if not title:
+        return ""
+    return f'<text class="nbaccel-title" x="{width - 8}" y="13" text-anchor="end">{escape(title)}</text>'
 
 
 __all__ = ["MAX_RANK_LINES", "render_svg"]

@@ -200,6 +200,13 @@ class MonitorWidgets:
         self.bar.bar_style = "success" if progress.get("closed") else ""
         self.bar_label.value = html.escape(text)
 
+    def end_progress(self, outcome: str, text: str) -> None:
+        """The run ended: a bar left short of its end says how (not a frozen green bar)."""
+        if self.bar.layout.display == "none" or outcome == "finished":
+            return
+        self.bar.bar_style = "warning" if outcome == "stopped" else "danger"
+        self.bar_label.value = html.escape(f"{text} ({outcome})")
+
 
 __all__ = [
     "MonitorWidgets",

@@ -44,6 +44,7 @@ from . import _monitor_view as view
 from ._chart import render_svg
 from ._deferred import DeferredCall
 from ._history import History
+from ._runs import FinalCharts, RunTitle, request_id, svg_title
 from ._stragglers import find_stragglers
 from ._widgets_compat import widget_mimebundle
 
@@ -120,6 +121,8 @@ class RunMonitor:
         self._redraw = DeferredCall(self._deferred, "nbaccel-monitor")
         self._charts_dirty = self._ended = self._log_dirty = False
         self._display_id: str | None = None
+        self._final, self._runs = FinalCharts(), RunTitle()  # one chart image per monitor
+        self._shown_in: str | None = None  # the request whose cell watch() showed this in
         self.final_svg: str | None = None
         self.widget: Any = None
         self._view: view.MonitorWidgets | None = None
@@ -143,6 +146,8 @@ class RunMonitor:
             handle.add_listener(self._on_event, replay=True)
             self._status = handle.status()  # after add_listener: no event falls in between
             self._ended = self._all_ended()
+            if not self._ended:
+                self._runs.begin(handle)
             cell = getattr(handle, "cell_output", None)
             if self._view is not None and cell is not None:  # the log takes the cell's lines
                 cell.set_listener(self._on_output)
@@ -180,6 +185,8 @@ class RunMonitor:
             if kind == "state" and data.get("state") == "running" and self._ended:
                 self._new_run()  # a pool's next call
                 self._ended = False
+                self._runs.begin(self._handle)
+            self._runs.note(data.get("state") if kind == "state" else None)
             if self._history.record(rank, kind, data):
                 self._charts_dirty = True
             if kind == "progress":
@@ -225,7 +232,8 @@ class RunMonitor:
     def chart_svg(self) -> str:
         """The charts as an SVG string (empty when nothing was logged)."""
         data = self.chart_data()
-        return render_svg(data, lines=self.lines) if data else ""
+        title = self._runs.title(ended=self._ended)  # which run, and how it ended
+        return render_svg(data, lines=self.lines, title=title) if data else ""
 
     def stragglers(self) -> dict[int, str]:
         """``{rank: why}`` for each running rank the straggler rule marks now."""
@@ -299,6 +307,8 @@ class RunMonitor:
         self._view.stacks_button.layout.display = "none" if self._ended else None
         if self._progress:
             self._view.show_progress(self._progress, view.progress_text(self._progress))
+            if self._ended:
+                self._view.end_progress(self._runs.outcome, view.progress_text(self._progress))
         if svg is not None:
             self._view.charts.value = svg
         if self._log_dirty:  # up to log_lines lines: only rebuilt when they changed
@@ -328,7 +338,7 @@ class RunMonitor:
             elif self._display_id is not None:
                 self._cell.update(self._display_id, self._bundle())
             names = ", ".join(self.chart_data())
-            self._cell.display({"image/svg+xml": svg, "text/plain": f"<nbaccel charts: {names}>"})
+            self._final.show(self._cell, svg, f"<nbaccel charts: {names} ({svg_title(svg)})>")
 
     def _stacks_html(self) -> str:
         """What "where are the ranks?" shows (asked on a thread by the widget)."""
@@ -346,6 +356,14 @@ class RunMonitor:
             self._stream.flush()
         except Exception:  # a closed stream must not break the run
             pass
+
+    def _ipython_display_(self) -> None:
+        """Once per cell: after ``watch()`` showed it, the cell's result adds nothing."""
+        if self._shown_in is not None and request_id(CellOutput.here()) == self._shown_in:
+            return
+        from IPython.display import display
+
+        display(self._repr_mimebundle_(), raw=True)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle: dict[str, Any] = {}
@@ -373,6 +391,8 @@ def watch(handle: _Handle, **kwargs: Any) -> RunMonitor:
         from IPython.display import display
 
         display(monitor.widget)
+    if monitor.widget is not None or monitor._display_id is not None:  # shown: not again
+        monitor._shown_in = request_id(CellOutput.here())
     return monitor
 
 

@@ -36,10 +36,14 @@ def fails_when_told(flag):
     return 0
 
 def dies_or_raises(die):
-    if int(os.environ["RANK"]) == 1:
+    accelerator = Accelerator()
+    if accelerator.process_index == 1:
         if die:
             os._exit(3)
+        time.sleep(0.5)
         raise ValueError("second failure")
+    if not die:
+        accelerator.wait_for_everyone()       # rank 0 is in a collective when rank 1 fails
     return 0
 """
 
@@ -120,6 +124,20 @@ def test_errors_lead_with_the_users_error(kernel, tmp_path):
     assert "second failure" in text and "During handling" not in text, text
     assert "exited" not in text and "nbaccel.debug()" in text, text
     _no_frames_of_ours(text)
+    # the pool interrupted rank 0 itself, after rank 1's failure: it says so
+    assert "of the interrupt after rank 1 failed" in second.stderr, second.describe()
+    msg_id = kernel.submit("nbaccel.debug()")
+    assert "(Pdb)" in kernel.wait_for_input_request(timeout=60)
+    kernel.interrupt()  # the stop button at the (Pdb) prompt
+    session = kernel.collect(msg_id, timeout=60)
+    assert session.error is not None and session.error.ename == "KeyboardInterrupt"
+    assert "session on rank 1 was interrupted" in session.error.text, session.describe()
+    _no_frames_of_ours(session.error.text)
+    assert "ipykernel" not in session.error.text, session.error.text
+    header = session.stdout
+    assert "--- rank 0: ---" in header and "accelerator.wait_for_everyone()" in header, header
+    assert "(waiting in torch.distributed" in header, header  # what it waits in stays
+    assert "nbaccel/runtime" not in header and "distributed_c10d.py" not in header, header
 
     misuse = kernel.execute("nbaccel.debug(5)", timeout=60)
     assert misuse.error is not None and misuse.error.ename == "LaunchError"
