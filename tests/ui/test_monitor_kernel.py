@@ -22,7 +22,7 @@ SETUP = textwrap.dedent(
     """
     import time
     import torch
-    from nbaccel import Accelerator, notebook_launcher
+    from nbaccel import Accelerator, notebook_launcher, start_workers
     from nbaccel.monitor import watch
 
     def train(steps, slow_rank=None, pause=0.0):
@@ -130,3 +130,43 @@ def test_a_straggler_is_marked_and_its_stack_shown(kernel):
     finally:
         kernel.run("handle.stop()", timeout=60)
     kernel.assert_no_descendants(timeout=10)
+
+
+def test_one_monitor_one_chart_image_titled_by_run_and_a_stop_drawn_as_such(kernel):
+    shown = kernel.run(  # watch() as the cell's last expression, as people write it
+        "handle = notebook_launcher(train, args=(2000,), num_processes=2, block=False)\n"
+        "watch(handle)",
+        timeout=60,
+    )
+    kernel.run(
+        "monitor = _\n"
+        "deadline = time.monotonic() + 60\n"
+        "while len(monitor.chart_data().get('loss', {})) < 2 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "handle.stop()",
+        timeout=120,
+    )
+    kernel.drain(1.0)
+    assert len(shown.displays(WIDGET_MIME)) == 1 and shown.result is None, shown.describe()
+    images = shown.displays("image/svg+xml")
+    assert len(images) == 1, shown.describe()
+    title = re.search(r'class="nbaccel-title"[^>]*>([^<]*)<', images[0]["image/svg+xml"])
+    assert title and title.group(1).startswith("run 1: notebook_launcher(train), started ")
+    assert title.group(1).endswith(", stopped"), title.group(1)  # not drawn as a success
+    kernel.assert_no_descendants(timeout=10)
+
+    pool_cell = kernel.run("pool = start_workers(num_processes=2)\npm = watch(pool)", timeout=120)
+    try:
+        kernel.run("pool.run(train, 3)\npool.run(train, 4)", timeout=120)
+        kernel.drain(1.0)
+    finally:
+        kernel.run("pool.close()", timeout=60)
+    charts = [o for o in pool_cell.outputs if "image/svg+xml" in o["data"]]
+    assert [o["msg_type"] for o in charts] == ["display_data", "update_display_data"], charts
+    assert len({o["transient"]["display_id"] for o in charts}) == 1  # one set, replaced
+    titles = [re.search(r"\((run \d+: .*)\)>$", o["data"]["text/plain"]) for o in charts]
+    assert [t.group(1)[:22] for t in titles if t] == [
+        "run 1: pool.call(train",
+        "run 2: pool.call(train",
+    ]
+    assert all(t.group(1).endswith(", finished") for t in titles if t), titles
