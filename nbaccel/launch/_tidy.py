@@ -29,6 +29,7 @@ import os
 import re
 import traceback
 import types
+import warnings
 from typing import Any
 
 from ..errors import WorkerError, WorkerTimeoutError
@@ -149,6 +150,33 @@ def trim_stack(stack: str) -> str:
     return "\n".join(out) if kept and dropped else stack
 
 
+def oversubscribed(processes: int, cores: int) -> str | None:
+    """The advice for more CPU processes than cores (the panel's and the launcher's), or None.
+
+    Example:
+        >>> oversubscribed(4, 2)
+        '4 processes on 2 CPU core(s) here: they share cores and train slower than 2 would.'
+    """
+    if processes <= cores:
+        return None
+    return (
+        f"{processes} processes on {cores} CPU core(s) here: they share cores and train "
+        f"slower than {cores} would."
+    )
+
+
+def warn_oversubscribed(config: Any, processes: int, *, stacklevel: int) -> None:
+    """Warn (``RuntimeWarning``) when ``processes`` CPU workers are more than the cores."""
+    from ..platform.environment import cpu_count
+    from ..platform.hardware import cuda_device_count
+
+    device = getattr(config, "compute_device", "auto")
+    if device == "cpu" or (device == "auto" and cuda_device_count() == 0):
+        advice = oversubscribed(processes, cpu_count())
+        if advice is not None:
+            warnings.warn(f"nbaccel: {advice}", RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def _error_content(err: BaseException, title: str) -> dict[str, Any]:
     """An ``error`` message's content, formatted as IPython formats an exception."""
     shown = clean(err)
@@ -177,4 +205,12 @@ def show_in_cell(cell: Any, err: BaseException, title: str) -> None:
         cell.send("error", content)
 
 
-__all__ = ["HINT_START", "add_hint", "clean", "show_in_cell", "trim_stack"]
+__all__ = [
+    "HINT_START",
+    "add_hint",
+    "clean",
+    "oversubscribed",
+    "show_in_cell",
+    "trim_stack",
+    "warn_oversubscribed",
+]

@@ -44,7 +44,7 @@ from ._environ import installed, patched_environ
 from ._preflight import DEBUG_TIMEOUT, LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
 from ._supervisor import JobFailed, Supervisor
-from ._tidy import add_hint, clean
+from ._tidy import add_hint, clean, warn_oversubscribed
 from .handle import LaunchHandle, already_running, running_from
 
 
@@ -165,6 +165,7 @@ def launch(plan: LaunchPlan) -> Any:
         return _run_in_kernel(plan)
     if plan.method == "xla":
         return _run_xla(plan)
+    warn_oversubscribed(plan.config, plan.num_processes or 1, stacklevel=3)  # the user's line
     started: list[Supervisor] = []
     handle = LaunchHandle(
         plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.return_all_ranks

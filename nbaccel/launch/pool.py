@@ -32,6 +32,7 @@ from . import _kept
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
 from ._preflight import plan_launch
+from ._tidy import warn_oversubscribed
 
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 # The pools %%distributed may use, newest last. Weak: a pool the notebook no longer
@@ -277,6 +278,7 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
     plan = plan_launch(_idle, (), num_processes=num_processes, block=False, **options)
     if plan.method == "xla":
         raise LaunchError(no_tpu)
+    warn_oversubscribed(plan.config, plan.num_processes or 1, stacklevel=2)
     pool = WorkerPool(plan)
     pool._start()
     if not _atexit_registered[0]:  # workers must not outlive the kernel

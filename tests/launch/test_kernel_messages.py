@@ -144,3 +144,56 @@ def test_errors_lead_with_the_users_error(kernel, tmp_path):
     assert "rank 5" in misuse.error.text, misuse.describe()
     _no_frames_of_ours(misuse.error.text)
     kernel.run("pool.close()", timeout=60)
+
+
+PANEL_CELL = """
+from nbaccel.widgets import LaunchPanel
+from nbaccel.platform.environment import cpu_count
+
+def seven():
+    return 7
+
+def sleeps():
+    time.sleep(120)
+
+keep = os.sched_getaffinity(0)
+os.sched_setaffinity(0, {min(keep)})          # one core: two processes are too many
+try:
+    small = LaunchPanel(seven)
+    start = small.controls["num_processes"].value
+    small.controls["num_processes"].value = 2
+    one_core = (start, small.warnings())
+    notebook_launcher(seven, num_processes=2)
+finally:
+    os.sched_setaffinity(0, keep)
+panel = LaunchPanel(seven)
+started_at = panel.controls["num_processes"].value
+panel.launch()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_the_panel_and_the_launcher_agree_and_the_panel_says_what_happened(kernel):
+    cell = kernel.run(PANEL_CELL, timeout=180)
+    start, advice = kernel.evaluate_json("one_core")  # the panel on one core: 1, or a warning
+    warned = advice["num_processes"]
+    assert start == 1 and warned.startswith("2 processes on 1 CPU core(s) here"), advice
+    assert f"RuntimeWarning: nbaccel: {warned}" in cell.stderr, cell.describe()  # the same
+    assert kernel.evaluate_json("started_at == min(cpu_count(), 8)") is True  # fits the machine
+    assert "returned <code>7</code>" in kernel.evaluate_json("panel.status.value")
+
+    kernel.run(  # a background run from the button, stopped with the panel's Stop button
+        "panel.training_function = sleeps\n"
+        "panel.background.value = True\n"
+        "panel.launch_button.click()\n"
+        "shown = panel.stop_button.layout.display\n"
+        "panel.stop_button.click()\n"
+        "panel.handle.wait(60)\n"
+        "deadline = time.monotonic() + 30\n"
+        "while panel._running and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)",
+        timeout=120,
+    )
+    assert kernel.evaluate_json("shown") is None  # visible while the run goes
+    assert kernel.evaluate_json("panel.stop_button.layout.display") == "none"
+    assert kernel.evaluate_json("panel.status.value") == "Stopped."
