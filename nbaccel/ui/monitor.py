@@ -121,8 +121,8 @@ class RunMonitor:
         self._redraw = DeferredCall(self._deferred, "nbaccel-monitor")
         self._charts_dirty = self._ended = self._log_dirty = False
         self._display_id: str | None = None
-        self._final, self._runs = FinalCharts(), RunTitle()  # one chart image per monitor
         self._shown_in: str | None = None  # the request whose cell watch() showed this in
+        self._final, self._runs = FinalCharts(), RunTitle()  # one chart image per monitor
         self.final_svg: str | None = None
         self.widget: Any = None
         self._view: view.MonitorWidgets | None = None
@@ -189,8 +189,8 @@ class RunMonitor:
             self._runs.note(data.get("state") if kind == "state" else None)
             if self._history.record(rank, kind, data):
                 self._charts_dirty = True
-            if kind == "progress":
-                self._progress = dict(data, rank=rank)
+            if kind == "progress":  # the view's bar draws it: no text bar in the log too
+                self._progress, self._live_line = dict(data, rank=rank), None
             self._schedule(now=kind == "state")
 
     def _on_output(self, kind: str, stream: str, text: str) -> None:
@@ -198,11 +198,11 @@ class RunMonitor:
         with self._lock:
             if kind == "line":
                 self._log.extend((stream, line) for line in text.splitlines(keepends=True))
-            elif kind == "redraw":
+            elif kind == "redraw" and not self._progress:  # a tqdm bar: the view's bar only
                 self._live_line = text
-            else:  # the bar's last state stays in the log
+            elif not self._progress:  # another redrawn line's last state stays (not red)
                 self._live_line = None
-                self._log.append((stream, text + "\n"))
+                self._log.append(("stdout", text + "\n"))
             self._log_dirty = True
             self._schedule(now=False)
 
