@@ -142,6 +142,17 @@ def display_bundle(text: str, table: str, progress: str, svg: str | None) -> dic
     return {"text/plain": text, "text/html": "".join(parts)}
 
 
+def static_bundle(
+    text: str, table: list[list[str]], progress: dict[str, Any], lines: Iterable[tuple[str, str]]
+) -> dict[str, Any]:
+    """The widget view once its run ended, as plain outputs: table, bar's last text, log."""
+    lines = list(lines)
+    log = "".join(line for _, line in lines)
+    bar = f"<div>{html.escape(progress_text(progress))}</div>" if progress else ""
+    shown = [table_html(table, {}), bar, log_html(lines, None)]
+    return {"text/plain": f"{text}\n{log}".rstrip("\n"), "text/html": "".join(shown)}
+
+
 class MonitorWidgets:
     """The ipywidgets view: table, progress bar, charts, stacks button, log.
 
@@ -216,6 +227,7 @@ __all__ = [
     "progress_text",
     "rows",
     "stacks_html",
+    "static_bundle",
     "table_html",
     "text_table",
 ]

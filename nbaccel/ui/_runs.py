@@ -71,6 +71,37 @@ class FinalCharts:
             self._shown = True
 
 
+class LiveView:
+    """The monitor's widget in its cell, shown under a display id: live while a run goes,
+    replaced by a static copy (table, bar, log as HTML and text) when the run ends, so a
+    saved and reopened notebook shows it without kernel or widget state; brought back
+    live when the monitor follows another run (a pool's next call)."""
+
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex
+        self.shown_in: str | None = None  # the request (cell execution) it was shown in
+
+    def show(self, bundle: dict[str, Any]) -> None:
+        """Display ``bundle`` (the widget's) in the cell being executed now."""
+        from IPython.display import display
+
+        from ..launch._cell_output import CellOutput
+
+        display(bundle, raw=True, display_id=self.id)
+        self.shown_in = request_id(CellOutput.here())
+
+    def shown_here(self) -> bool:
+        """Already shown in the cell being executed now (``watch()`` as its last line)."""
+        from ..launch._cell_output import CellOutput
+
+        return self.shown_in is not None and request_id(CellOutput.here()) == self.shown_in
+
+    def replace(self, cell: Any, bundle: dict[str, Any]) -> None:
+        """Show ``bundle`` instead, wherever the view was shown (``cell``: a CellOutput)."""
+        if self.shown_in is not None and cell is not None:
+            cell.update(self.id, bundle)
+
+
 def svg_title(svg: str) -> str:
     """The title :func:`~nbaccel.ui._chart.render_svg` wrote into ``svg`` ("" if none)."""
     found = re.search(r'<text class="nbaccel-title"[^>]*>([^<]*)</text>', svg)
@@ -82,4 +113,4 @@ def request_id(cell: Any) -> str | None:
     return None if cell is None else str(cell.parent.get("header", {}).get("msg_id", ""))
 
 
-__all__ = ["FinalCharts", "RunTitle", "request_id", "svg_title"]
+__all__ = ["FinalCharts", "LiveView", "RunTitle", "request_id", "svg_title"]

@@ -44,7 +44,7 @@ from . import _monitor_view as view
 from ._chart import render_svg
 from ._deferred import DeferredCall
 from ._history import History
-from ._runs import FinalCharts, RunTitle, request_id, svg_title
+from ._runs import FinalCharts, LiveView, RunTitle, request_id, svg_title
 from ._stragglers import find_stragglers
 from ._widgets_compat import widget_mimebundle
 
@@ -121,7 +121,7 @@ class RunMonitor:
         self._redraw = DeferredCall(self._deferred, "nbaccel-monitor")
         self._charts_dirty = self._ended = self._log_dirty = False
         self._display_id: str | None = None
-        self._shown_in: str | None = None  # the request whose cell watch() showed this in
+        self._live = LiveView()  # the widget in its cell, left as plain outputs at the end
         self._final, self._runs = FinalCharts(), RunTitle()  # one chart image per monitor
         self.final_svg: str | None = None
         self.widget: Any = None
@@ -186,6 +186,7 @@ class RunMonitor:
                 self._new_run()  # a pool's next call
                 self._ended = False
                 self._runs.begin(self._handle)
+                self._live.replace(self._cell, self._repr_mimebundle_())  # live again
             self._runs.note(data.get("state") if kind == "state" else None)
             if self._history.record(rank, kind, data):
                 self._charts_dirty = True
@@ -300,6 +301,8 @@ class RunMonitor:
                 self._print_if_due(ending)
             if ending:
                 self._leave_final_charts()
+                frozen = view.static_bundle(self.text(), self.rows(), self._progress, self._log)
+                self._live.replace(self._cell, frozen)  # plain outputs: saved with the notebook
 
     def _draw_widget(self, svg: str | None) -> None:
         assert self._view is not None
@@ -359,11 +362,8 @@ class RunMonitor:
 
     def _ipython_display_(self) -> None:
         """Once per cell: after ``watch()`` showed it, the cell's result adds nothing."""
-        if self._shown_in is not None and request_id(CellOutput.here()) == self._shown_in:
-            return
-        from IPython.display import display
-
-        display(self._repr_mimebundle_(), raw=True)
+        if not self._live.shown_here():
+            self._live.show(self._repr_mimebundle_())
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle: dict[str, Any] = {}
@@ -388,11 +388,9 @@ def watch(handle: _Handle, **kwargs: Any) -> RunMonitor:
     """
     monitor = RunMonitor(handle, **kwargs)
     if monitor.widget is not None:
-        from IPython.display import display
-
-        display(monitor.widget)
-    if monitor.widget is not None or monitor._display_id is not None:  # shown: not again
-        monitor._shown_in = request_id(CellOutput.here())
+        monitor._live.show(monitor._repr_mimebundle_())
+    elif monitor._display_id is not None:  # shown already (attach): not again as the result
+        monitor._live.shown_in = request_id(CellOutput.here())
     return monitor
 
 

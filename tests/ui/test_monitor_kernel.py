@@ -94,6 +94,30 @@ def test_watch_draws_the_charts_and_leaves_the_final_image_in_the_cell(kernel):
     assert launch.streams == {} and live.stdout.count("[rank") == 0, launch.describe()
     log = kernel.evaluate_json("monitor.log()")
     assert "[rank0] done\n" in log and "[rank1] done\n" in log
+    # saved and reopened (no kernel, no widget state): what the front end keeps is plain
+    # outputs -- the monitor's last state with every line it logged, and the charts
+    kept = saved(launch)
+    assert not [out for out in kept if WIDGET_MIME in out], kept
+    assert len(kept) == 2 and "image/svg+xml" in kept[1], kept
+    for mime in ("text/plain", "text/html"):
+        assert "[rank0] done" in kept[0][mime] and "[rank1] done" in kept[0][mime], kept[0]
+    assert "finished" in kept[0]["text/plain"]
+
+
+def saved(cell) -> list[dict]:
+    """The cell's outputs as a notebook saves them: each display id holds its last update."""
+    kept: list[dict] = []
+    where: dict[str, int] = {}
+    for out in cell.outputs:
+        display_id = out.get("transient", {}).get("display_id")
+        if out["msg_type"] == "update_display_data":
+            if display_id in where:
+                kept[where[display_id]] = out["data"]
+        elif out["msg_type"] in ("display_data", "execute_result"):
+            if display_id:
+                where[display_id] = len(kept)
+            kept.append(out["data"])
+    return kept
 
 
 def test_a_straggler_is_marked_and_its_stack_shown(kernel):
