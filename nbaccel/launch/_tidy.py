@@ -77,7 +77,14 @@ def _render(err: BaseException) -> list[str]:
     for entry in reversed(kept):
         rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
     shell = get_ipython()
-    return list(shell.InteractiveTB.structured_traceback(type(err), err, rebuilt))
+    return _with_notes(shell.InteractiveTB.structured_traceback(type(err), err, rebuilt), err)
+
+
+def _with_notes(lines: list[str], err: BaseException) -> list[str]:
+    """``lines`` and ``err``'s notes (``add_note``), which IPython 7 does not show."""
+    shown = "\n".join(lines)
+    missing = [str(note) for note in getattr(err, "__notes__", ()) if str(note) not in shown]
+    return [*lines, *missing]
 
 
 def _debuggable(err: BaseException) -> bool:
@@ -192,7 +199,7 @@ def _error_content(err: BaseException, title: str) -> dict[str, Any]:
     return {
         "ename": type(shown).__name__,
         "evalue": str(shown),
-        "traceback": [title, *lines],
+        "traceback": [title, *_with_notes(lines, shown)],
     }
 
 
