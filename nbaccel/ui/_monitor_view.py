@@ -150,7 +150,8 @@ def static_bundle(
     log = "".join(line for _, line in lines)
     bar = f"<div>{html.escape(progress_text(progress))}</div>" if progress else ""
     shown = [table_html(table, {}), bar, log_html(lines, None)]
-    return {"text/plain": f"{text}\n{log}".rstrip("\n"), "text/html": "".join(shown)}
+    page = f"<div class='nbaccel-run-monitor nbaccel-ended'>{''.join(shown)}</div>"
+    return {"text/plain": f"{text}\n{log}".rstrip("\n"), "text/html": page}
 
 
 class MonitorWidgets:
