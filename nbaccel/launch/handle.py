@@ -32,7 +32,7 @@ from typing import Any
 
 from ..errors import Stopped
 from ._status import Observed, RankStatus
-from ._tidy import show_in_cell
+from ._tidy import clean, show_in_cell
 
 _LIVE: weakref.WeakSet[LaunchHandle] = weakref.WeakSet()
 _TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
@@ -112,8 +112,8 @@ class LaunchHandle(Observed):
             )
         assert self._outcome is not None
         ok, value = self._outcome
-        if not ok:
-            raise value
+        if not ok:  # from the cell that asks: the user's error first, not our frames
+            raise clean(value)
         return [value[r] for r in self.ranks] if self._all_ranks else value[self.ranks[0]]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:

@@ -24,6 +24,7 @@ from xml.sax.saxutils import escape
 PANEL_W, PANEL_H = 320, 180
 LEFT, RIGHT, TOP, BOTTOM = 60, 10, 22, 26
 LEGEND_H = 20
+TITLE_H = 16
 MAX_RANK_LINES = 8
 MAX_POINTS = 2 * PANEL_W  # drawn per line; more would not show at this width
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -141,23 +142,24 @@ def render_svg(
     names = list(data)
     cols = max(1, min(columns, len(names) or 1))
     rows = -(-len(names) // cols) if names else 0
-    width, height = cols * PANEL_W, LEGEND_H + rows * PANEL_H
+    top = TITLE_H if title else 0  # the title has a line of its own, above the legend
+    width = max(cols * PANEL_W, 16 + 6 * len(title))
+    height = top + LEGEND_H + rows * PANEL_H
     panels = [
         _panel(name, data[name], mode, (i % cols) * PANEL_W, LEGEND_H + (i // cols) * PANEL_H)
         for i, name in enumerate(names)
     ]
+    heading = (
+        f'<text class="nbaccel-title" x="8" y="13" font-weight="bold">{escape(title)}</text>'
+        if title
+        else ""
+    )
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" class="nbaccel-charts" width="{width}" '
         f'height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" '
-        f'font-size="11" fill="#333">{_legend(ranks, mode)}{_title(title, width)}'
-        f"{''.join(panels)}</svg>"
+        f'font-size="11" fill="#333">{heading}<g transform="translate(0,{top})">'
+        f"{_legend(ranks, mode)}{''.join(panels)}</g></svg>"
     )
-
-
-def _title(title: str, width: int) -> str:
-    if not title:
-        return ""
-    return f'<text class="nbaccel-title" x="{width - 8}" y="13" text-anchor="end">{escape(title)}</text>'
 
 
 __all__ = ["MAX_RANK_LINES", "render_svg"]

@@ -101,7 +101,9 @@ def test_a_failed_background_run_speaks_in_its_own_cell(kernel, tmp_path, watche
     for cell in (again, other, waiting):  # the run's failure is in its cell only
         assert "bad batch" not in cell.describe(), cell.describe()
     assert other.streams == {} and waiting.streams == {}
-    kernel.run("h.exception()", timeout=30)  # still there for whoever asks
+    asked = kernel.execute("h.result()", timeout=30)  # still there for whoever asks
+    assert asked.error is not None and asked.error.ename == "ValueError", asked.describe()
+    _no_frames_of_ours(asked.error.text)
 
 
 @pytest.mark.timeout(240)
