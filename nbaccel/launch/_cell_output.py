@@ -91,6 +91,16 @@ class CellOutput:
         content = self.parent.get("content") or {}
         return str(metadata.get("cellId") or content.get("code") or "")
 
+    def move_to(self, other: CellOutput | None) -> bool:
+        """When ``other`` is this same notebook cell run again, show there from now on (a
+        front end clears a cell that runs again and drops what arrives for its earlier run);
+        True if moved."""
+        if other is None or other is self or other.key != self.key:
+            return False
+        self.flush()
+        self.parent = other.parent
+        return True
+
     @classmethod
     def here(cls) -> CellOutput | None:
         """The cell being executed now, or None outside a notebook kernel's request."""

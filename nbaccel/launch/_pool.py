@@ -182,7 +182,7 @@ class PoolWorkers(Observed):
             running = self._handle
             busy = "the pool is busy with a call running in the background"
             raise clean(LaunchError(
-                already_running(running, busy) if running is not None else
+                already_running(running, busy, CellOutput.here()) if running is not None else
                 f"{busy}; wait for its handle.result() or call handle.stop() first."
             ))  # fmt: skip
         try:

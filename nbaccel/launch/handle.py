@@ -60,12 +60,16 @@ def running_from(cell: Any) -> LaunchHandle | None:
     return None
 
 
-def already_running(handle: LaunchHandle, what: str) -> str:
-    """The refusal to start a second job beside ``handle``; ``what`` says whose it is."""
+def already_running(handle: LaunchHandle, what: str, here: Any = None) -> str:
+    """The refusal to start a second job beside ``handle``; ``what`` says whose it is.
+    From a notebook cell (``here``), the running job's output moves to that cell."""
+    cell = handle.cell_output
+    moved = cell is not None and cell.move_to(here)
     return (
-        f"{what}: {handle!r}. nbaccel does not start a "
-        "second job beside it. Stop it first with handle.stop() (the kernel's interrupt "
-        "button does not reach a background run), or wait for handle.result()."
+        f"{what}: {handle!r}. nbaccel does not start a second job beside it. Stop it first "
+        "with handle.stop() (the kernel's interrupt button does not reach a background run), "
+        "or wait for handle.result()."
+        + (" Its output shows in this cell from now on." if moved else "")
     )
 
 

@@ -175,7 +175,9 @@ def launch(plan: LaunchPlan) -> Any:
     running = running_from(cell)
     if running is not None:  # never two jobs from one cell without a word
         raise clean(
-            LaunchError(already_running(running, "a run started from this cell is still going"))
+            LaunchError(
+                already_running(running, "a run started from this cell is still going", cell)
+            )
         )
     if plan.output is None:
         handle.cell_output = cell
