@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import Stopped
+from ._interrupt import arm
 from ._status import Observed, RankStatus
 from ._tidy import clean, show_in_cell
 
@@ -47,6 +48,25 @@ def _stop_live_handles() -> None:
     for handle in list(_LIVE):
         with contextlib.suppress(Exception):
             handle.stop(timeout=5)
+
+
+def _stop_on_interrupt() -> int:
+    """The kernel's stop button while no cell runs: stop every background run of this
+    kernel that shows in a cell, and say so there (see ``_interrupt``)."""
+    live = [h for h in list(_LIVE) if not h.done() and h.cell_output is not None]
+    for handle in live:
+        handle.stop_requested.set()  # the run's own thread ends it: nothing blocks here
+
+    def say() -> None:  # not in the signal handler: the cell's output takes locks
+        for handle in live:
+            handle.cell_output.write(
+                "stderr", f"nbaccel: the kernel's stop button stopped {handle.label}.\n"
+            )
+            handle.cell_output.flush()
+
+    if live:
+        threading.Thread(target=say, name="nbaccel-stopped", daemon=True).start()
+    return len(live)
 
 
 def running_from(cell: Any) -> LaunchHandle | None:
@@ -67,9 +87,8 @@ def already_running(handle: LaunchHandle, what: str, here: Any = None) -> str:
     moved = cell is not None and cell.move_to(here)
     return (
         f"{what}: {handle!r}. nbaccel does not start a second job beside it. Stop it first "
-        "with handle.stop() (the kernel's interrupt button does not reach a background run), "
-        "or wait for handle.result()."
-        + (" Its output shows in this cell from now on." if moved else "")
+        "with handle.stop() (or the kernel's stop button while no cell runs), or wait for "
+        "handle.result()." + (" Its output shows in this cell from now on." if moved else "")
     )
 
 
@@ -198,6 +217,8 @@ class LaunchHandle(Observed):
             atexit.register(_stop_live_handles)
             _atexit_registered = True
         _LIVE.add(self)
+        if self.cell_output is not None:  # the stop button, pressed while idle, stops it
+            arm(_stop_on_interrupt)
         self._thread = threading.Thread(target=self._background, name="nbaccel-job", daemon=True)
         self._thread.start()
 

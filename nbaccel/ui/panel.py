@@ -131,8 +131,8 @@ class LaunchPanel(widgets.VBox):
         self.save_button = widgets.Button(
             description="Save as default", icon="save", tooltip=str(default_config_path())
         )
-        self.stop_button = widgets.Button(  # the kernel's stop button does not reach a
-            description="Stop",  # background run (its workers are not the kernel's cell)
+        self.stop_button = widgets.Button(  # the kernel's stop button stops a background
+            description="Stop",  # run only while no cell runs: this one always does
             icon="stop",
             tooltip="stop the background run (handle.stop())",
             layout=widgets.Layout(display="none"),

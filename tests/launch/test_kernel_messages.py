@@ -35,6 +35,9 @@ def fails_when_told(flag):
     accelerator.wait_for_everyone()           # rank 0 waits for rank 1, which is gone
     return 0
 
+def sleeps():
+    time.sleep(120)
+
 def dies_or_raises(die):
     accelerator = Accelerator()
     if accelerator.process_index == 1:
@@ -159,9 +162,6 @@ from nbaccel.platform.environment import cpu_count
 def seven():
     return 7
 
-def sleeps():
-    time.sleep(120)
-
 keep = os.sched_getaffinity(0)
 os.sched_setaffinity(0, {min(keep)})          # one core: two processes are too many
 try:
@@ -203,3 +203,20 @@ def test_the_panel_and_the_launcher_agree_and_the_panel_says_what_happened(kerne
     assert kernel.evaluate_json("shown") is None  # visible while the run goes
     assert kernel.evaluate_json("panel.stop_button.layout.display") == "none"
     assert kernel.evaluate_json("panel.status.value") == "Stopped."
+
+
+@pytest.mark.timeout(180)
+def test_the_stop_button_while_no_cell_runs_stops_the_background_run(kernel):
+    launch = kernel.run("hs = notebook_launcher(sleeps, num_processes=2, block=False)", 120)
+    kernel.interrupt()  # the kernel is idle: before, nothing happened and nothing said so
+    done = kernel.run("print(hs.wait(60), type(hs.exception()).__name__)", timeout=90)
+    kernel.drain(0.5)
+    assert done.stdout == "True Stopped\n", done.describe()
+    assert "the kernel's stop button stopped notebook_launcher(sleeps)" in launch.stderr
+    assert launch.error is None  # a stop is the user's doing: no error output
+    # while a cell runs, the button interrupts that cell, as always
+    msg_id = kernel.submit("print('busy', flush=True); time.sleep(60)")
+    kernel.wait_for_output(msg_id, r"busy", timeout=30)
+    kernel.interrupt()
+    busy = kernel.collect(msg_id, timeout=30)
+    assert busy.error is not None and busy.error.ename == "KeyboardInterrupt", busy.describe()
