@@ -286,6 +286,7 @@ def debug_launcher(
 
 def _run_in_kernel(plan: LaunchPlan) -> Any:
     """One process: call the function right here, as rank 0 of 1."""
+    __tracebackhide__ = True  # an error shows the user's cell, then the function's frames
     env = {**plan.env, **rank_environment(0, 0, world_size=1, local_world_size=1, node_rank=0)}
     cfg = plan.config
     facts = EnvironmentSnapshot(

@@ -124,6 +124,10 @@ def test_errors_lead_with_the_users_error(kernel, tmp_path):
     assert "debug=True" in text and "nbaccel.debug()" in text, text
     _no_frames_of_ours(text)
 
+    in_kernel = kernel.execute("notebook_launcher(lambda: 1 / 0)", 60)  # one process: here
+    assert in_kernel.error is not None and in_kernel.error.ename == "ZeroDivisionError"
+    _no_frames_of_ours(in_kernel.error.text)
+
     kernel.run("pool = start_workers(num_processes=2)", timeout=120)
     died = kernel.execute("pool.run(dies_or_raises, True)", timeout=120)  # the pool restarts
     assert died.error is not None and "restarted its workers" in died.stderr, died.describe()
