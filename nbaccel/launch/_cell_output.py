@@ -36,7 +36,8 @@ from typing import Any
 FLUSH_S = 0.1
 
 #: ``callback(kind, stream, text)``: kind is "line" (whole lines, prefixed and ending in a
-#: newline), "redraw" (a progress bar's new state) or "redraw-end" (its last state).
+#: newline), "redraw" (a progress bar's new state), "redraw-end" (its last state) or
+#: "moved" (the cell ran again: see :meth:`CellOutput.move_to`).
 OutputListener = Callable[[str, str, str], Any]
 
 
@@ -99,6 +100,9 @@ class CellOutput:
             return False
         self.flush()
         self.parent = other.parent
+        listener = self._listener
+        if listener is not None:  # a live monitor shows the run: it follows too
+            listener("moved", "", "")
         return True
 
     @classmethod

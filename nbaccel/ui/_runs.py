@@ -16,7 +16,17 @@ import html
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
+
+
+class _Handle(Protocol):
+    """What the monitor needs from a ``LaunchHandle`` (or a ``WorkerPool``)."""
+
+    def status(self) -> dict[int, dict[str, Any]]: ...
+
+    def add_listener(self, callback: Any, *, replay: bool = False) -> Any: ...
+
+    def remove_listener(self, callback: Any) -> None: ...
 
 
 class RunTitle:

@@ -31,34 +31,25 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import threading
 import time
 import uuid
 from collections import deque
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 from ..launch._cell_output import CellOutput
 from . import _monitor_view as view
 from ._chart import render_svg
 from ._deferred import DeferredCall
 from ._history import History
-from ._runs import FinalCharts, LiveView, RunTitle, request_id, svg_title
+from ._runs import FinalCharts, LiveView, RunTitle, _Handle, request_id, svg_title
 from ._stragglers import find_stragglers
 from ._widgets_compat import widget_mimebundle
 
 _ENDED = ("finished", "failed", "killed", "stopped", "terminated", "idle")
-
-
-class _Handle(Protocol):
-    """What the monitor needs from a ``LaunchHandle`` (or a ``WorkerPool``)."""
-
-    def status(self) -> dict[int, dict[str, Any]]: ...
-
-    def add_listener(self, callback: Any, *, replay: bool = False) -> Any: ...
-
-    def remove_listener(self, callback: Any) -> None: ...
 
 
 def _widgets_here() -> bool:
@@ -116,6 +107,7 @@ class RunMonitor:
         self._history = History()
         self._log: deque[tuple[str, str]] = deque(maxlen=max(int(log_lines), 1))
         self._live_line: str | None = None
+        self._redrawn: list[tuple[str, str]] = []  # redrawn lines' last states in the log
         self._progress: dict[str, Any] = {}
         self._last_draw = self._last_print = self._last_chart = float("-inf")
         self._redraw = DeferredCall(self._deferred, "nbaccel-monitor")
@@ -171,6 +163,7 @@ class RunMonitor:
     def _new_run(self) -> None:
         self._history = History()
         self._log.clear()
+        self._redrawn.clear()
         self._live_line, self._progress, self.final_svg = None, {}, None
         self._charts_dirty, self._log_dirty = False, True
 
@@ -192,18 +185,27 @@ class RunMonitor:
                 self._charts_dirty = True
             if kind == "progress":  # the view's bar draws it: no text bar in the log too
                 self._progress, self._live_line = dict(data, rank=rank), None
+                for entry in self._redrawn:  # a fast bar's lines came before its events
+                    with contextlib.suppress(ValueError):
+                        self._log.remove(entry)
+                self._redrawn.clear()
             self._schedule(now=kind == "state")
 
     def _on_output(self, kind: str, stream: str, text: str) -> None:
         """Lines and progress redraws of the run (instead of the cell's output)."""
         with self._lock:
-            if kind == "line":
+            if kind == "moved":  # the launching cell ran again (refused): show this there too
+                moved = self._cell is not None and self._cell.move_to(CellOutput.here())
+                if moved and self._live.shown_in is not None:
+                    self._live.show(self._repr_mimebundle_())
+            elif kind == "line":
                 self._log.extend((stream, line) for line in text.splitlines(keepends=True))
             elif kind == "redraw" and not self._progress:  # a tqdm bar: the view's bar only
                 self._live_line = text
             elif not self._progress:  # another redrawn line's last state stays (not red)
                 self._live_line = None
-                self._log.append(("stdout", text + "\n"))
+                self._redrawn.append(("stdout", text + "\n"))  # unless a bar's, known later
+                self._log.append(self._redrawn[-1])
             self._log_dirty = True
             self._schedule(now=False)
 

@@ -90,6 +90,8 @@ def test_a_failed_background_run_speaks_in_its_own_cell(kernel, tmp_path, watche
     ), again.describe()
     # a front end clears the cell it runs again: the run's output follows it there
     assert "Its output shows in this cell from now on." in again.error.evalue
+    if watched:  # and so does its monitor
+        assert again.displays("application/vnd.jupyter.widget-view+json"), again.describe()
     assert kernel.evaluate("len(h.pids)") == "2"  # the first run goes on, alone
     flag.write_text("go")
     waiting = kernel.run("h.wait(120)", timeout=150)

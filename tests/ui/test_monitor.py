@@ -371,6 +371,19 @@ def test_the_log_takes_over_the_run_output_and_gives_it_back():
     assert handle.cell_output.listener is None
 
 
+def test_a_fast_bars_text_that_came_before_its_events_leaves_the_log():
+    pytest.importorskip("ipywidgets")
+    handle = FakeHandle(ranks=(0,))
+    handle.cell_output = FakeCell()
+    monitor = RunMonitor(handle, widget=True, interval=0)
+    listener = handle.cell_output.listener
+    listener("line", "stdout", "[rank0] before\n")
+    listener("redraw-end", "stderr", "[rank0] fast: 100%|##########| 3/3")  # pipe first...
+    handle.emit(0, "progress", n=3, total=3, desc="fast", unit="it", rate=None, closed=True)
+    assert monitor.log() == "[rank0] before\n"  # ...then its events: drawn once, as the bar
+    assert monitor._view.bar.bar_style == "success"
+
+
 def test_stacks_come_from_the_handle():
     handle = FakeHandle(ranks=(0, 1))
     handle.stacks = lambda ranks=None: {
