@@ -10,7 +10,8 @@ installed nbaccel.
 API:
     :class:`KernelSession` -- start/stop one kernel (a context manager).
         ``execute(code, timeout)`` runs a cell and returns a :class:`CellResult`;
-        ``execute_answering(code, answers)`` answers the cell's input requests (pdb);
+        ``execute_answering(code, answers)`` answers the cell's input requests (pdb),
+        ``wait_for_input_request()`` waits for one and leaves it unanswered;
         ``submit(code)`` + ``collect(msg_id, timeout)`` split that in two so a
         test can ``wait_for_output(msg_id, regex)`` and ``interrupt()`` a
         running cell; ``run(code)`` fails unless the cell succeeded; ``evaluate(expr)`` /
@@ -498,6 +499,17 @@ class KernelSession:
                 if parent in self._pending and self._record(self._pending[parent], msg):
                     self._idle.add(parent)
         return self.collect(msg_id, max(deadline - time.monotonic(), 1.0)), prompts
+
+    def wait_for_input_request(self, timeout: float = 60.0) -> str:
+        """Wait for the running cell's next input request (a pdb prompt) and return its
+        prompt, leaving it unanswered (to press the interrupt button at the prompt)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                msg = self._kc.get_stdin_msg(timeout=0.1)
+                if msg["msg_type"] == "input_request":
+                    return str(msg["content"]["prompt"])
+        raise AssertionError(f"no input request within {timeout}s")
 
     def run(self, code: str, timeout: float = 60.0) -> CellResult:
         """Like :meth:`execute` but raise ``AssertionError`` if the cell did not succeed."""

@@ -36,7 +36,8 @@ from typing import Any
 FLUSH_S = 0.1
 
 #: ``callback(kind, stream, text)``: kind is "line" (whole lines, prefixed and ending in a
-#: newline), "redraw" (a progress bar's new state) or "redraw-end" (its last state).
+#: newline), "redraw" (a progress bar's new state), "redraw-end" (its last state) or
+#: "moved" (the cell ran again: see :meth:`CellOutput.move_to`).
 OutputListener = Callable[[str, str, str], Any]
 
 
@@ -82,6 +83,27 @@ class CellOutput:
         self._timer: threading.Timer | None = None
         self._bars: dict[tuple[str, int], str] = {}  # (stream, rank) -> display id
         self._listener: OutputListener | None = None
+
+    @property
+    def key(self) -> str:
+        """Which notebook cell this is, across re-runs: the front end's cell id where it
+        sends one (JupyterLab, Notebook 7, VS Code), else the cell's source."""
+        metadata = self.parent.get("metadata") or {}
+        content = self.parent.get("content") or {}
+        return str(metadata.get("cellId") or content.get("code") or "")
+
+    def move_to(self, other: CellOutput | None) -> bool:
+        """When ``other`` is this same notebook cell run again, show there from now on (a
+        front end clears a cell that runs again and drops what arrives for its earlier run);
+        True if moved."""
+        if other is None or other is self or other.key != self.key:
+            return False
+        self.flush()
+        self.parent = other.parent
+        listener = self._listener
+        if listener is not None:  # a live monitor shows the run: it follows too
+            listener("moved", "", "")
+        return True
 
     @classmethod
     def here(cls) -> CellOutput | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import re
 import string
 import threading
 from collections.abc import Callable
@@ -64,6 +65,13 @@ def format_prefix(
         return template.format(**fields)
     except (KeyError, IndexError, ValueError):
         return template
+
+
+# torch's C++ warnings (a rank whose rendezvous store or peer went away: "TCPStore.cpp ...
+# recvValueWithTimeout failed") carry a C++ stack of ~15 lines that tells a notebook user
+# nothing; the warning line itself is kept, the stack that follows it is left out.
+_CXX_STACK_START = re.compile(r"^Exception raised from \S+ at \S+ \(most recent call first\):$")
+_CXX_STACK_LINE = re.compile(r"^(?:frame #\d+: .*|<omitting python frames>|\s*)$")
 
 
 def _visible(line: str) -> str:
@@ -111,6 +119,7 @@ class LineForwarder:
         self._decoders: dict[tuple[int, str], Any] = {}
         self._unflushed: set[str] = set()  # streams written to since their last flush
         self._redrawing: set[tuple[int, str]] = set()  # (rank, stream) drawing a bar in place
+        self._cxx_stack: set[tuple[int, str]] = set()  # (rank, stream) in a C++ stack dump
         self._lock = threading.Lock()
 
     def _prefix(self, rank: int) -> str:
@@ -161,6 +170,8 @@ class LineForwarder:
             buffer = self._buffers.get(key, "") + decoder.decode(data)
             *lines, rest = buffer.split("\n")
             for line in lines:
+                if self._cxx_noise(key, line):
+                    continue
                 self._emit(rank, stream, _visible(line), "\n", "\r" in line)
             if "\r" in rest:  # progress bars redraw the line with "\r": show them live
                 done, rest = rest.rsplit("\r", 1)
@@ -171,6 +182,17 @@ class LineForwarder:
                 self._emit(rank, stream, rest[:MAX_LINE], "\n")
                 rest = rest[MAX_LINE:]
             self._buffers[key] = rest
+
+    def _cxx_noise(self, key: tuple[int, str], line: str) -> bool:
+        """True for a line of a C++ stack dump (see ``_CXX_STACK_START``): not forwarded."""
+        if _CXX_STACK_START.match(line):
+            self._cxx_stack.add(key)
+            return True
+        if key in self._cxx_stack:
+            if _CXX_STACK_LINE.match(line):
+                return True
+            self._cxx_stack.discard(key)
+        return False
 
     def note(self, rank: int, text: str) -> None:
         """A message of the launcher's own (a hang report), on the stderr side: written

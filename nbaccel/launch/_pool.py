@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import LaunchError, Stopped, WorkerError
+from ..errors import LaunchError, Stopped
 from ..platform import cudafork, environment
 from . import _kept
 from ._cell_output import CellOutput
@@ -31,8 +31,9 @@ from ._preflight import LaunchPlan
 from ._start import forwarder, start_group
 from ._status import Observed, RankStatus
 from ._supervisor import JobFailed, Supervisor
+from ._tidy import add_hint, clean
 from ._watchdog import HangPolicy
-from .handle import LaunchHandle
+from .handle import LaunchHandle, already_running
 
 _SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for the next call
 START_TIMEOUT = 120.0  # seconds the workers get to start (more if timeout= says so)
@@ -171,6 +172,7 @@ class PoolWorkers(Observed):
         *,
         want: list[int] | None = None,
         hang: HangPolicy | None = None,
+        label: str = "",
     ) -> Any:
         self._check_open()
         if output is not None and not (callable(output) or hasattr(output, "write")):
@@ -178,10 +180,12 @@ class PoolWorkers(Observed):
         targets = list(self.ranks) if targets is None else targets
         wanted = set(targets if all_ranks else (want or targets[:1]))
         if not self._busy.acquire(blocking=False):
-            raise LaunchError(
-                "the pool is busy with a call running in the background; wait for its "
-                "handle.result() or call handle.stop() first."
-            )
+            running = self._handle
+            busy = "the pool is busy with a call running in the background"
+            raise clean(LaunchError(
+                already_running(running, busy, CellOutput.here()) if running is not None else
+                f"{busy}; wait for its handle.result() or call handle.stop() first."
+            ))  # fmt: skip
         try:
             self._ensure_healthy()
             if kind == "run":
@@ -196,14 +200,41 @@ class PoolWorkers(Observed):
             self._busy.release()
             raise
         self._handle = handle
+        handle.label = label or f"pool.{kind}()"
         if not block:
             handle.run_in_background()
             return handle
-        handle.run()
+        __tracebackhide__ = True  # IPython shows the user's cell, then the error
         try:
-            return handle.result()
-        except WorkerError as err:  # the remote traceback tells the story, not our frames
-            raise err.with_traceback(None) from None
+            handle.run()
+        except KeyboardInterrupt:
+            raise clean(KeyboardInterrupt("the pool call was interrupted on every rank")) from None
+        error = handle.exception()
+        if error is not None:  # the remote traceback tells the story, not our frames
+            raise clean(error)
+        return handle.result()
+
+    def _failed(self, handle: LaunchHandle, group: Supervisor, failed: JobFailed) -> BaseException:
+        """After a failed call: states, nbaccel.debug()'s snapshot, a restart when the
+        workers cannot go on; returns the error to raise."""
+        for rank in handle.ranks:
+            if self._board.snapshot()[rank]["state"] == "running":
+                self._event(rank, "state", {"state": "failed"})
+        error = failed.error
+        fixed_port = self._plan.config.master_port is not None
+        keep = _kept.after_pool_call(  # for nbaccel.debug()
+            self, group, self._kept_workers(group), broken=bool(failed.broken),
+            port_fixed=fixed_port,
+        )  # fmt: skip
+        if failed.broken:
+            self._handle = None
+            self._replace(failed.broken, spare=keep)
+            if isinstance(error, Stopped):
+                error = Stopped("the call was stopped; the pool restarted its workers")
+        elif isinstance(error, Stopped):
+            error = Stopped("the call was stopped with LaunchHandle.stop(); the pool stays")
+        add_hint(error, kept=_debuggable_now(error), pool=True)
+        return error
 
     def _call(
         self,
@@ -226,32 +257,27 @@ class PoolWorkers(Observed):
                 self._event(rank, "state", {"state": "running", "pid": group.procs[rank].pid})
             _kept.forget(self, "the pool ran another call since (a failed rank keeps its "
                          "traceback until the pool's next call)")  # fmt: skip
+            failed: JobFailed | None = None
             try:
                 group.send(handle.ranks, Job(job, kind, want, body))
                 return group.run_job(job, handle.ranks, want, handle.stop_requested)
-            except JobFailed as failed:
-                for rank in handle.ranks:
-                    if self._board.snapshot()[rank]["state"] == "running":
-                        self._event(rank, "state", {"state": "failed"})
-                error = failed.error
-                fixed_port = self._plan.config.master_port is not None
-                keep = _kept.after_pool_call(  # for nbaccel.debug()
-                    self, group, self._kept_workers(group), broken=bool(failed.broken),
-                    port_fixed=fixed_port,
-                )  # fmt: skip
-                if failed.broken:
-                    self._handle = None
-                    self._replace(failed.broken, spare=keep)
-                    if isinstance(error, Stopped):
-                        error = Stopped("the call was stopped; the pool restarted its workers")
-                elif isinstance(error, Stopped):
-                    error = Stopped("the call was stopped with LaunchHandle.stop(); the pool stays")
-                raise error from None
+            except JobFailed as caught:
+                failed = caught
             finally:
                 group.drain()
+            # out of the except block: workers forked by a restart must not inherit the
+            # failure being handled (their next error would carry it as its context)
+            assert failed is not None
+            raise self._failed(handle, group, failed) from None
         finally:
             self._handle = None
             self._busy.release()
+
+
+def _debuggable_now(error: BaseException) -> bool:
+    """nbaccel.debug() can open a session on the failed rank of this call."""
+    job, rank = _kept.last(), getattr(error, "rank", None)
+    return job is not None and isinstance(rank, int) and job.unavailable(rank) is None
 
 
 def _fork_unsafe_now() -> bool:

@@ -337,9 +337,15 @@ class Supervisor(Group):
                     break
         stuck = [p.rank for p in busy if p.rank not in self._done]
         if stuck:
+            failed = getattr(error, "rank", None)  # not the user's interrupt: say whose failure
+            why = (
+                "of an interrupt"
+                if failed is None
+                else f"of the interrupt after rank {failed} failed"
+            )
             broken = (
-                f"rank(s) {stuck} did not come back within {self.INTERRUPT_GRACE:g}s of an "
-                "interrupt (stuck in a collective?)"
+                f"rank(s) {stuck} did not come back within {self.INTERRUPT_GRACE:g}s {why} "
+                "(stuck in a collective?)"
             )
         else:
             seqs = {r: d.collectives for r, d in self._done.items() if d.collectives is not None}

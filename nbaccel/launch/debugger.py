@@ -34,6 +34,7 @@ from ..errors import LaunchError
 from . import _kept
 from ._messages import Debug, PdbLine, PdbOutput
 from ._supervisor import JobFailed, Supervisor
+from ._tidy import clean, trim_stack
 
 _sessions = itertools.count(1)
 WAIT_STEP = 0.05  # seconds per look at the worker while waiting for pdb's answer
@@ -58,6 +59,13 @@ def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> 
         >>> nbaccel.debug(1)  # doctest: +SKIP
         >>> nbaccel.debug(commands=["p x", "up", "where", "q"])  # doctest: +SKIP
     """
+    try:
+        _debug(rank, commands)
+    except (LaunchError, TypeError, KeyboardInterrupt) as err:  # why: a message, not our frames
+        raise clean(err) from None
+
+
+def _debug(rank: int | None, commands: Sequence[str] | None) -> None:
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
         raise TypeError(f"rank={rank!r} must be a rank number (an int) or None.")
     if commands is not None and (
@@ -102,8 +110,8 @@ def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
     if others:
         lines.append(f"The other ranks when rank {job.first} failed:")
         for other, text in others.items():
-            if "\n" in text or text.startswith("  File"):
-                lines += [f"--- rank {other}: ---", text]
+            if "\n" in text or text.startswith("  File"):  # a stack: from the user's frames
+                lines += [f"--- rank {other}: ---", trim_stack(text)]
             else:
                 lines.append(f"--- rank {other}: {text}")
     lines.append("q (or c) ends the session and releases the worker.")
@@ -140,8 +148,10 @@ def _session(group: Supervisor, rank: int, script: list[str] | None) -> None:
             "(the worker was released); run nbaccel.debug() in a notebook or console, or "
             "pass the pdb commands: nbaccel.debug(commands=['p x', 'where', 'q'])."
         )
-    if problem is not None:
-        raise problem
+    if problem is not None:  # the interrupt button at the prompt: said plainly
+        raise KeyboardInterrupt(
+            f"the debugging session on rank {rank} was interrupted; the worker was released"
+        ) from None
 
 
 def _ask(prompt: str, script: list[str] | None) -> str:

@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import Stopped
 from . import _lifetimes
+from ._interrupt import arm
 from ._status import Observed, RankStatus
+from ._tidy import clean, show_in_cell
 
 _LIVE: weakref.WeakSet[LaunchHandle] = weakref.WeakSet()
 _TERMINAL = ("finished", "failed", "killed", "stopped", "terminated")
@@ -44,6 +47,48 @@ def _stop_live_handles() -> None:
     for handle in list(_LIVE):
         with contextlib.suppress(Exception):
             handle.stop(timeout=5)
+
+
+def _stop_on_interrupt() -> int:
+    """The kernel's stop button while no cell runs: stop every background run of this
+    kernel that shows in a cell, and say so there (see ``_interrupt``)."""
+    live = [h for h in list(_LIVE) if not h.done() and h.cell_output is not None]
+    for handle in live:
+        handle.stop_requested.set()  # the run's own thread ends it: nothing blocks here
+
+    def say() -> None:  # not in the signal handler: the cell's output takes locks
+        for handle in live:
+            handle.cell_output.write(
+                "stderr", f"nbaccel: the kernel's stop button stopped {handle.label}.\n"
+            )
+            handle.cell_output.flush()
+
+    if live:
+        threading.Thread(target=say, name="nbaccel-stopped", daemon=True).start()
+    return len(live)
+
+
+def running_from(cell: Any) -> LaunchHandle | None:
+    """The background run started from the same notebook cell as ``cell`` (a
+    ``CellOutput``) that is still going, if any."""
+    key = getattr(cell, "key", "")
+    for handle in list(_LIVE):
+        other = handle.cell_output
+        if key and other is not None and other.key == key and not handle.done():
+            return handle
+    return None
+
+
+def already_running(handle: LaunchHandle, what: str, here: Any = None) -> str:
+    """The refusal to start a second job beside ``handle``; ``what`` says whose it is.
+    From a notebook cell (``here``), the running job's output moves to that cell."""
+    cell = handle.cell_output
+    moved = cell is not None and cell.move_to(here)
+    return (
+        f"{what}: {handle!r}. nbaccel does not start a second job beside it. Stop it first "
+        "with handle.stop() (or the kernel's stop button while no cell runs), or wait for "
+        "handle.result()." + (" Its output shows in this cell from now on." if moved else "")
+    )
 
 
 class LaunchHandle(Observed):
@@ -63,6 +108,10 @@ class LaunchHandle(Observed):
         self.cell_output: Any = None
         #: The workers' supervisor while the job runs (set by the runner): for :meth:`stacks`.
         self.supervisor: Any = None
+        #: What runs, for messages and chart titles: "notebook_launcher(train)", "pool.call(f)".
+        self.label = "the run"
+        #: When the job was submitted (``time.time()``).
+        self.started = time.time()
 
     # ------------------------------------------------------------------ public API
     def wait(self, timeout: float | None = None) -> bool:
@@ -85,8 +134,8 @@ class LaunchHandle(Observed):
             )
         assert self._outcome is not None
         ok, value = self._outcome
-        if not ok:
-            raise value
+        if not ok:  # from the cell that asks: the user's error first, not our frames
+            raise clean(value)
         return [value[r] for r in self.ranks] if self._all_ranks else value[self.ranks[0]]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -121,7 +170,11 @@ class LaunchHandle(Observed):
 
     def __repr__(self) -> str:
         states = sorted({s["state"] for s in self.status().values()})
-        return f"<LaunchHandle ranks={self.ranks} state={'/'.join(states)}>"
+        since = time.strftime("%H:%M:%S", time.localtime(self.started))
+        return (
+            f"<LaunchHandle {self.label} ranks={self.ranks} state={'/'.join(states)} "
+            f"started={since}>"
+        )
 
     # ------------------------------------------------------------------ running
     def on_event(self, rank: int, kind: str, data: dict) -> None:
@@ -135,7 +188,15 @@ class LaunchHandle(Observed):
                 self.on_event(rank, "state", {"state": final})
         self._outcome = (ok, value)
         _LIVE.discard(self)
+        if not ok and self._thread is threading.current_thread():
+            self._show_failure(value)  # before done: whoever waits sees it there already
         self._done.set()
+
+    def _show_failure(self, error: BaseException) -> None:
+        """A failed background run is not silent: its error shows in its launching cell."""
+        cell = self.cell_output
+        if cell is not None and not isinstance(error, (Stopped, KeyboardInterrupt)):
+            show_in_cell(cell, error, f"nbaccel: {self.label} (started in this cell) failed:")
 
     def run(self) -> None:
         """Run the job here; the outcome is kept for :meth:`result` (a KeyboardInterrupt
@@ -152,6 +213,8 @@ class LaunchHandle(Observed):
     def run_in_background(self) -> None:
         _lifetimes.register("handle", _stop_live_handles)  # nothing outlives the kernel
         _LIVE.add(self)
+        if self.cell_output is not None:  # the stop button, pressed while idle, stops it
+            arm(_stop_on_interrupt)
         self._thread = threading.Thread(target=self._background, name="nbaccel-job", daemon=True)
         self._thread.start()
 
@@ -160,4 +223,4 @@ class LaunchHandle(Observed):
             self.run()
 
 
-__all__ = ["LaunchHandle"]
+__all__ = ["LaunchHandle", "already_running", "running_from"]

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import LaunchConfig
-from ..errors import Stopped, WorkerError, WorkerTimeoutError
+from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from ..platform import environment
 from ..platform.process_env import EnvironmentSnapshot
 from . import _kept
@@ -45,7 +45,8 @@ from ._messages import Job
 from ._preflight import DEBUG_TIMEOUT, LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
 from ._supervisor import JobFailed, Supervisor
-from .handle import LaunchHandle
+from ._tidy import add_hint, clean, warn_oversubscribed
+from .handle import LaunchHandle, already_running, running_from
 
 
 def notebook_launcher(
@@ -153,21 +154,33 @@ def notebook_launcher(
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
     plan = plan_launch(**locals())  # first: locals() are exactly the arguments
+    __tracebackhide__ = True  # IPython shows the user's cell, then the error: not this frame
     return launch(plan)
 
 
 def launch(plan: LaunchPlan) -> Any:
     """Run a planned launch: in the kernel, or on a one-shot group of workers (TPUs too:
     the backend sets each one up); a :class:`LaunchHandle` when ``plan.block`` is False."""
+    __tracebackhide__ = True
     _free_kept_gpu_memory(plan)
     if plan.method == "kernel":
         return _run_in_kernel(plan)
+    warn_oversubscribed(plan.config, plan.num_processes or 1, stacklevel=3)  # the user's line
     started: list[Supervisor] = []
     handle = LaunchHandle(
         plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.return_all_ranks
     )
-    if plan.output is None:  # captured here, in the cell's thread (see _cell_output)
-        handle.cell_output = CellOutput.here()
+    handle.label = f"notebook_launcher({getattr(plan.function, '__name__', 'function')})"
+    cell = CellOutput.here()  # captured here, in the cell's thread (see _cell_output)
+    running = running_from(cell)
+    if running is not None:  # never two jobs from one cell without a word
+        raise clean(
+            LaunchError(
+                already_running(running, "a run started from this cell is still going", cell)
+            )
+        )
+    if plan.output is None:
+        handle.cell_output = cell
     try:  # the first group starts in the calling thread (the kernel's main thread)
         started.append(_start(plan, handle))
         if not plan.block:
@@ -178,7 +191,13 @@ def launch(plan: LaunchPlan) -> Any:
             group.terminate()
             group.close()
         raise
-    handle.run()
+    try:
+        handle.run()
+    except KeyboardInterrupt:  # the user's own interrupt: no frames of ours to read through
+        raise clean(KeyboardInterrupt("the launch was interrupted; every worker is gone")) from None
+    error = handle.exception()
+    if error is not None:  # the remote traceback in its message is the story
+        raise clean(error)
     return handle.result()
 
 
@@ -212,6 +231,7 @@ def _attempts(
             )
             if last:  # for nbaccel.debug(): with debug=True the failed ranks stay
                 kept = _kept.after_launch(group, err, plan.debug_timeout)
+                add_hint(err, kept=plan.debug_timeout is not None)
         finally:
             if not kept:
                 group.terminate()
@@ -281,6 +301,7 @@ def debug_launcher(
 
 def _run_in_kernel(plan: LaunchPlan) -> Any:
     """One process: call the function right here, as rank 0 of 1."""
+    __tracebackhide__ = True  # an error shows the user's cell, then the function's frames
     env = {**plan.env, **rank_environment(0, 0, world_size=1, local_world_size=1, node_rank=0)}
     cfg = plan.config
     facts = EnvironmentSnapshot(

@@ -31,6 +31,7 @@ from . import _kept, _lifetimes
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
 from ._preflight import plan_launch
+from ._tidy import warn_oversubscribed
 
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 # The pools %%distributed may use, newest last. Weak: a pool the notebook no longer
@@ -77,6 +78,7 @@ class WorkerPool(PoolWorkers):
             >>> pool.run(lambda x: x + 1, 41)  # doctest: +SKIP
             42
         """
+        __tracebackhide__ = True
         return self.call(function, args, kwargs)
 
     def call(
@@ -119,7 +121,10 @@ class WorkerPool(PoolWorkers):
             (function, tuple(args), dict(kwargs or {})), "the function and its args"
         )
         hang = self._hang_policy(hang_after, on_hang)
-        return self._submit("run", (payload,), None, return_all_ranks, block, output, hang=hang)
+        __tracebackhide__ = True  # IPython shows the user's cell, then the error
+        name = getattr(function, "__name__", type(function).__name__)
+        return self._submit("run", (payload,), None, return_all_ranks, block, output, hang=hang,
+                            label=f"pool.call({name})")  # fmt: skip
 
     def exec_cell(
         self,
@@ -263,6 +268,7 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
         raise TypeError(f"start_workers() takes no {own}: they are options of pool.call().")
     # block=False: always worker processes (never "run in the kernel"), in their own session
     plan = plan_launch(_idle, (), num_processes=num_processes, block=False, **options)
+    warn_oversubscribed(plan.config, plan.num_processes or 1, stacklevel=2)
     pool = WorkerPool(plan)
     pool._start()
     _lifetimes.register("pool", _close_live_pools)  # workers must not outlive the kernel

@@ -25,6 +25,7 @@ from xml.sax.saxutils import escape
 PANEL_W, PANEL_H = 320, 180
 LEFT, RIGHT, TOP, BOTTOM = 60, 10, 22, 26
 LEGEND_H = 20
+TITLE_H = 16
 MAX_RANK_LINES = 8
 MAX_POINTS = 2 * PANEL_W  # drawn per line; more would not show at this width
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -137,13 +138,16 @@ def _legend(ranks: list[int], mode: str) -> str:
     return "".join(parts)
 
 
-def render_svg(data: dict[str, dict[int, Points]], *, lines: str = "auto", columns: int = 3) -> str:
+def render_svg(
+    data: dict[str, dict[int, Points]], *, lines: str = "auto", columns: int = 3, title: str = ""
+) -> str:
     """One SVG with a panel per metric of ``data`` (``{metric: {rank: [(step, value)]}}``).
 
     Args:
         data: the points (see :meth:`nbaccel.ui._history.History.data`).
         lines: ``"ranks"``, ``"mean"`` or ``"auto"`` (see the module docstring).
         columns: panels per row.
+        title: written at the right of the legend line (which run these charts are).
     """
     if lines not in ("auto", "ranks", "mean"):
         raise ValueError(f"lines={lines!r}: choose 'auto', 'ranks' or 'mean'.")
@@ -152,15 +156,23 @@ def render_svg(data: dict[str, dict[int, Points]], *, lines: str = "auto", colum
     names = list(data)
     cols = max(1, min(columns, len(names) or 1))
     rows = -(-len(names) // cols) if names else 0
-    width, height = cols * PANEL_W, LEGEND_H + rows * PANEL_H
+    top = TITLE_H if title else 0  # the title has a line of its own, above the legend
+    width = max(cols * PANEL_W, 16 + 6 * len(title))
+    height = top + LEGEND_H + rows * PANEL_H
     panels = [
         _panel(name, data[name], mode, (i % cols) * PANEL_W, LEGEND_H + (i // cols) * PANEL_H)
         for i, name in enumerate(names)
     ]
+    heading = (
+        f'<text class="nbaccel-title" x="8" y="13" font-weight="bold">{escape(title)}</text>'
+        if title
+        else ""
+    )
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" class="nbaccel-charts" width="{width}" '
         f'height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" '
-        f'font-size="11" fill="#333">{_legend(ranks, mode)}{"".join(panels)}</svg>'
+        f'font-size="11" fill="#333">{heading}<g transform="translate(0,{top})">'
+        f"{_legend(ranks, mode)}{''.join(panels)}</g></svg>"
     )
 
 

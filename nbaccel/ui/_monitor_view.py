@@ -142,6 +142,18 @@ def display_bundle(text: str, table: str, progress: str, svg: str | None) -> dic
     return {"text/plain": text, "text/html": "".join(parts)}
 
 
+def static_bundle(
+    text: str, table: list[list[str]], progress: dict[str, Any], lines: Iterable[tuple[str, str]]
+) -> dict[str, Any]:
+    """The widget view once its run ended, as plain outputs: table, bar's last text, log."""
+    lines = list(lines)
+    log = "".join(line for _, line in lines)
+    bar = f"<div>{html.escape(progress_text(progress))}</div>" if progress else ""
+    shown = [table_html(table, {}), bar, log_html(lines, None)]
+    page = f"<div class='nbaccel-run-monitor nbaccel-ended'>{''.join(shown)}</div>"
+    return {"text/plain": f"{text}\n{log}".rstrip("\n"), "text/html": page}
+
+
 class MonitorWidgets:
     """The ipywidgets view: table, progress bar, charts, stacks button, log.
 
@@ -200,6 +212,13 @@ class MonitorWidgets:
         self.bar.bar_style = "success" if progress.get("closed") else ""
         self.bar_label.value = html.escape(text)
 
+    def end_progress(self, outcome: str, text: str) -> None:
+        """The run ended: a bar left short of its end says how (not a frozen green bar)."""
+        if self.bar.layout.display == "none" or outcome == "finished":
+            return
+        self.bar.bar_style = "warning" if outcome == "stopped" else "danger"
+        self.bar_label.value = html.escape(f"{text} ({outcome})")
+
 
 __all__ = [
     "MonitorWidgets",
@@ -209,6 +228,7 @@ __all__ = [
     "progress_text",
     "rows",
     "stacks_html",
+    "static_bundle",
     "table_html",
     "text_table",
 ]

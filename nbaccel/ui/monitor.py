@@ -31,33 +31,25 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import threading
 import time
 import uuid
 from collections import deque
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 from ..launch._cell_output import CellOutput
 from . import _monitor_view as view
 from ._chart import render_svg
 from ._deferred import DeferredCall
 from ._history import History
+from ._runs import FinalCharts, LiveView, RunTitle, _Handle, request_id, svg_title
 from ._stragglers import find_stragglers
 from ._widgets_compat import widget_mimebundle
 
 _ENDED = ("finished", "failed", "killed", "stopped", "terminated", "idle")
-
-
-class _Handle(Protocol):
-    """What the monitor needs from a ``LaunchHandle`` (or a ``WorkerPool``)."""
-
-    def status(self) -> dict[int, dict[str, Any]]: ...
-
-    def add_listener(self, callback: Any, *, replay: bool = False) -> Any: ...
-
-    def remove_listener(self, callback: Any) -> None: ...
 
 
 def _widgets_here() -> bool:
@@ -115,11 +107,14 @@ class RunMonitor:
         self._history = History()
         self._log: deque[tuple[str, str]] = deque(maxlen=max(int(log_lines), 1))
         self._live_line: str | None = None
+        self._redrawn: list[tuple[str, str]] = []  # redrawn lines' last states in the log
         self._progress: dict[str, Any] = {}
         self._last_draw = self._last_print = self._last_chart = float("-inf")
         self._redraw = DeferredCall(self._deferred, "nbaccel-monitor")
         self._charts_dirty = self._ended = self._log_dirty = False
         self._display_id: str | None = None
+        self._live = LiveView()  # the widget in its cell, left as plain outputs at the end
+        self._final, self._runs = FinalCharts(), RunTitle()  # one chart image per monitor
         self.final_svg: str | None = None
         self.widget: Any = None
         self._view: view.MonitorWidgets | None = None
@@ -143,6 +138,8 @@ class RunMonitor:
             handle.add_listener(self._on_event, replay=True)
             self._status = handle.status()  # after add_listener: no event falls in between
             self._ended = self._all_ended()
+            if not self._ended:
+                self._runs.begin(handle)
             cell = getattr(handle, "cell_output", None)
             if self._view is not None and cell is not None:  # the log takes the cell's lines
                 cell.set_listener(self._on_output)
@@ -166,6 +163,7 @@ class RunMonitor:
     def _new_run(self) -> None:
         self._history = History()
         self._log.clear()
+        self._redrawn.clear()
         self._live_line, self._progress, self.final_svg = None, {}, None
         self._charts_dirty, self._log_dirty = False, True
 
@@ -180,22 +178,34 @@ class RunMonitor:
             if kind == "state" and data.get("state") == "running" and self._ended:
                 self._new_run()  # a pool's next call
                 self._ended = False
+                self._runs.begin(self._handle)
+                self._live.replace(self._cell, self._repr_mimebundle_())  # live again
+            self._runs.note(data.get("state") if kind == "state" else None)
             if self._history.record(rank, kind, data):
                 self._charts_dirty = True
-            if kind == "progress":
-                self._progress = dict(data, rank=rank)
+            if kind == "progress":  # the view's bar draws it: no text bar in the log too
+                self._progress, self._live_line = dict(data, rank=rank), None
+                for entry in self._redrawn:  # a fast bar's lines came before its events
+                    with contextlib.suppress(ValueError):
+                        self._log.remove(entry)
+                self._redrawn.clear()
             self._schedule(now=kind == "state")
 
     def _on_output(self, kind: str, stream: str, text: str) -> None:
         """Lines and progress redraws of the run (instead of the cell's output)."""
         with self._lock:
-            if kind == "line":
+            if kind == "moved":  # the launching cell ran again (refused): show this there too
+                moved = self._cell is not None and self._cell.move_to(CellOutput.here())
+                if moved and self._live.shown_in is not None:
+                    self._live.show(self._repr_mimebundle_())
+            elif kind == "line":
                 self._log.extend((stream, line) for line in text.splitlines(keepends=True))
-            elif kind == "redraw":
+            elif kind == "redraw" and not self._progress:  # a tqdm bar: the view's bar only
                 self._live_line = text
-            else:  # the bar's last state stays in the log
+            elif not self._progress:  # another redrawn line's last state stays (not red)
                 self._live_line = None
-                self._log.append((stream, text + "\n"))
+                self._redrawn.append(("stdout", text + "\n"))  # unless a bar's, known later
+                self._log.append(self._redrawn[-1])
             self._log_dirty = True
             self._schedule(now=False)
 
@@ -225,7 +235,8 @@ class RunMonitor:
     def chart_svg(self) -> str:
         """The charts as an SVG string (empty when nothing was logged)."""
         data = self.chart_data()
-        return render_svg(data, lines=self.lines) if data else ""
+        title = self._runs.title(ended=self._ended)  # which run, and how it ended
+        return render_svg(data, lines=self.lines, title=title) if data else ""
 
     def stragglers(self) -> dict[int, str]:
         """``{rank: why}`` for each running rank the straggler rule marks now."""
@@ -292,6 +303,8 @@ class RunMonitor:
                 self._print_if_due(ending)
             if ending:
                 self._leave_final_charts()
+                frozen = view.static_bundle(self.text(), self.rows(), self._progress, self._log)
+                self._live.replace(self._cell, frozen)  # plain outputs: saved with the notebook
 
     def _draw_widget(self, svg: str | None) -> None:
         assert self._view is not None
@@ -299,6 +312,8 @@ class RunMonitor:
         self._view.stacks_button.layout.display = "none" if self._ended else None
         if self._progress:
             self._view.show_progress(self._progress, view.progress_text(self._progress))
+            if self._ended:
+                self._view.end_progress(self._runs.outcome, view.progress_text(self._progress))
         if svg is not None:
             self._view.charts.value = svg
         if self._log_dirty:  # up to log_lines lines: only rebuilt when they changed
@@ -328,7 +343,7 @@ class RunMonitor:
             elif self._display_id is not None:
                 self._cell.update(self._display_id, self._bundle())
             names = ", ".join(self.chart_data())
-            self._cell.display({"image/svg+xml": svg, "text/plain": f"<nbaccel charts: {names}>"})
+            self._final.show(self._cell, svg, f"<nbaccel charts: {names} ({svg_title(svg)})>")
 
     def _stacks_html(self) -> str:
         """What "where are the ranks?" shows (asked on a thread by the widget)."""
@@ -346,6 +361,11 @@ class RunMonitor:
             self._stream.flush()
         except Exception:  # a closed stream must not break the run
             pass
+
+    def _ipython_display_(self) -> None:
+        """Once per cell: after ``watch()`` showed it, the cell's result adds nothing."""
+        if not self._live.shown_here():
+            self._live.show(self._repr_mimebundle_())
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle: dict[str, Any] = {}
@@ -370,9 +390,9 @@ def watch(handle: _Handle, **kwargs: Any) -> RunMonitor:
     """
     monitor = RunMonitor(handle, **kwargs)
     if monitor.widget is not None:
-        from IPython.display import display
-
-        display(monitor.widget)
+        monitor._live.show(monitor._repr_mimebundle_())
+    elif monitor._display_id is not None:  # shown already (attach): not again as the result
+        monitor._live.shown_in = request_id(CellOutput.here())
     return monitor
 
 

@@ -44,7 +44,8 @@ from ..config import (
     save_config,
 )
 from ..config.store import with_host_defaults
-from ..errors import ConfigError
+from ..errors import ConfigError, Stopped
+from ..launch._tidy import oversubscribed
 from ..platform.hardware import (
     Hardware,
     default_num_processes,
@@ -111,10 +112,10 @@ class LaunchPanel(widgets.VBox):
         # Colab's TPU v5e-1: 1 process; Kaggle's v5e-8: 8; Kaggle's 2 x T4: 2 and fp16.
         self.host = notebook_host()
         config = with_host_defaults(config, self.host, self.hardware.kind)
-        if config.num_processes is None:
-            config = config.replace(
-                num_processes=default_num_processes(config.compute_device, config.gpu_ids)
-            )
+        if config.num_processes is None:  # CPU only: one process per core, up to 8
+            fits = default_num_processes(config.compute_device, config.gpu_ids)
+            cpu = config.compute_device == "cpu" or self.hardware.kind == "cpu"
+            config = config.replace(num_processes=min(self.hardware.cpu_count, 8) if cpu else fits)
         self.controls: dict[str, widgets.ValueWidget] = {}
         self.messages: dict[str, widgets.HTML] = {}
         self.rows: dict[str, widgets.HBox] = {}
@@ -131,6 +132,13 @@ class LaunchPanel(widgets.VBox):
         self.save_button = widgets.Button(
             description="Save as default", icon="save", tooltip=str(default_config_path())
         )
+        self.stop_button = widgets.Button(  # the kernel's stop button stops a background
+            description="Stop",  # run only while no cell runs: this one always does
+            icon="stop",
+            tooltip="stop the background run (handle.stop())",
+            layout=widgets.Layout(display="none"),
+        )
+        self.stop_button.on_click(lambda _button: self.stop())
         self.background = widgets.Checkbox(
             value=True,
             description="in the background",
@@ -157,7 +165,7 @@ class LaunchPanel(widgets.VBox):
                     f" &middot; {html.escape(self.host.label)}"
                 ),
                 *self.rows.values(),
-                widgets.HBox([self.launch_button, self.background, self.save_button, self.status]),
+                widgets.HBox(self._buttons()),
                 self.monitor.widget,
                 self.output,
             ]
@@ -219,11 +227,9 @@ class LaunchPanel(widgets.VBox):
             return {}
         processes, hw = cfg.num_processes or 1, self.hardware
         on_cpu = cfg.compute_device == "cpu" or (cfg.compute_device == "auto" and hw.kind == "cpu")
-        if on_cpu and processes > hw.cpu_count:
-            return {
-                "num_processes": f"{processes} processes on {hw.cpu_count} CPU core(s) here: "
-                f"they share cores and train slower than {hw.cpu_count} would."
-            }
+        advice = oversubscribed(processes, hw.cpu_count) if on_cpu else None
+        if advice is not None:  # the text notebook_launcher warns with
+            return {"num_processes": advice}
         on_tpu = cfg.compute_device == "tpu" or (cfg.compute_device == "auto" and hw.kind == "tpu")
         if on_tpu and processes > hw.device_count:
             return {
@@ -255,6 +261,7 @@ class LaunchPanel(widgets.VBox):
                 f"<span style='color:{color}'>{html.escape(text)}</span>" if text else ""
             )
         self.launch_button.disabled = bool(found) or self._running
+        self.stop_button.layout.display = None if self._running else "none"
         self.launch_button.tooltip = "; ".join(found.values()) or "Run on all processes"
         if "" in found:
             self.status.value = f"<span style='color:#c62828'>{html.escape(found[''])}</span>"
@@ -320,7 +327,7 @@ class LaunchPanel(widgets.VBox):
             raise
         finally:
             self._refresh()
-        self.status.value = "Finished."
+        self.status.value = _finished(self.result)
         return self.result
 
     def _on_launch_click(self) -> None:
@@ -343,7 +350,9 @@ class LaunchPanel(widgets.VBox):
         """A background run from the button: its outcome in the status, its error in the output."""
         try:
             self.result = handle.result()
-            self.status.value = "Finished."
+            self.status.value = _finished(self.result)
+        except Stopped:  # the Stop button (or handle.stop()): not a failure
+            self.status.value = "Stopped."
         except BaseException as err:
             self.status.value = (
                 f"<span style='color:#c62828'>Failed: {html.escape(type(err).__name__)}</span>"
@@ -353,6 +362,16 @@ class LaunchPanel(widgets.VBox):
             self._running = False
             self._refresh()
 
+    def _buttons(self) -> list[Any]:
+        return [self.launch_button, self.stop_button, self.background, self.save_button,
+                self.status]  # fmt: skip
+
+    def stop(self) -> None:
+        """What the Stop button does: stop the background run (``handle.stop()``)."""
+        if self.handle is not None:
+            self.handle.stop(timeout=0)  # the run's thread ends it; the kernel stays free
+            self.status.value = "Stopping&hellip;"
+
     def _on_save_click(self) -> None:
         try:
             self.save()
@@ -361,6 +380,13 @@ class LaunchPanel(widgets.VBox):
 
     def __repr__(self) -> str:
         return f"LaunchPanel({_function_name(self.training_function)}, {self._values()})"
+
+
+def _finished(value: Any) -> str:
+    """The status after a run: what the function returned (as ``panel.result`` holds it)."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 200 else shown[:199] + "\u2026"
+    return f"Finished; returned <code>{html.escape(shown)}</code> (<code>panel.result</code>)."
 
 
 def _function_name(fn: Callable[..., Any]) -> str:

@@ -241,6 +241,9 @@ def test_interrupt_during_training_kills_every_worker(kernel, start_method):
         cell = kernel.collect(msg_id, timeout=30)
     assert len(workers) >= 2, describe_processes(list(workers.values()))
     assert cell.error is not None and cell.error.ename == "KeyboardInterrupt", cell.describe()
+    # what the user reads: the cell, then the interrupt -- not pages of nbaccel's frames
+    assert "every worker is gone" in cell.error.text, cell.error.text
+    assert "nbaccel/launch" not in cell.error.text, cell.error.text
     # in this order: every worker gone, then KeyboardInterrupt in the cell
     kernel.assert_no_descendants(timeout=0)
     assert_all_gone(seen, 0, "workers when KeyboardInterrupt reached the cell")

@@ -37,6 +37,7 @@ from nbaccel.platform.environment import cpu_count
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM = "/usr/bin/chromium"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CHROMIUM_ARGS = [
     "--headless",
@@ -364,6 +365,37 @@ def _outputs(page, index: int):
     return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea-output")
 
 
+def _save_and_reopen_without_the_kernel(page, base: str, token: str, root: Path) -> None:
+    """Issue 35: saved, its kernel gone, reopened: the watched run's lines and final charts
+    are ordinary outputs (no widget state needed), with no "Error displaying widget"."""
+    import nbformat
+    from playwright.sync_api import expect
+
+    page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 30
+    while "[rank1] training done" not in (root / "monitor.ipynb").read_text():
+        assert time.monotonic() < deadline, "the notebook was not saved within 30 s"
+        time.sleep(0.2)
+    saved = nbformat.read(root / "monitor.ipynb", as_version=4).cells[1].outputs
+    assert not [out for out in saved if WIDGET_MIME in out.get("data", {})], saved
+    request = urllib.request.Request(
+        f"{base}/api/kernels", headers={"Authorization": f"token {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        kernels = [kernel["id"] for kernel in json.load(response)]
+    for kernel in kernels:  # reopened later: the kernel that drew the widgets is gone
+        _get(f"{base}/api/kernels/{kernel}", token, method="DELETE")
+    page.reload()
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+    outputs = _outputs(page, 1)
+    expect(outputs.filter(has_text="[rank1] training done")).to_have_count(1, timeout=30_000)
+    expect(outputs.locator("img")).to_have_count(1)  # the final charts
+    assert "Error displaying widget" not in page.locator(".jp-Notebook").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "monitor_jupyterlab_reopened.png"), full_page=True)
+    _wait_for_idle_kernel(page, base, token)  # the reopened notebook's new kernel: stoppable
+
+
 @pytest.mark.parametrize("ui", ["jupyterlab"])
 def test_monitor_charts_live_and_output_stays_in_its_cell(lab, tmp_path, ui):
     """Issue 28 in JupyterLab: the live chart draws and updates; the final chart stays as an
@@ -424,6 +456,7 @@ def test_monitor_charts_live_and_output_stays_in_its_cell(lab, tmp_path, ui):
             )
             assert stderr.filter(has_text="train:").count() == 0  # bars are not stderr lines
             page.screenshot(path=str(ARTIFACTS / "monitor_jupyterlab_end.png"), full_page=True)
+            _save_and_reopen_without_the_kernel(page, base, token, tmp_path / "root")
         finally:
             context.close()
     _stop_server(base, token, server)

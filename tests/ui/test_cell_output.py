@@ -76,3 +76,28 @@ def test_a_pool_call_in_the_background_keeps_its_output_too(kernel):
         assert "[rank1] line 19\n" in call.stdout and "[rank0] done\n" in call.stdout
     finally:
         kernel.run("pool.close()", timeout=60)
+
+
+def test_a_watched_runs_tqdm_bar_is_drawn_once_and_not_red_when_finished(kernel):
+    launch = kernel.run(
+        "from nbaccel.monitor import watch\n"
+        "hw = notebook_launcher(chatty, args=(10, 0.02), num_processes=2, block=False)\n"
+        "mw = watch(hw)",
+        timeout=60,
+    )
+    kernel.run("hw.result(timeout=120); mw.refresh()", timeout=150)
+    kernel.drain(0.5)
+    # rank 0's bar (the one drawn: rank 0's only) is the monitor's bar, finished and green...
+    bar = kernel.evaluate_json("[mw._view.bar.value, mw._view.bar.max, mw._view.bar.bar_style]")
+    assert bar == [10.0, 10.0, "success"], bar
+    # ...and not drawn a second time as text: neither in the log (stderr lines are red
+    # there) nor in the cell
+    assert "chatty" not in kernel.evaluate_json("mw.log() + mw._view.log.value")
+    view = kernel.evaluate_json("mw._live.id")  # the monitor itself (its last state at the end)
+    text_bars = [
+        o
+        for o in launch.outputs
+        if "chatty" in str(o["data"].get("text/plain")) and o["transient"].get("display_id") != view
+    ]
+    assert not text_bars, text_bars
+    assert "[rank1] done" in kernel.evaluate_json("mw.log()")

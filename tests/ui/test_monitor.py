@@ -94,6 +94,25 @@ def test_widget_view_renders_table_and_progress_bar():
     assert WIDGET_MIME in bundle and "loss" in bundle["text/plain"]
 
 
+def test_a_run_that_fails_or_is_stopped_is_drawn_so_bar_and_chart_title():
+    pytest.importorskip("ipywidgets")
+    handle = FakeHandle(ranks=(0, 1))
+    handle.label, handle.started = "notebook_launcher(train)", 0.0
+    monitor = RunMonitor(handle, widget=True, interval=0)
+    handle.emit(0, "state", state="running")
+    handle.emit(1, "state", state="running")
+    handle.emit(0, "log", step=1, values={"loss": 2.0})
+    handle.emit(0, "progress", n=81, total=200, desc="train", unit="it", rate=None, closed=False)
+    assert monitor._view.bar.bar_style == ""
+    handle.emit(1, "state", state="failed")
+    handle.emit(0, "state", state="terminated")
+    assert monitor._view.bar.bar_style == "danger"  # not a green bar frozen at 81/200
+    assert monitor._view.bar_label.value == "train: 81/200 (failed)"
+    assert 'class="nbaccel-title"' in monitor.final_svg
+    assert monitor.final_svg.count("run 1: notebook_launcher(train), started ") == 1
+    assert ", failed</text>" in monitor.final_svg
+
+
 def test_bursts_of_events_are_merged_and_the_last_one_is_drawn():
     handle = FakeHandle(ranks=(0,))
     monitor = RunMonitor(handle, widget=False, stream=None, interval=0.3)
@@ -350,6 +369,19 @@ def test_the_log_takes_over_the_run_output_and_gives_it_back():
     assert "50%" not in monitor._view.log.value  # bounded: only the last 3 lines
     monitor.detach()
     assert handle.cell_output.listener is None
+
+
+def test_a_fast_bars_text_that_came_before_its_events_leaves_the_log():
+    pytest.importorskip("ipywidgets")
+    handle = FakeHandle(ranks=(0,))
+    handle.cell_output = FakeCell()
+    monitor = RunMonitor(handle, widget=True, interval=0)
+    listener = handle.cell_output.listener
+    listener("line", "stdout", "[rank0] before\n")
+    listener("redraw-end", "stderr", "[rank0] fast: 100%|##########| 3/3")  # pipe first...
+    handle.emit(0, "progress", n=3, total=3, desc="fast", unit="it", rate=None, closed=True)
+    assert monitor.log() == "[rank0] before\n"  # ...then its events: drawn once, as the bar
+    assert monitor._view.bar.bar_style == "success"
 
 
 def test_stacks_come_from_the_handle():

@@ -22,7 +22,7 @@ SETUP = textwrap.dedent(
     """
     import time
     import torch
-    from nbaccel import Accelerator, notebook_launcher
+    from nbaccel import Accelerator, notebook_launcher, start_workers
     from nbaccel.monitor import watch
 
     def train(steps, slow_rank=None, pause=0.0):
@@ -94,6 +94,30 @@ def test_watch_draws_the_charts_and_leaves_the_final_image_in_the_cell(kernel):
     assert launch.streams == {} and live.stdout.count("[rank") == 0, launch.describe()
     log = kernel.evaluate_json("monitor.log()")
     assert "[rank0] done\n" in log and "[rank1] done\n" in log
+    # saved and reopened (no kernel, no widget state): what the front end keeps is plain
+    # outputs -- the monitor's last state with every line it logged, and the charts
+    kept = saved(launch)
+    assert not [out for out in kept if WIDGET_MIME in out], kept
+    assert len(kept) == 2 and "image/svg+xml" in kept[1], kept
+    for mime in ("text/plain", "text/html"):
+        assert "[rank0] done" in kept[0][mime] and "[rank1] done" in kept[0][mime], kept[0]
+    assert "finished" in kept[0]["text/plain"]
+
+
+def saved(cell) -> list[dict]:
+    """The cell's outputs as a notebook saves them: each display id holds its last update."""
+    kept: list[dict] = []
+    where: dict[str, int] = {}
+    for out in cell.outputs:
+        display_id = out.get("transient", {}).get("display_id")
+        if out["msg_type"] == "update_display_data":
+            if display_id in where:
+                kept[where[display_id]] = out["data"]
+        elif out["msg_type"] in ("display_data", "execute_result"):
+            if display_id:
+                where[display_id] = len(kept)
+            kept.append(out["data"])
+    return kept
 
 
 def test_a_straggler_is_marked_and_its_stack_shown(kernel):
@@ -130,3 +154,43 @@ def test_a_straggler_is_marked_and_its_stack_shown(kernel):
     finally:
         kernel.run("handle.stop()", timeout=60)
     kernel.assert_no_descendants(timeout=10)
+
+
+def test_one_monitor_one_chart_image_titled_by_run_and_a_stop_drawn_as_such(kernel):
+    shown = kernel.run(  # watch() as the cell's last expression, as people write it
+        "handle = notebook_launcher(train, args=(2000,), num_processes=2, block=False)\n"
+        "watch(handle)",
+        timeout=60,
+    )
+    kernel.run(
+        "monitor = _\n"
+        "deadline = time.monotonic() + 60\n"
+        "while len(monitor.chart_data().get('loss', {})) < 2 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "handle.stop()",
+        timeout=120,
+    )
+    kernel.drain(1.0)
+    assert len(shown.displays(WIDGET_MIME)) == 1 and shown.result is None, shown.describe()
+    images = shown.displays("image/svg+xml")
+    assert len(images) == 1, shown.describe()
+    title = re.search(r'class="nbaccel-title"[^>]*>([^<]*)<', images[0]["image/svg+xml"])
+    assert title and title.group(1).startswith("run 1: notebook_launcher(train), started ")
+    assert title.group(1).endswith(", stopped"), title.group(1)  # not drawn as a success
+    kernel.assert_no_descendants(timeout=10)
+
+    pool_cell = kernel.run("pool = start_workers(num_processes=2)\npm = watch(pool)", timeout=120)
+    try:
+        kernel.run("pool.run(train, 3)\npool.run(train, 4)", timeout=120)
+        kernel.drain(1.0)
+    finally:
+        kernel.run("pool.close()", timeout=60)
+    charts = [o for o in pool_cell.outputs if "image/svg+xml" in o["data"]]
+    assert [o["msg_type"] for o in charts] == ["display_data", "update_display_data"], charts
+    assert len({o["transient"]["display_id"] for o in charts}) == 1  # one set, replaced
+    titles = [re.search(r"\((run \d+: .*)\)>$", o["data"]["text/plain"]) for o in charts]
+    assert [t.group(1)[:22] for t in titles if t] == [
+        "run 1: pool.call(train",
+        "run 2: pool.call(train",
+    ]
+    assert all(t.group(1).endswith(", finished") for t in titles if t), titles

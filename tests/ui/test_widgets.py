@@ -78,7 +78,7 @@ def test_broken_config_file_still_shows_the_panel(tmp_path):
     (tmp_path / "cfg.yaml").write_text("num_gpus: 3\n")
     panel = LaunchPanel(train, hardware=CPU)
     assert "num_gpus" in panel.status.value
-    assert panel.config.num_processes == 1
+    assert panel.config.num_processes == 4  # CPU only: it starts at one process per core
 
 
 def test_number_bounds():
