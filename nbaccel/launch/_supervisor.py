@@ -145,8 +145,7 @@ class Supervisor(Group):
     # ------------------------------------------------------------------ looking inside
     def probe(self, ranks: Iterable[int], wait: float = 1.0) -> dict[int, dict[str, Any]]:
         """What each rank's main thread is doing now: ``{"stack", "waiting", ...}`` (see
-        :func:`nbaccel.launch._worker_os.main_thread_report`) and its ``"cpu"`` seconds
-        so far; answered by the worker's
+        :func:`nbaccel.launch._worker_os.main_thread_report`); answered by the worker's
         channel thread, so also while the main thread is blocked in C++. From another
         thread than the one running a job (a live monitor's button) it only asks: that
         thread reads the answers."""
@@ -163,9 +162,6 @@ class Supervisor(Group):
                 self.pump(0.05)
             else:
                 time.sleep(0.05)
-        for proc in asked:  # is it working? (the watchdog tells waiting from stuck by it)
-            if proc.rank in answers:
-                answers[proc.rank]["cpu"] = proc.cpu_seconds()
         return self._answers.pop(request)
 
     def stacks(self, ranks: Iterable[int]) -> dict[int, str]:
@@ -200,7 +196,11 @@ class Supervisor(Group):
         subset = [r for r in self.procs if r not in ranks]
         first_problem: float | None = None
         last_look = time.monotonic()
-        watchdog = Watchdog(self.hang, self.probe)
+
+        def cpu(ranks: list[int]) -> dict[int, float | None]:  # working or stuck? (psutil)
+            return {r: self.procs[r].cpu_seconds() for r in ranks}
+
+        watchdog = Watchdog(self.hang, self.probe, cpu=cpu)
         try:
             while True:
                 self.pump(self.interval)
@@ -338,13 +338,9 @@ class Supervisor(Group):
         stuck = [p.rank for p in busy if p.rank not in self._done]
         if stuck:
             failed = getattr(error, "rank", None)  # not the user's interrupt: say whose failure
-            why = (
-                "of an interrupt"
-                if failed is None
-                else f"of the interrupt after rank {failed} failed"
-            )
+            why = "an interrupt" if failed is None else f"the interrupt after rank {failed} failed"
             broken = (
-                f"rank(s) {stuck} did not come back within {self.INTERRUPT_GRACE:g}s {why} "
+                f"rank(s) {stuck} did not come back within {self.INTERRUPT_GRACE:g}s of {why} "
                 "(stuck in a collective?)"
             )
         else:

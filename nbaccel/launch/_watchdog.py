@@ -117,8 +117,17 @@ class Hang:
 class Watchdog:
     """One job's watchdog (see the module's docstring for the rules)."""
 
-    def __init__(self, policy: HangPolicy, probe: Probe, now: float | None = None) -> None:
-        self.policy, self._probe = policy, probe
+    def __init__(
+        self,
+        policy: HangPolicy,
+        probe: Probe,
+        now: float | None = None,
+        cpu: Callable[[list[int]], dict[int, float | None]] | None = None,
+    ) -> None:
+        # cpu: each rank's CPU seconds read from the OS, so that a rank too busy to answer
+        # the probe in time (a loaded machine, a long C call holding the GIL) still counts
+        # as working; without it, the answers' "cpu" is used.
+        self.policy, self._probe, self._cpu_of = policy, probe, cpu
         self._next_look = (time.monotonic() if now is None else now) + policy.look_every
         self._seen: tuple[Any, ...] | None = None
         self._since = 0.0  # when the last progress was seen
@@ -145,7 +154,10 @@ class Watchdog:
             return None
         self._next_look = now + self.policy.look_every
         answers = self._probe(busy)
-        working = self._working(answers, now)
+        cpu = {r: a.get("cpu") for r, a in answers.items()}
+        if self._cpu_of:  # from the OS: also for ranks that did not answer
+            cpu |= {r: c for r, c in self._cpu_of(busy).items() if c is not None}
+        working = self._working(cpu, now)
         for rank in busy:
             if rank in answers:
                 self._counts[rank] = answers[rank].get("collectives")
@@ -198,11 +210,10 @@ class Watchdog:
         hang.next_report = self.policy.after * 2**self._reports
         return hang
 
-    def _working(self, answers: Mapping[int, dict[str, Any]], now: float) -> list[int]:
+    def _working(self, cpu_seconds: Mapping[int, float | None], now: float) -> list[int]:
         """The ranks whose CPU time advanced by ``BUSY_SHARE`` since the previous look."""
         out = []
-        for rank, answer in answers.items():
-            cpu = answer.get("cpu")
+        for rank, cpu in cpu_seconds.items():
             if cpu is None:
                 continue
             before = self._cpu.get(rank)
@@ -222,7 +233,8 @@ class Watchdog:
         """``waiting`` ranks wait for ``working`` ones, which compute: reported, not ended."""
         self._reports += 1
         where = ", ".join(
-            f"rank {r}, which is busy in {answers[r].get('frame') or 'its code'}" for r in working
+            f"rank {r}, which is busy in {answers.get(r, {}).get('frame') or 'its code'}"
+            for r in working
         )
         lines = [
             f"rank(s) {', '.join(map(str, waiting))} wait for {where} (no progress for "
@@ -230,7 +242,7 @@ class Watchdog:
             "goes on whatever on_hang says)."
         ]
         lines += [f"  rank {r}: waiting in {calls[r]}" for r in waiting if calls.get(r)]
-        stacks = {r: answers[r]["stack"] for r in working}
+        stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in working}
         ranks = sorted(waiting + working)
         hang = Hang(ranks, "\n".join(lines), stacks, calls, idle, self.policy, busy=working)
         hang.next_report = self.policy.after * 2**self._reports

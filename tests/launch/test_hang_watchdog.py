@@ -126,6 +126,22 @@ def test_a_working_rank_is_waited_for_and_never_ended_but_idle_ranks_in_torch_ar
     assert all(dog.look([0, 1], {}, 5, now=t / 4) is None for t in range(1, 100))
 
 
+def test_a_working_rank_too_busy_to_answer_the_probe_is_still_working():
+    """On a loaded machine a computing rank's channel thread may not answer in time: its CPU
+    time, read from the OS, still says it works (a CI run ended such a job as stuck)."""
+    script, clock = Script(), {"t": 0.0}
+    cpu = lambda ranks: {0: clock["t"] * 0.3, 1: 1.0}  # noqa: E731  (rank 0 gets 30% of a CPU)
+    dog = Watchdog(HangPolicy(after=2.0, action="raise"), script, now=0.0, cpu=cpu)
+    found = []
+    for step in range(1, 40):  # rank 0 never answers; rank 1 waits in a barrier
+        clock["t"] = t = step * 0.25
+        script.set(1, 0, "torch.distributed.barrier", cpu=1.0)
+        found += [h for h in [dog.look([0, 1], {}, 5, now=t)] if h is not None]
+    hang = found[0]
+    assert hang.busy == [0] and "appear stuck" not in hang.text()
+    assert "rank(s) 1 wait for rank 0, which is busy in its code" in hang.text()
+
+
 def test_settings_default_environment_cli_and_errors(tmp_path):
     assert LaunchConfig().hang_after == DEFAULT_HANG_AFTER == 300.0
     assert LaunchConfig().on_hang == "report" and LaunchConfig().debug_collectives is False
@@ -245,7 +261,8 @@ def evaluates_alone(flag: str) -> int:
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_ranks_waiting_for_a_working_rank_are_reported_and_on_hang_raise_ends_nothing(tmp_path):
-    flag, lines = tmp_path / "go", Lines("which is busy in")
+    # the report repeats with back-off: one whose probe rank 0 answered names its frame
+    flag, lines = tmp_path / "go", Lines("which is busy in evaluates_alone")
     handle = notebook_launcher(
         evaluates_alone, (str(flag),), num_processes=2, config=CPU, hang_after=2,
         on_hang="raise", block=False, output=lines, return_all_ranks=True,
