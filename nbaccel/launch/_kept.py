@@ -157,6 +157,11 @@ def forget(owner: object, why: str) -> None:
             _let_go(job)
 
 
+def holding_any() -> bool:
+    """Whether any failed job's ranks are kept alive for ``nbaccel.debug()``."""
+    return bool(_held)
+
+
 def make_room() -> list[str]:
     """A launch on the GPUs starts: ranks kept for ``nbaccel.debug()`` go first, so that
     the new ranks have their GPU memory (issue 32: a kept rank holding its tensors made
@@ -283,6 +288,7 @@ __all__ = [
     "after_launch",
     "after_pool_call",
     "forget",
+    "holding_any",
     "last",
     "make_room",
     "release",

@@ -203,7 +203,9 @@ def launch(plan: LaunchPlan) -> Any:
 
 def _free_kept_gpu_memory(plan: LaunchPlan) -> None:
     """Failed ranks kept for nbaccel.debug() hold their GPU memory: a GPU launch ends them."""
-    if plan.config.compute_device == "cpu" or environment.gpu_count() == 0:
+    if plan.config.compute_device == "cpu" or not _kept.holding_any():
+        return  # first the cheap checks: counting GPUs may start a process (no NVML)
+    if environment.gpu_count() == 0:
         return
     for what in _kept.make_room():
         sys.stderr.write(
