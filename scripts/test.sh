@@ -3,10 +3,11 @@
 # then the launcher/runtime/platform/checkpoint/kernel tests on every other torch of the matrix
 # (scripts/torch_matrix.env: the oldest torch setup.cfg claims and the newest release), then
 # the hosted-notebook stacks (scripts/stacks.env: Colab-like and Kaggle-like, in Debian roots
-# with their Python), and print one summary line per torch version and stack at the end.
+# with their Python, started beside the main run), and print one summary line per torch
+# version and stack at the end.
 # Extra arguments go to the main pytest run (e.g. `bash scripts/test.sh -k launcher`);
-# NBACCEL_TORCH_MATRIX=0 skips the matrix runs, NBACCEL_STACKS=0 the stacks. The matrix
-# versions and the stacks run at the same time, after the main run.
+# NBACCEL_TORCH_MATRIX=0 skips the matrix runs, NBACCEL_STACKS=0 the stacks. The stacks run
+# beside the main run, the matrix versions side by side after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh          # .venv: torch==2.13.0 (CPU), nbaccel -e [notebook,test]
@@ -18,8 +19,16 @@ bash scripts/setup_xla.sh      # .xla-venv: torch 2.9.0 + torch_xla 2.9.0, for t
 
 SUMMARY=$(mktemp)
 LOG=$(mktemp)
-trap 'rm -f "$SUMMARY" "$LOG"' EXIT
+PARTS=$(mktemp -d)
+trap 'rm -rf "$SUMMARY" "$LOG" "$PARTS"' EXIT
 status=0
+# The hosted-notebook stacks start now, beside the main run: their setup is mostly unpacking
+# and their tests mostly wait on kernels (the whole CI went past 30 minutes with them after
+# the main run); the torch matrix runs after the main run. Each log is printed whole at the end.
+if [ "${NBACCEL_STACKS:-1}" != "0" ]; then
+  (NBACCEL_SUMMARY_FILE=$PARTS/stacks.summary bash scripts/test_stacks.sh \
+    >"$PARTS/stacks.log" 2>&1; echo $? >"$PARTS/stacks.code") &
+fi
 # NBACCEL_REQUIRE_ALL=1: a skipped browser/xla/kernel/integration test fails the run (see conftest.py)
 NBACCEL_REQUIRE_ALL=${NBACCEL_REQUIRE_ALL:-1} .venv/bin/python -m pytest "$@" 2>&1 | tee "$LOG" \
   || status=1
@@ -27,17 +36,11 @@ DEV_TORCH=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
 main_summary=$(grep -E '^=*\s*[0-9]+ (passed|failed|error)' "$LOG" | tail -n1 | sed -E 's/^=+ //; s/ =+$//')
 echo "torch $DEV_TORCH (dev pin, whole suite): ${main_summary:-no summary}" >"$SUMMARY"
 
-# The torch matrix and the stacks run side by side (their tests mostly wait on processes and
-# kernels; see scripts/test_torch_matrix.sh), each log printed whole when both have ended.
-PARTS=$(mktemp -d)
-trap 'rm -rf "$SUMMARY" "$LOG" "$PARTS"' EXIT
+# The torch matrix's versions run side by side (their tests mostly wait on processes and
+# kernels; see scripts/test_torch_matrix.sh), while the stacks may still be running.
 if [ "${NBACCEL_TORCH_MATRIX:-1}" != "0" ]; then
   (NBACCEL_SUMMARY_FILE=$PARTS/matrix.summary bash scripts/test_torch_matrix.sh \
     >"$PARTS/matrix.log" 2>&1; echo $? >"$PARTS/matrix.code") &
-fi
-if [ "${NBACCEL_STACKS:-1}" != "0" ]; then
-  (NBACCEL_SUMMARY_FILE=$PARTS/stacks.summary bash scripts/test_stacks.sh \
-    >"$PARTS/stacks.log" 2>&1; echo $? >"$PARTS/stacks.code") &
 fi
 wait
 for part in matrix stacks; do
