@@ -23,7 +23,7 @@ different ranks). A job that computes without collectives for a long time is not
 
 **Waiting, not stuck**: if, at such a moment, a rank outside any torch.distributed call
 is *working* (its CPU time, with its children's, advanced by at least ``BUSY_SHARE`` of
-the time since the previous look: rank 0 evaluating, saving or preparing data alone while
+the time since the last progress was seen: rank 0 evaluating, saving or preparing data alone while
 the others wait in ``wait_for_everyone``), the report says "rank(s) ... wait for rank N,
 which is busy in <frame>" and nothing is ended, whatever ``on_hang`` says.
 
@@ -157,7 +157,6 @@ class Watchdog:
         cpu = {r: a.get("cpu") for r, a in answers.items()}
         if self._cpu_of:  # from the OS: also for ranks that did not answer
             cpu |= {r: c for r, c in self._cpu_of(busy).items() if c is not None}
-        working = self._working(cpu, now)
         for rank in busy:
             if rank in answers:
                 self._counts[rank] = answers[rank].get("collectives")
@@ -165,7 +164,11 @@ class Watchdog:
         signature = (activity, tuple(sorted(busy)), tuple(sorted(counts.items())))
         if signature != self._seen:
             self._seen, self._since, self._reports = signature, now, 0
+            # the window in which CPU time is counted starts with the stillness: a rank that
+            # only polls a file (or sleeps) is not working because it was busy a moment before
+            self._cpu = {r: (c, now) for r, c in cpu.items() if c is not None}
             return None
+        working = self._working(cpu, now)
         idle = now - self._since
         if idle < self.policy.after * (2 ** (self._reports + 1) - 1):
             return None
@@ -211,15 +214,15 @@ class Watchdog:
         return hang
 
     def _working(self, cpu_seconds: Mapping[int, float | None], now: float) -> list[int]:
-        """The ranks whose CPU time advanced by ``BUSY_SHARE`` since the previous look."""
+        """The ranks whose CPU time advanced by ``BUSY_SHARE`` of the time since no progress
+        was seen (over the whole window, not one look's: a loaded machine's noise averages out)."""
         out = []
         for rank, cpu in cpu_seconds.items():
             if cpu is None:
                 continue
-            before = self._cpu.get(rank)
-            if before is not None and cpu - before[0] >= BUSY_SHARE * (now - before[1]) > 0:
+            before = self._cpu.setdefault(rank, (cpu, now))
+            if cpu - before[0] >= BUSY_SHARE * (now - before[1]) > 0:
                 out.append(rank)
-            self._cpu[rank] = (cpu, now)
         return out
 
     def _busy(

@@ -142,6 +142,21 @@ def test_a_working_rank_too_busy_to_answer_the_probe_is_still_working():
     assert "rank(s) 1 wait for rank 0, which is busy in its code" in hang.text()
 
 
+def test_a_rank_that_only_polls_is_stuck_whatever_one_looks_noise():
+    """Working is judged over the whole still window: a rank polling a file, whose CPU time
+    jumped by 20 ms in one look (a loaded machine, the probe's own answer), is not working
+    (a CI run reported it as "busy" and the stuck report never came)."""
+    dog, script = _watch()
+    found = []
+    for step in range(1, 40):  # rank 0 waits in all_reduce; rank 1 polls a file
+        t = step * 0.25
+        script.set(0, 1, "torch.distributed.all_reduce", cpu=1.0)
+        script.set(1, 0, cpu=1.0 + (0.02 if t >= 2.25 else 0.0), in_torch=None)
+        found += [h for h in [dog.look([0, 1], {}, 5, now=t)] if h is not None]
+    text = found[0].text()
+    assert not found[0].busy and "rank 1: not in a torch.distributed call" in text, text
+
+
 def test_settings_default_environment_cli_and_errors(tmp_path):
     assert LaunchConfig().hang_after == DEFAULT_HANG_AFTER == 300.0
     assert LaunchConfig().on_hang == "report" and LaunchConfig().debug_collectives is False
