@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 from dataclasses import dataclass
+
+from . import environment
 
 _NOT_INITIALIZED = 3  # CUDA_ERROR_NOT_INITIALIZED
 _DRIVER = "libcuda.so"
@@ -68,17 +69,6 @@ def driver_initialized() -> bool:
     return int(code) == 0
 
 
-def torch_cuda_initialized() -> bool:
-    """``torch.cuda.is_initialized()`` where torch is already imported (never imports it)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    try:
-        return bool(torch.cuda.is_initialized())
-    except Exception:
-        return False
-
-
 @dataclass(frozen=True)
 class CudaForkState:
     """What a fork from this process would hand its children.
@@ -114,7 +104,7 @@ def fork_state() -> CudaForkState:
         >>> fork_state().broken in (True, False)
         True
     """
-    context = torch_cuda_initialized()
+    context = environment.cuda_initialized()  # torch already imported: never imports it
     return CudaForkState(context=context, driver=context or driver_initialized())
 
 
