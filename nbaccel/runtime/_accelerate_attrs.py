@@ -41,6 +41,7 @@ from typing import Any
 from ..errors import ConfigError
 from . import ops, profiling
 from .options import (
+    AORecipeKwargs,
     AutocastKwargs,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
@@ -69,9 +70,8 @@ NOT_HONOURED = {
     "scaler": "the fp16 GradScaler is built from kwargs_handlers=[GradScalerKwargs(...)]",
     "deepspeed_engine_wrapped": "under DeepSpeed the prepared model is the engine itself "
     "(accelerator.backward runs engine.backward and engine.step)",
-    "fp8_recipe_handler": "fp8 runs through torchao with its default recipe",
     "flag_tensor": "use set_trigger() / check_trigger()",
-    "delayed_fp8_autocast": "fp8 runs through torchao with its default recipe",
+    "delayed_fp8_autocast": "fp8 runs through torchao (kwargs_handlers=[AORecipeKwargs(...)])",
     "has_lomo_optimizer": "LOMO optimizers are not supported",
 }
 
@@ -105,6 +105,10 @@ class AccelerateAttributes:
     init_handler = property(lambda self: self._handlers.get(InitProcessGroupKwargs))
     autocast_handler = property(lambda self: self._handlers.get(AutocastKwargs))
     profile_handler = property(lambda self: self._handlers.get(ProfileKwargs))
+    ao_recipe_handler = property(lambda self: self._handlers.get(AORecipeKwargs))
+    # Accelerate's handler for TransformerEngine / MS-AMP: nbaccel drives neither
+    # (their Kwargs objects raise, naming AORecipeKwargs), so there is never one
+    fp8_recipe_handler = property(lambda self: None)
     scaler = property(lambda self: self.precision.scaler)  # the fp16 GradScaler, else None
     should_save_model = property(lambda self: True)  # every strategy can save from any call
 

@@ -51,6 +51,7 @@ from .deepspeed_plugin import DeepSpeedPlugin, check_deepspeed_argument
 from .fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
 from .hooks import HookRegistry
 from .options import (
+    AORecipeKwargs,
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -121,7 +122,8 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         even_batches: wrap around so every process gets the same number of batches.
         step_scheduler_with_optimizer: step prepared schedulers only with real optimizer steps.
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
-            ``AutocastKwargs``, ``InitProcessGroupKwargs`` (one of each at most).
+            ``AutocastKwargs``, ``InitProcessGroupKwargs``, ``ProfileKwargs``,
+            ``AORecipeKwargs`` (one of each at most).
         dataloader_config: a ``DataLoaderConfiguration`` (alternative to split/even/dispatch).
         dispatch_batches: rank 0 reads every global batch and sends each rank its slice.
         gradient_accumulation_plugin: a ``GradientAccumulationPlugin`` (instead of
@@ -202,6 +204,7 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
             self.device,
             scaler_kwargs=scaler.to_kwargs() if scaler else None,
             autocast_kwargs=autocast.to_kwargs() if autocast else None,
+            fp8_recipe=handlers.get(AORecipeKwargs),
         )
         self.mixed_precision: str = mixed_precision
         self.state = AcceleratorState.for_accelerator(self._process, mixed_precision)

@@ -30,14 +30,18 @@ _PLACE = (
     "model.to(device); for a model larger than one device, train it sharded with FSDP2 "
     "(Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(cpu_offload=True)))"
 )
+_AO = (
+    "mixed_precision='fp8' runs through torchao; configure it with "
+    "kwargs_handlers=[AORecipeKwargs(config=..., module_filter_func=...)]"
+)
 ALTERNATIVES: dict[str, str] = {
     "MegatronLMPlugin": _FSDP,
     "TorchTensorParallelPlugin": _FSDP,
     "TorchContextParallelConfig": _FSDP,
     "ParallelismConfig": _FSDP,
-    "FP8RecipeKwargs": "mixed_precision='fp8' runs through torchao with its default recipe",
-    "TERecipeKwargs": "mixed_precision='fp8' runs through torchao with its default recipe",
-    "MSAMPRecipeKwargs": "mixed_precision='fp8' runs through torchao with its default recipe",
+    "FP8RecipeKwargs": _AO,
+    "TERecipeKwargs": _AO,
+    "MSAMPRecipeKwargs": _AO,
     "dispatch_model": _PLACE,
     "infer_auto_device_map": _PLACE,
     "load_checkpoint_and_dispatch": _PLACE,

@@ -81,6 +81,26 @@ class AutocastKwargs(KwargsHandler):
 
 
 @dataclass
+class AORecipeKwargs(KwargsHandler):
+    """fp8 through torchao (``mixed_precision="fp8"``): its ``Float8LinearConfig`` and which
+    ``Linear`` layers to convert.
+
+    ``config``: a ``torchao.float8.Float8LinearConfig`` (``None``: torchao's tensorwise
+    default). ``module_filter_func(module, fully_qualified_name) -> bool`` chooses the
+    layers itself; without it the first and last ``Linear`` stay in bf16 (as Accelerate
+    keeps them, for stability) and of the rest only the layers that gain from fp8 are
+    converted (:func:`nbaccel.runtime.fp8.fp8_gains`).
+
+    Example:
+        >>> AORecipeKwargs(module_filter_func=lambda m, name: name != "head").config is None
+        True
+    """
+
+    config: Any = None
+    module_filter_func: Any = None
+
+
+@dataclass
 class InitProcessGroupKwargs(KwargsHandler):
     """Options forwarded to ``torch.distributed.init_process_group``."""
 
@@ -251,6 +271,7 @@ HANDLER_TYPES: tuple[type[KwargsHandler], ...] = (
     AutocastKwargs,
     InitProcessGroupKwargs,
     ProfileKwargs,
+    AORecipeKwargs,
 )
 
 
@@ -325,6 +346,7 @@ def resolve_dataloader_config(
 __all__ = [
     "HANDLER_TYPES",
     "PEER_ONLY_KEYWORDS",
+    "AORecipeKwargs",
     "AutocastKwargs",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",

@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -31,6 +30,7 @@ import torch
 
 from ..config import normalize_precision
 from ..errors import ConfigError
+from . import fp8
 
 
 class Precision(Protocol):
@@ -233,88 +233,36 @@ class Fp16Precision(AutocastPrecision):
             self.scaler.load_state_dict(state)
 
 
-def _fp8_unavailable_reason(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return f"it needs a CUDA GPU and this process runs on {device.type!r}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        return (
-            f"it needs compute capability >= 8.9 (Ada/Hopper or newer) and {name} has "
-            f"{major}.{minor}"
-        )
-    try:
-        importlib.import_module("torchao.float8")
-    except ImportError as err:
-        return f"the torchao package is missing or too old ({err}); pip install torchao"
-    return None
-
-
-def fp8_gains(module: torch.nn.Module) -> bool:
-    """Whether torchao's float8 (tensorwise recipe) speeds this layer up on an H100/H200.
-
-    torchao's rule (``_auto_filter_for_recipe("tensorwise")``, from its H100 tables): a
-    ``Linear`` whose dimensions are multiples of 16 (the fp8 kernels need it), and not
-    both ``in_features <= 4096`` and ``out_features <= 1024`` (smaller layers lose more to
-    casting and scaling than the fp8 matrix product saves).
-
-    Example:
-        >>> fp8_gains(torch.nn.Linear(4096, 16384)), fp8_gains(torch.nn.Linear(256, 1024))
-        (True, False)
-    """
-    if not isinstance(module, torch.nn.Linear):
-        return False
-    n, k = module.out_features, module.in_features
-    return n % 16 == 0 and k % 16 == 0 and not (k <= 4096 and n <= 1024)
-
-
-_FP8_EAGER = (
-    "torchao's float8 runs slower than bf16 without torch.compile (0.53x on a 4096->16384->4096 "
-    "MLP with 16384 tokens on an H200; 1.36x faster compiled): the casts and scales are "
-    "separate kernels until the compiler fuses them"
-)
-
-
 class Fp8Precision(AutocastPrecision):
-    """fp8 via torchao's float8 training (tensorwise recipe): the ``Linear`` layers large
-    enough to gain become ``Float8Linear`` (:func:`fp8_gains`); the rest of the model runs
-    under bf16 autocast; no loss scaling is needed.
+    """fp8 via torchao's float8 training: the layers :func:`~nbaccel.runtime.fp8.fp8_layers` names (or
+    ``recipe.module_filter_func``'s) become ``Float8Linear`` with ``recipe.config``; the rest
+    of the model runs under bf16 autocast; no loss scaling is needed.
 
     fp8 pays only on large layers and compiled (``dynamo_backend="inductor"``): before
     training, one warning says so where a model has no layer that gains, or is prepared
     without compilation.
     """
 
-    def __init__(self, device: torch.device, autocast_kwargs: dict[str, Any] | None = None) -> None:
-        reason = _fp8_unavailable_reason(device)
+    def __init__(
+        self,
+        device: torch.device,
+        autocast_kwargs: dict[str, Any] | None = None,
+        recipe: Any = None,
+    ) -> None:
+        reason = fp8.unavailable_reason(device)
         if reason is not None:
             raise ConfigError(
                 f"mixed_precision='fp8' cannot run here: {reason}. Use mixed_precision='bf16' "
                 "(or run on an H100/H200/L4/RTX 40xx-class GPU with torchao installed)."
             )
         super().__init__("fp8", device, torch.bfloat16, autocast_kwargs)
+        self.recipe = recipe  # an AORecipeKwargs, or None
         self.converted = 0  # Linear layers made Float8Linear, over every prepared model
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torchao.float8 import convert_to_float8_training  # checked in __init__
-
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        gaining = [m for m in linears if fp8_gains(m)]
-        self.converted += len(gaining)
-        if linears and not gaining:
-            sizes = sorted({(m.in_features, m.out_features) for m in linears})[:4]
-            shown = ", ".join(f"{k}->{n}" for k, n in sizes)
-            warnings.warn(
-                f"mixed_precision='fp8': none of this model's {len(linears)} Linear layers "
-                f"({shown}{', ...' if len(linears) > 4 else ''}) is large enough to gain from "
-                "fp8 (torchao's tables: dimensions multiples of 16, and in_features > 4096 or "
-                "out_features > 1024), so they stay in bf16 and training runs as "
-                "mixed_precision='bf16' would. fp8 pays on layers of 4096x16384 and more with "
-                "16k tokens or more per step.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: fp8_gains(m))
+        model = fp8.convert(model, self.recipe)
+        self.converted += sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        return model
 
     def check_compiled(self, compiled: bool) -> None:
         """After ``prepare``: warn once where fp8 layers will run without compilation."""
@@ -322,7 +270,7 @@ class Fp8Precision(AutocastPrecision):
             return
         self._warned_eager = True
         warnings.warn(
-            f"mixed_precision='fp8' without torch.compile: {_FP8_EAGER}. Pass "
+            f"mixed_precision='fp8' without torch.compile: {fp8.EAGER}. Pass "
             "Accelerator(mixed_precision='fp8', dynamo_backend='inductor'), or torch.compile "
             "the prepared model yourself.",
             RuntimeWarning,
@@ -345,6 +293,7 @@ def make_precision(
     *,
     scaler_kwargs: dict[str, Any] | None = None,
     autocast_kwargs: dict[str, Any] | None = None,
+    fp8_recipe: Any = None,
 ) -> Precision:
     """Build the :class:`Precision` for ``mode`` on ``device``; raise a clear error if unsupported.
 
@@ -354,6 +303,7 @@ def make_precision(
         scaler_kwargs: forwarded to ``torch.amp.GradScaler`` (fp16 only).
         autocast_kwargs: forwarded to ``torch.autocast`` (e.g. ``cache_enabled``);
             ``enabled=False`` turns autocast off while keeping the mode.
+        fp8_recipe: an ``AORecipeKwargs`` (fp8 only).
 
     Raises:
         ConfigError: unknown mode, or a mode this machine cannot run.
@@ -370,7 +320,7 @@ def make_precision(
         return AutocastPrecision("bf16", device, torch.bfloat16, autocast_kwargs)
     if canonical == "fp16":
         return Fp16Precision(device, scaler_kwargs, autocast_kwargs)
-    return Fp8Precision(device, autocast_kwargs)
+    return Fp8Precision(device, autocast_kwargs, fp8_recipe)
 
 
 __all__ = [

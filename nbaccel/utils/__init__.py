@@ -23,6 +23,7 @@ from ..runtime import not_applicable as _not_applicable
 # name -> module under nbaccel that defines it
 _EXPORTS: dict[str, str] = {
     # option objects
+    "AORecipeKwargs": "runtime.options",
     "AutocastKwargs": "runtime.options",
     "DataLoaderConfiguration": "runtime.options",
     "DistributedDataParallelKwargs": "runtime.options",

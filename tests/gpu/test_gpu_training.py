@@ -169,7 +169,8 @@ def train_fp8_vs_bf16(steps):
     curves, kinds, said = {}, {}, {}
     for mode in ("bf16", "fp8"):
         acc = Accelerator(mixed_precision=mode)
-        model = make_model(hidden=4096)  # 256->4096 and 4096->4096 gain from fp8; 4096->1 not
+        # 4096->4096 gains from fp8; the first (256->4096) and last (4096->1) stay bf16
+        model = make_model(hidden=4096)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         data = make_data()
         x_all, y_all = data.tensors
@@ -178,6 +179,7 @@ def train_fp8_vs_bf16(steps):
             model, opt = acc.prepare(model, opt)
         said[mode] = [str(w.message) for w in caught if "fp8" in str(w.message)]
         kinds[mode] = sorted({type(m).__name__ for m in acc.unwrap_model(model).modules()})
+        kinds[mode + "-layers"] = [type(m).__name__ for m in acc.unwrap_model(model)[::2]]
         torch.manual_seed(0)
         losses = []
         for step in range(steps):
@@ -197,6 +199,15 @@ def train_fp8_vs_bf16(steps):
         small = acc.prepare(make_model())
     said["small"] = [str(w.message) for w in caught if "fp8" in str(w.message)]
     kinds["small"] = sorted({type(m).__name__ for m in acc.unwrap_model(small).modules()})
+    # AORecipeKwargs (as Accelerate's guide teaches): the user's layer filter and config
+    from torchao.float8 import Float8LinearConfig
+    from nbaccel.utils import AORecipeKwargs
+    config = Float8LinearConfig(pad_inner_dim=True)
+    recipe = AORecipeKwargs(config=config, module_filter_func=lambda m, name: name == "0")
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe])
+    chosen = acc.unwrap_model(acc.prepare(make_model(hidden=4096)))
+    kinds["chosen-layers"] = [type(m).__name__ for m in chosen[::2]]
+    kinds["chosen-config"] = chosen[0].config == config and acc.ao_recipe_handler is recipe
     return {"curves": curves, "kinds": kinds, "said": said}
 
 fp8 = on_gpu(train_fp8_vs_bf16, 100)
@@ -217,11 +228,15 @@ def test_fp8_loss_curve_close_to_bf16(kernel):
     got = kernel.evaluate_json("fp8")
     assert "Float8Linear" in got["kinds"]["fp8"], got["kinds"]
     assert "Float8Linear" not in got["kinds"]["bf16"], got["kinds"]
+    # Accelerate's rule: the first and last Linear stay in high precision
+    assert got["kinds"]["fp8-layers"] == ["Linear", "Float8Linear", "Linear"], got["kinds"]
+    assert got["kinds"]["chosen-layers"] == ["Float8Linear", "Linear", "Linear"], got["kinds"]
+    assert got["kinds"]["chosen-config"] is True, got["kinds"]
     said = got["said"]
     assert said["bf16"] == [], said
     assert len(said["fp8"]) == 1 and "without torch.compile" in said["fp8"][0], said  # eager
     assert "Float8Linear" not in got["kinds"]["small"], got["kinds"]  # 256->1024: no gain
-    assert any("large enough to gain" in w and "256->1024" in w for w in said["small"]), said
+    assert any("too small to gain" in w and "256->1024" in w for w in said["small"]), said
     bf16, fp8 = got["curves"]["bf16"], got["curves"]["fp8"]
     assert all(v == v for v in fp8), fp8  # no NaN
     assert sum(fp8[-10:]) < 0.5 * sum(fp8[:10]), fp8  # it trains

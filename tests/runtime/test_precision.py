@@ -329,3 +329,69 @@ def test_fp16_updates_the_scale_once_after_all_optimizers_stepped():
     assert p.scaler.get_scale() == 256.0  # not yet: o2 has not stepped
     assert p.step(o2) is True
     assert p.scaler.get_scale() == 512.0  # one update (growth_interval=1): once, not twice
+
+
+def test_fp8_keeps_the_first_and_last_linear_in_bf16_as_accelerate_does():
+    from nbaccel.runtime.fp8 import fp8_layers
+
+    with torch.device("meta"):  # shapes only
+        big, mlp = _fp8_shapes()
+    assert fp8_layers(big) == ["1", "2"]
+    # a two-layer MLP has only a first and a last layer: nothing converts (as in Accelerate)
+    assert fp8_layers(mlp) == []
+    assert fp8_layers(torch.nn.Sequential(torch.nn.ReLU())) == []
+
+
+def _fp8_shapes():
+    big = torch.nn.Sequential(
+        torch.nn.Linear(256, 4096),  # first: kept (Accelerate's stability rule)
+        torch.nn.Linear(4096, 16384),
+        torch.nn.Linear(16384, 4096),
+        torch.nn.Linear(4096, 1000),  # 1000 is no multiple of 16: fp8 cannot run it
+        torch.nn.Linear(4096, 4096),  # last: kept
+    )
+    return big, torch.nn.Sequential(torch.nn.Linear(4096, 16384), torch.nn.Linear(16384, 4096))
+
+
+def test_fp8_conversion_takes_ao_recipe_kwargs_filter_and_config(monkeypatch):
+    """torchao's converter is replaced by a recorder: this checks which filter and config
+    nbaccel hands it (tests/gpu converts for real on an H100/H200)."""
+    import sys
+    import types
+
+    from nbaccel.runtime import fp8
+    from nbaccel.utils import AORecipeKwargs
+
+    seen = {}
+
+    def record(model, *, module_filter_fn, config):
+        seen["chosen"] = [n for n, m in model.named_modules() if module_filter_fn(m, n)]
+        seen["config"] = config
+        return model
+
+    fake = types.ModuleType("torchao.float8")
+    fake.convert_to_float8_training = record  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torchao.float8", fake)
+    with torch.device("meta"):  # shapes only
+        model = torch.nn.Sequential(*(torch.nn.Linear(8192, 8192) for _ in range(4)))
+        small = torch.nn.Sequential(torch.nn.Linear(8192, 8192), torch.nn.Linear(8192, 16))
+    fp8.convert(model)
+    assert seen == {"chosen": ["1", "2"], "config": None}
+    config = object()
+    recipe = AORecipeKwargs(config=config, module_filter_func=lambda m, name: name == "0")
+    fp8.convert(model, recipe)
+    assert seen == {"chosen": ["0"], "config": config}
+    with pytest.warns(RuntimeWarning, match=r"first and last stay in bf16.*AORecipeKwargs"):
+        fp8.convert(small)
+
+
+def test_ao_recipe_kwargs_is_accepted_like_accelerate():
+    from nbaccel import Accelerator
+    from nbaccel.utils import AORecipeKwargs, FP8RecipeKwargs
+
+    recipe = AORecipeKwargs()
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[recipe])
+    assert accelerator.ao_recipe_handler is recipe
+    assert accelerator.fp8_recipe_handler is None  # TransformerEngine / MS-AMP: never here
+    with pytest.raises(ConfigError, match=r"AORecipeKwargs\(config=\.\.\., module_filter_func"):
+        FP8RecipeKwargs(backend="te")
