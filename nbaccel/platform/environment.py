@@ -124,21 +124,6 @@ def cuda_initialized() -> bool:
         return False
 
 
-def cuda_driver_loaded() -> bool:
-    """True when the CUDA driver library is mapped into this process (Linux only).
-
-    ``torch.cuda.is_available()`` and ``device_count()`` without NVML call
-    ``cudaGetDeviceCount``, which loads and initialises the driver without
-    setting ``torch.cuda.is_initialized()``; a fork after that gives children a
-    broken driver ("CUDA error: initialization error").
-    """
-    try:
-        with open("/proc/self/maps") as fh:
-            return "libcuda.so" in fh.read()  # one C-level search: ~2,000 lines per launch
-    except OSError:
-        return False
-
-
 def fork_preferred() -> bool:
     """True where start_method="auto" should fork: ``os.fork`` exists and the OS is Linux.
 
@@ -265,7 +250,6 @@ def summary() -> dict[str, Any]:
 
 __all__ = [
     "cpu_count",
-    "cuda_driver_loaded",
     "cuda_initialized",
     "fork_preferred",
     "gpu_count",
