@@ -1,14 +1,20 @@
 """Kernel side of post-mortem debugging: which failed job's ranks can still be debugged.
 
-The supervisor takes a :class:`FailedJob` snapshot when a job fails on workers that keep
-their traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s): the failed
-ranks, and where each other rank was at that moment (its stack, asked over its channel
-before it is interrupted or terminated). The pool or the launcher then hands it to
-:func:`remember` with the group of workers while one can still serve a session, and says
+The :class:`KeepFailed` hook, plugged into the supervisor of workers that keep their
+traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s), takes a
+:class:`FailedJob` snapshot when a job fails: the failed ranks, and where each other rank
+was at that moment (its stack, asked over its channel before it is interrupted or
+terminated); a one-shot group leaves its failed ranks running. :func:`after_launch` and
+:func:`after_pool_call` then hand it to :func:`remember` with the group of workers while one can still serve a session, and says
 when it is gone (the pool's next call or close; a launch's lingering rank leaving). When
 only the kernel's debugging holds a failed rank (a debug=True launch, or a pool that
-replaced its workers), a thread ends it after its session, at ``debug_timeout``, or when
-the pool moves on. The last failure in this kernel is what :func:`nbaccel.debug` opens.
+replaced its workers), this module owns it as the pool owns its workers: no thread
+watches it; it is ended after its session, when the pool moves on, and otherwise when
+the kernel next touches its workers (:func:`sweep`: a launch, a pool call,
+``nbaccel.debug()``) once its ranks left or overstayed ``debug_timeout``; the one exit
+hook (:mod:`._lifetimes`) ends whatever is left. A lingering rank leaves by itself at
+``debug_timeout`` (the worker's own clock), so until that touch it is at most a zombie.
+The last failure in this kernel is what :func:`nbaccel.debug` opens.
 
 Example:
     >>> last() is None or isinstance(last(), FailedJob)
@@ -22,14 +28,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import _lifetimes
 from ._failures import Failure, signal_name
-
-# The supervisor imports this module, so its type is spelled here by name only.
-Supervisor = Any
-WorkerProcess = Any
+from ._supervisor import Hook, Supervisor
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
 LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session
@@ -54,6 +56,7 @@ class FailedJob:
     deadline: float | None = None  # monotonic time a launch's failed ranks leave
     owner: int | None = None  # id() of the pool whose call failed
     gone_ranks: set[int] = field(default_factory=set)  # ranks let go after their session
+    lingering: list[int] = field(default_factory=list)  # the kept ranks, while held
 
     @classmethod
     def at_failure(
@@ -61,16 +64,16 @@ class FailedJob:
         group: Supervisor,
         problems: list[Failure],
         chosen: Failure,
-        procs: list[WorkerProcess],
+        ranks: list[int],
         finished: set[int],
     ) -> FailedJob:
-        """The snapshot, taken by the supervisor as the job fails."""
+        """The snapshot of the job on ``ranks``, taken as it fails."""
         failed = {f.rank: f for f in problems}
-        running = [p.rank for p in procs if p.rank not in {*failed, *finished} and p.poll() is None]
+        alive = [r for r in ranks if group.procs[r].poll() is None]
+        running = [r for r in alive if r not in {*failed, *finished}]
         stacks = group.stacks(running) if running else {}
         others = {}
-        for proc in procs:
-            rank = proc.rank
+        for rank in ranks:
             if rank in failed and rank != chosen.rank:
                 others[rank] = f"failed too ({failed[rank].summary()})"
             elif rank in stacks:
@@ -131,12 +134,43 @@ class FailedJob:
         return None
 
 
+class KeepFailed(Hook):
+    """Post-mortem's hook: the snapshot at a failure; a one-shot group spares its failed
+    ranks (they wait for ``nbaccel.debug()``)."""
+
+    def __init__(self) -> None:
+        self.job: FailedJob | None = None
+        self._ranks: list[int] = []
+
+    def started(self, sup: Supervisor, ranks: list[int]) -> None:
+        self._ranks = ranks
+
+    def failed(
+        self, sup: Supervisor, problems: list[Failure], chosen: Failure, finished: set[int]
+    ) -> None:
+        self.job = FailedJob.at_failure(sup, problems, chosen, self._ranks, finished)
+
+    def spared(self, sup: Supervisor) -> set[int]:
+        job = self.job
+        return set() if job is None else {r for r in job.holding() if sup.procs[r].poll() is None}
+
+
+def _taken(group: Supervisor) -> FailedJob | None:
+    """The snapshot of ``group``'s failed job (taken once), if it keeps failed ranks."""
+    hook = group.hook(KeepFailed)
+    if hook is None:
+        return None
+    job, hook.job = hook.job, None
+    return job
+
+
 _last: list[FailedJob] = []
 _held: dict[int, FailedJob] = {}  # failed jobs whose workers only the kernel's debug holds
 
 
 def last() -> FailedJob | None:
     """The last failed job of this kernel (None: nothing failed yet)."""
+    sweep()
     return _last[0] if _last else None
 
 
@@ -159,6 +193,7 @@ def forget(owner: object, why: str) -> None:
 
 def holding_any() -> bool:
     """Whether any failed job's ranks are kept alive for ``nbaccel.debug()``."""
+    sweep()
     return bool(_held)
 
 
@@ -180,7 +215,7 @@ def make_room() -> list[str]:
 def after_launch(group: Supervisor, error: BaseException, timeout: float | None) -> bool:
     """A launch failed for good (no restart follows). Remember it for ``nbaccel.debug()``;
     True when the kernel keeps ``group`` (its failed ranks linger), which then ends it."""
-    job, group.post_mortem = group.post_mortem, None
+    job = _taken(group)
     if job is None:
         rank = getattr(error, "rank", None)
         if isinstance(rank, int) and not isinstance(error, KeyboardInterrupt):
@@ -211,7 +246,7 @@ def after_pool_call(
     the kernel holds them (until the pool's next call or close, their session's end, or
     ``DEBUG_TIMEOUT``). Not global rank 0 when the pool restarts on the same port: its
     rendezvous store listens there."""
-    job, group.post_mortem = group.post_mortem, None
+    job = _taken(group)
     if job is None:
         return set()
     job.owner, job.group, job.still_there = id(owner), group, still_there
@@ -224,17 +259,32 @@ def after_pool_call(
 
 
 def _hold(job: FailedJob, group: Supervisor, ranks: set[int], seconds: float) -> bool:
-    """Keep ``group`` for the live ones of ``ranks``; a thread ends it when they are gone."""
-    alive = [group.procs[r] for r in sorted(ranks) if group.procs[r].poll() is None]
+    """Keep ``group`` for the live ones of ``ranks`` (ended by :func:`sweep`, a session's
+    end, the pool, or the exit hook)."""
+    alive = [r for r in sorted(ranks) if group.procs[r].poll() is None]
     if not alive:
         return False
-    job.group, job.deadline = group, time.monotonic() + seconds
+    job.group, job.deadline, job.lingering = group, time.monotonic() + seconds, alive
     _held[id(job)] = job
     _lifetimes.register("kept", _end_all)  # no lingering rank outlives the kernel
-    threading.Thread(
-        target=_watch, args=(job, group, alive), name="nbaccel-postmortem", daemon=True
-    ).start()
     return True
+
+
+def sweep() -> None:
+    """End the kept groups whose ranks all left, or overstayed their deadline (by
+    ``LINGER_GRACE``); never one a debugging session holds."""
+    now = time.monotonic()
+    for job in list(_held.values()):
+        group = job.group
+        if group is None or not job.lock.acquire(blocking=False):
+            continue
+        try:
+            done = all(group.procs[r].poll() is not None for r in job.lingering)
+            late = job.deadline is not None and now > job.deadline + LINGER_GRACE
+            if done or late:
+                _end(job, group)
+        finally:
+            job.lock.release()
 
 
 def release(job: FailedJob, rank: int) -> None:
@@ -256,17 +306,6 @@ def _let_go(job: FailedJob) -> None:
             _end(job, job.group)
 
 
-def _watch(job: FailedJob, group: Supervisor, lingering: list[WorkerProcess]) -> None:
-    """End a kept group once its failed ranks left, overstayed, or were let go."""
-    while id(job) in _held:
-        time.sleep(0.2)
-        with job.lock:  # never while a session runs on the group
-            done = all(p.poll() is not None for p in lingering)
-            late = job.deadline is not None and time.monotonic() > job.deadline + LINGER_GRACE
-            if (done or late) and id(job) in _held:
-                _end(job, group)
-
-
 def _end(job: FailedJob, group: Supervisor) -> None:
     with contextlib.suppress(Exception):
         group.terminate()
@@ -285,6 +324,7 @@ def _end_all() -> None:
 __all__ = [
     "DEBUG_TIMEOUT",
     "FailedJob",
+    "KeepFailed",
     "after_launch",
     "after_pool_call",
     "forget",
@@ -293,4 +333,5 @@ __all__ = [
     "make_room",
     "release",
     "remember",
+    "sweep",
 ]

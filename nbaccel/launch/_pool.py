@@ -32,7 +32,7 @@ from ._start import forwarder, start_group
 from ._status import Observed, RankStatus
 from ._supervisor import JobFailed, Supervisor
 from ._tidy import add_hint, clean
-from ._watchdog import HangPolicy
+from ._watchdog import HangPolicy, HangWatch
 from .handle import LaunchHandle, already_running
 
 _SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for the next call
@@ -249,9 +249,11 @@ class PoolWorkers(Observed):
         try:
             group = self._group
             assert group is not None
-            group.forwarder = forwarder(self._plan, self.ranks, output)
+            group.workers.forwarder = forwarder(self._plan, self.ranks, output)
             handle.supervisor = group
-            group.hang = hang
+            watch = group.hook(HangWatch)
+            if watch is not None:
+                watch.policy = hang
             job = group.new_job()
             for rank in handle.ranks:
                 self._event(rank, "state", {"state": "running", "pid": group.procs[rank].pid})

@@ -1,6 +1,8 @@
 """The hang watchdog: a job whose ranks wait on each other without progress is reported.
 
-The supervisor asks :meth:`Watchdog.look` on every turn of its loop; every
+It plugs into the supervisor as a hook (:class:`HangWatch`, one :class:`Watchdog` per
+job), with :class:`SubsetCheck` (a job on some ranks whose rank calls a collective that
+needs the others). The supervisor asks :meth:`Watchdog.look` on every turn of its loop; every
 ``look_every`` seconds (``hang_after / 8``, between 0.25 and 15 s) it probes the job's
 busy ranks (the worker's channel thread answers, also while the main thread is blocked in
 C++: its Python stack, the torch.distributed call it is in, its collective count).
@@ -48,6 +50,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LaunchError, WorkerTimeoutError
+from ._messages import Done, Event
+from ._supervisor import Hook, JobFailed, Supervisor
 
 #: 5 minutes: longer than a real step, a checkpoint save or an evaluation on one rank
 #: usually keeps the others waiting, shorter than torch's own collective timeouts (NCCL's
@@ -252,6 +256,59 @@ class Watchdog:
         return hang
 
 
+class HangWatch(Hook):
+    """The watchdog as the supervisor's hook: progress is counted from the messages, each
+    job gets a fresh :class:`Watchdog` under ``policy`` (a pool call may set its own)."""
+
+    def __init__(self, policy: HangPolicy) -> None:
+        self.policy, self.activity = policy, 0  # activity: events and answers received
+        self._dog: Watchdog | None = None
+
+    def started(self, sup: Supervisor, ranks: list[int]) -> None:
+        def cpu(ranks: list[int]) -> dict[int, float | None]:  # working or stuck? (psutil)
+            return {r: sup.procs[r].cpu_seconds() for r in ranks}
+
+        self._dog = Watchdog(self.policy, sup.probe, cpu=cpu)
+
+    def message(self, sup: Supervisor, rank: int, message: object) -> None:
+        self.activity += isinstance(message, (Event, Done))
+
+    def look(self, sup: Supervisor, busy: list[int], done: Mapping[int, Done]) -> JobFailed | None:
+        assert self._dog is not None
+        seqs = {r: d.collectives for r, d in done.items()}
+        hang = self._dog.look(busy, seqs, self.activity)
+        if hang is not None and hang.policy.action == "raise" and not hang.busy:
+            return sup.hung(busy, hang.reason, hang.stacks)
+        if hang is not None:
+            hang.report(sup.workers.forwarder, sup.on_event)
+        return None
+
+
+class SubsetCheck(Hook):
+    """A job on some of the group's ranks (``%%distributed --ranks 0``): every
+    ``PROBE_EVERY`` seconds its busy ranks are probed; one inside a call that needs a rank
+    not running the job ends it with :func:`subset_error`."""
+
+    PROBE_EVERY = 0.5
+
+    def __init__(self) -> None:
+        self._ranks: list[int] = []
+        self._last = 0.0
+
+    def started(self, sup: Supervisor, ranks: list[int]) -> None:
+        self._ranks, self._last = ranks, time.monotonic()
+
+    def look(self, sup: Supervisor, busy: list[int], done: Mapping[int, Done]) -> JobFailed | None:
+        idle = [r for r in sup.procs if r not in self._ranks]
+        if not idle or not busy or time.monotonic() - self._last <= self.PROBE_EVERY:
+            return None
+        self._last = time.monotonic()
+        for rank, report in sup.probe(busy, wait=0.5).items():
+            if error := subset_error(rank, report, self._ranks, idle):
+                return JobFailed(error, None)
+        return None
+
+
 def subset_error(
     rank: int, report: dict[str, Any], ranks: list[int], idle: list[int]
 ) -> LaunchError | None:
@@ -272,4 +329,12 @@ def subset_error(
     )
 
 
-__all__ = ["DEFAULT_HANG_AFTER", "Hang", "HangPolicy", "Watchdog", "subset_error"]
+__all__ = [
+    "DEFAULT_HANG_AFTER",
+    "Hang",
+    "HangPolicy",
+    "HangWatch",
+    "SubsetCheck",
+    "Watchdog",
+    "subset_error",
+]

@@ -18,7 +18,8 @@ import torch
 
 from nbaccel import LaunchConfig, notebook_launcher, start_workers
 from nbaccel.config import resolve_launch_config
-from nbaccel.errors import ConfigError, WorkerError, WorkerTimeoutError
+from nbaccel.errors import ConfigError, LaunchError, WorkerError, WorkerTimeoutError
+from nbaccel.launch._supervisor import Hook, JobFailed
 from nbaccel.launch._watchdog import DEFAULT_HANG_AFTER, HangPolicy, Watchdog
 
 CPU = LaunchConfig(compute_device="cpu")
@@ -338,6 +339,26 @@ def test_a_slow_job_that_progresses_is_not_reported():
     assert "appear stuck" not in lines.text, lines.text
 
 
+class Ender(Hook):
+    """A hook of the test's own: it sees every message and ends the job once told to."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag, self.seen = flag, set()
+
+    def message(self, sup, rank, message):
+        self.seen.add(type(message).__name__)
+
+    def look(self, sup, busy, done):
+        if busy and os.path.exists(self.flag):
+            return JobFailed(LaunchError("ended by the test's hook"), None)
+        return None
+
+
+def waits_for(flag: str) -> None:
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_a_pool_call_is_reported_and_goes_on(tmp_path):
@@ -347,6 +368,19 @@ def test_a_pool_call_is_reported_and_goes_on(tmp_path):
         assert lines.seen.wait(120), lines.text
         flag.touch()
         assert handle.result(timeout=120) == 2.0 and pool.restarts == 0
+        # the watchdog, the subset check and post-mortem plug into the supervisor as hooks,
+        # and so can anything else: this one sees the messages and ends a job
+        group = pool._group
+        kinds = [type(hook).__name__ for hook in group.hooks]
+        assert kinds == ["SubsetCheck", "HangWatch", "KeepFailed"], kinds
+        ender = Ender(str(tmp_path / "end"))
+        group.hooks.append(ender)
+        handle = pool.call(waits_for, (str(tmp_path / "never"),), block=False)
+        (tmp_path / "end").touch()
+        with pytest.raises(LaunchError, match="ended by the test's hook"):
+            handle.result(timeout=120)
+        assert "Done" in ender.seen, ender.seen  # the interrupted ranks answered
+        assert pool.restarts == 0  # the ranks came back from the interrupt
 
 
 def mismatched() -> None:
