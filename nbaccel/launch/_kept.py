@@ -5,8 +5,9 @@ traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s), takes a
 :class:`FailedJob` snapshot when a job fails: the failed ranks, and where each other rank
 was at that moment (its stack, asked over its channel before it is interrupted or
 terminated); a one-shot group leaves its failed ranks running. :func:`after_launch` and
-:func:`after_pool_call` then hand it to :func:`remember` with the group of workers while one can still serve a session, and says
-when it is gone (the pool's next call or close; a launch's lingering rank leaving). When
+:func:`after_pool_call` hand it to :func:`remember` with the group while one can still
+serve a session, and say when it is gone (the pool's next call or close; a launch's
+lingering rank leaving). When
 only the kernel's debugging holds a failed rank (a debug=True launch, or a pool that
 replaced its workers), this module owns it as the pool owns its workers: no thread
 watches it; it is ended after its session, when the pool moves on, and otherwise when

@@ -111,13 +111,9 @@ class Supervisor:
     ) -> None:
         self.workers = group = Group(procs, forwarder, self._handle, on_event)
         # the group's ends, as every launch and pool reaches them
-        self.procs, self.on_event, self.pump, self.drain = (
-            group.procs,
-            on_event,
-            group.pump,
-            group.drain,
-        )
-        self.terminate, self.close, self.shutdown = group.terminate, group.close, group.shutdown
+        self.procs, self.on_event, self.pump = group.procs, on_event, group.pump
+        self.drain, self.terminate = group.drain, group.terminate
+        self.close, self.shutdown = group.close, group.shutdown
         self.timeout, self.interval, self.one_shot = timeout, interval, one_shot
         self.hooks = list(hooks)
         self.ready: set[int] = set()
@@ -162,7 +158,9 @@ class Supervisor:
             hook.message(self, rank, message)
 
     # ------------------------------------------------------------------ looking inside
-    def probe(self, ranks: Iterable[int], wait: float = 1.0) -> dict[int, dict[str, Any]]:
+    def probe(
+        self, ranks: Iterable[int], wait: float = 1.0, *, flight: bool = False
+    ) -> dict[int, dict[str, Any]]:
         """What each rank's main thread is doing now: ``{"stack", "waiting", ...}`` (see
         :func:`nbaccel.launch._worker_os.main_thread_report`); answered by the worker's
         channel thread, so also while the main thread is blocked in C++. From another
@@ -173,7 +171,7 @@ class Supervisor:
         answers = self._answers[request] = {}
         for proc in asked:
             with contextlib.suppress(OSError, AttributeError):
-                proc.channel.send(Probe(request))  # type: ignore[union-attr]
+                proc.channel.send(Probe(request, flight))  # type: ignore[union-attr]
         deadline = time.monotonic() + wait
         while len(answers) < len(asked) and time.monotonic() < deadline:
             reader = self._reader

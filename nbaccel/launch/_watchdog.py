@@ -22,6 +22,9 @@ Python frame shows it); or every busy rank sits idle (no CPU time used) inside a
 of torch's (autograd's backward, a synchronisation) with the same count of collectives:
 a collective that cannot complete (called with different shapes or different calls on
 different ranks). A job that computes without collectives for a long time is not hung.
+The report gives each rank's last collective from torch's flight recorder (its number,
+call and sizes; gloo and NCCL record by default from torch 2.13) and names a collective
+that the ranks called differently.
 
 **Waiting, not stuck**: if, at such a moment, a rank outside any torch.distributed call
 is *working* (its CPU time, with its children's, advanced by at least ``BUSY_SHARE`` of
@@ -61,7 +64,7 @@ NO_ANSWER = "(no answer: not running Python code)"
 #: The share of one CPU a rank must use between two looks to count as working.
 BUSY_SHARE = 0.05
 
-Probe = Callable[[list[int]], dict[int, dict[str, Any]]]
+Probe = Callable[..., dict[int, dict[str, Any]]]  # (ranks, *, flight=False) -> answers
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,8 @@ class Watchdog:
         if not waits and (working or not all(blocked.values())):
             return None  # nobody waits on a peer: a long computation, not a hang
         self._reports += 1
+        # torch's flight recorder: each rank's last collective (a dump: asked for only now)
+        flights = {r: a.get("flight") for r, a in self._probe(busy, flight=True).items()}
         lines = [
             f"no progress for {idle:.0f}s (hang_after={self.policy.after:g}s: no collective "
             "issued, nothing logged, no rank finished), and ranks wait on each other:"
@@ -205,9 +210,13 @@ class Watchdog:
                 state = "not in a torch.distributed call (running Python code)"
             if known.get(rank, ahead) < ahead:
                 state += f"; issued {known[rank]} collectives, others {ahead}"
+            if last := flights.get(rank):
+                state += f"; last collective #{last['seq']}: {last['call']} of {last['sizes']}"
             lines.append(f"  rank {rank}: {state}")
         stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in busy}
-        if not waits:
+        if differs := mismatch(flights):
+            lines.append(differs)
+        elif not waits:
             lines.append(
                 "  every rank issued the same number of collectives and sits idle in torch: "
                 "a collective called differently on different ranks (shapes, or another "
@@ -307,6 +316,23 @@ class SubsetCheck(Hook):
             if error := subset_error(rank, report, self._ranks, idle):
                 return JobFailed(error, None)
         return None
+
+
+def mismatch(flights: Mapping[int, dict[str, Any] | None]) -> str | None:
+    """Ranks at the same collective of a group (torch's flight recorder: its sequence
+    number) with different calls or sizes: the line saying so (None: none found)."""
+    at: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    for rank, last in flights.items():
+        if last:
+            at.setdefault((last["group"], last["seq"]), {})[rank] = last
+    for (group, seq), ranks in sorted(at.items()):
+        if len({(last["call"], str(last["sizes"])) for last in ranks.values()}) > 1:
+            calls = ", ".join(f"rank {r}: {c['call']} of {c['sizes']}" for r, c in ranks.items())
+            return (
+                f"  torch's flight recorder: collective #{seq} of {group} is called differently "
+                f"on different ranks ({calls}), so it can never complete."
+            )
+    return None
 
 
 def subset_error(

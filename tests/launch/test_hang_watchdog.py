@@ -39,7 +39,7 @@ class Script:
             "stack": f"stack of {rank}", "waiting": waiting, "collectives": count, **more
         }  # fmt: skip
 
-    def __call__(self, ranks: list[int]) -> dict[int, dict]:
+    def __call__(self, ranks: list[int], flight: bool = False) -> dict[int, dict]:
         return {r: self.answers[r] for r in ranks if r in self.answers}
 
 
@@ -397,10 +397,38 @@ def mismatched() -> None:
         dist.broadcast(value, src=0)
 
 
+def different_calls() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    Accelerator(cpu=True)
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(3))
+    else:
+        dist.broadcast(torch.ones(5), src=0)
+
+
 def prepares_a_model() -> str:
     from nbaccel import Accelerator
 
     return type(Accelerator(cpu=True).prepare(torch.nn.Linear(2, 2))).__name__
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_a_collective_called_differently_is_named_from_torchs_flight_recorder():
+    with pytest.raises(WorkerTimeoutError) as info:
+        notebook_launcher(different_calls, num_processes=2, config=CPU, start_method="fork",
+                          hang_after=2, on_hang="raise")  # fmt: skip
+    text = str(info.value)
+    assert "rank 1: waiting in torch.distributed.broadcast" in text, text
+    if torch.__version__ < "2.13":  # older torches record nothing on gloo by default
+        return
+    assert "last collective #1: gloo:all_reduce of [[3]]" in text, text
+    assert "last collective #1: gloo:broadcast of [[5]]" in text, text
+    assert "collective #1 of default_pg is called differently on different ranks" in text, text
 
 
 @pytest.mark.integration
