@@ -179,8 +179,7 @@ def remember(job: FailedJob) -> None:
     """``job`` is the one ``debug()`` opens from now on; an earlier one is let go."""
     for old in [*_last, *_held.values()]:
         if old is not job:
-            old.gone = old.gone or "a later job failed since; nbaccel.debug() opens that one"
-            _let_go(old)
+            _let_go(old, "a later job failed since; nbaccel.debug() opens that one")
     _last[:] = [job]
 
 
@@ -188,8 +187,7 @@ def forget(owner: object, why: str) -> None:
     """``owner`` (a pool) runs another call or closes: its failed job's tracebacks go."""
     for job in [*_last, *_held.values()]:
         if job.owner == id(owner):
-            job.gone = job.gone or why
-            _let_go(job)
+            _let_go(job, why)
 
 
 def holding_any() -> bool:
@@ -205,10 +203,7 @@ def make_room() -> list[str]:
     ended = []
     for job in list(_held.values()):
         ranks = sorted(set(job.holding()) - job.gone_ranks)
-        job.gone = job.gone or (
-            "a later launch started; the kernel ended the kept ranks to give it their GPU memory"
-        )
-        _let_go(job)
+        _let_go(job, "a later launch started; the kernel ended its kept ranks for their GPU memory")
         ended.append(f"rank(s) {', '.join(map(str, ranks))} of the failed {job.origin} job")
     return ended
 
@@ -281,9 +276,8 @@ def sweep() -> None:
             continue
         try:
             done = all(group.procs[r].poll() is not None for r in job.lingering)
-            late = job.deadline is not None and now > job.deadline + LINGER_GRACE
-            if done or late:
-                _end(job, group)
+            if done or (job.deadline is not None and now > job.deadline + LINGER_GRACE):
+                _end(job)
         finally:
             job.lock.release()
 
@@ -298,28 +292,29 @@ def release(job: FailedJob, rank: int) -> None:
     group.terminate(spare=set(group.procs) - {rank})
     job.gone_ranks.add(rank)
     if all(group.procs[r].poll() is not None for r in job.holding() if r in group.procs):
-        _end(job, group)
+        _end(job)
 
 
-def _let_go(job: FailedJob) -> None:
-    if id(job) in _held and job.group is not None:
-        with job.lock:
-            _end(job, job.group)
+def _let_go(job: FailedJob, why: str) -> None:
+    job.gone = job.gone or why
+    if id(job) in _held:
+        with job.lock:  # never while a session runs on the group
+            _end(job)
 
 
-def _end(job: FailedJob, group: Supervisor) -> None:
-    with contextlib.suppress(Exception):
-        group.terminate()
-        group.close()
-    job.group = None
+def _end(job: FailedJob) -> None:
+    group, job.group = job.group, None
     _held.pop(id(job), None)
+    if group is not None:
+        with contextlib.suppress(Exception):
+            group.terminate()
+            group.close()
 
 
 def _end_all() -> None:
     """Kernel exit: no lingering rank outlives it (they would also see their channel end)."""
     for job in list(_held.values()):
-        if job.group is not None:
-            _end(job, job.group)
+        _end(job)
 
 
 __all__ = [
