@@ -296,7 +296,7 @@ class HangWatch(Hook):
 class SubsetCheck(Hook):
     """A job on some of the group's ranks (``%%distributed --ranks 0``): every
     ``PROBE_EVERY`` seconds its busy ranks are probed; one inside a call that needs a rank
-    not running the job ends it with :func:`subset_error`."""
+    not running the job can never complete: the job ends with an error naming them."""
 
     PROBE_EVERY = 0.5
 
@@ -313,8 +313,16 @@ class SubsetCheck(Hook):
             return None
         self._last = time.monotonic()
         for rank, report in sup.probe(busy, wait=0.5).items():
-            if error := subset_error(rank, report, self._ranks, idle):
-                return JobFailed(error, None)
+            waiting = report.get("waiting") or {"ranks": []}
+            missing = sorted(set(idle if waiting["ranks"] is None else waiting["ranks"]) & {*idle})
+            if missing:
+                return JobFailed(LaunchError(
+                    f"rank {rank} entered {waiting['call']} (a call that needs rank(s) {missing} "
+                    f"too) in a job run on rank(s) {self._ranks} only: rank(s) {missing} do not "
+                    "run it, so it can never complete. Run the cell on every rank (without "
+                    "--ranks), or keep collectives out of cells run on some ranks.\n--- where "
+                    f"rank {rank} was ---\n{report['stack']}"
+                ), None)  # fmt: skip
         return None
 
 
@@ -335,32 +343,4 @@ def mismatch(flights: Mapping[int, dict[str, Any] | None]) -> str | None:
     return None
 
 
-def subset_error(
-    rank: int, report: dict[str, Any], ranks: list[int], idle: list[int]
-) -> LaunchError | None:
-    """A job run on ``ranks`` only (``%%distributed --ranks``) whose ``rank`` entered a call
-    that needs a rank of ``idle`` too: the error naming them (None: no such call)."""
-    waiting = report.get("waiting")
-    if not waiting:
-        return None
-    needs = idle if waiting["ranks"] is None else waiting["ranks"]
-    missing = sorted(set(needs) & set(idle))
-    if not missing:
-        return None
-    return LaunchError(
-        f"rank {rank} entered {waiting['call']} (a call that needs rank(s) {missing} too) in "
-        f"a job run on rank(s) {ranks} only: rank(s) {missing} do not run it, so it can never "
-        "complete. Run the cell on every rank (without --ranks), or keep collectives out of "
-        f"cells run on some ranks.\n--- where rank {rank} was ---\n{report['stack']}"
-    )
-
-
-__all__ = [
-    "DEFAULT_HANG_AFTER",
-    "Hang",
-    "HangPolicy",
-    "HangWatch",
-    "SubsetCheck",
-    "Watchdog",
-    "subset_error",
-]
+__all__ = ["DEFAULT_HANG_AFTER", "Hang", "HangPolicy", "HangWatch", "SubsetCheck", "Watchdog"]

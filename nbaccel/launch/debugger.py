@@ -131,16 +131,9 @@ class _Inbox(Hook):
 
 def _session(group: Supervisor, rank: int, script: list[str] | None) -> None:
     """Drive one pdb session on ``rank``'s worker until pdb returns."""
-    inbox = _Inbox(rank, next(_sessions))
-    group.hooks.append(inbox)
-    try:
-        _converse(group, inbox, script)
-    finally:
-        group.hooks.remove(inbox)
-
-
-def _converse(group: Supervisor, inbox: _Inbox, script: list[str] | None) -> None:
-    rank, sid = inbox.rank, inbox.sid
+    sid = next(_sessions)
+    inbox = _Inbox(rank, sid)  # in place of an earlier session's
+    group.hooks[:] = [h for h in group.hooks if not isinstance(h, _Inbox)] + [inbox]
     try:
         group.send([rank], Debug(sid))
     except JobFailed as failed:
