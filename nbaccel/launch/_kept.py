@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import _lifetimes
@@ -52,7 +51,6 @@ class FailedJob:
     origin: str = "pool"  # "pool" or "notebook_launcher"
     group: Supervisor | None = None  # the workers, while a session is possible
     gone: str | None = None  # why no session is possible any more
-    still_there: Callable[[], str | None] = lambda: None  # the owner's word (pool closed...)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one session at a time
     deadline: float | None = None  # monotonic time a launch's failed ranks leave
     owner: int | None = None  # id() of the pool whose call failed
@@ -110,9 +108,8 @@ class FailedJob:
                 f"rank {rank} did not fail (it had finished the job), so it holds no "
                 f"traceback; rank(s) {self.holding()} did: try nbaccel.debug({self.first})."
             )
-        gone = self.gone or self.still_there()
-        if gone:
-            return f"no post-mortem session on rank {rank}: {gone}."
+        if self.gone:
+            return f"no post-mortem session on rank {rank}: {self.gone}."
         group = self.group
         if group is None or rank not in group.procs or group.procs[rank].poll() is not None:
             if self.origin == "pool" and rank in self.gone_ranks:
@@ -230,12 +227,7 @@ def after_launch(group: Supervisor, error: BaseException, timeout: float | None)
 
 
 def after_pool_call(
-    owner: object,
-    group: Supervisor,
-    still_there: Callable[[], str | None],
-    *,
-    broken: bool,
-    port_fixed: bool,
+    owner: object, group: Supervisor, *, broken: bool, port_fixed: bool
 ) -> set[int]:
     """A pool call failed: remember its snapshot (if the supervisor took one). When the
     pool replaces its workers (``broken``), return the failed ranks it must leave alive:
@@ -245,11 +237,10 @@ def after_pool_call(
     job = _taken(group)
     if job is None:
         return set()
-    job.owner, job.group, job.still_there = id(owner), group, still_there
+    job.owner, job.group = id(owner), group  # its next call, restart or close: forget()
     remember(job)
     if not broken:
         return set()
-    job.still_there = lambda: None  # the pool's next call or close lets it go (forget)
     ranks = set(job.holding()) - ({0} if port_fixed else set())
     return ranks if _hold(job, group, ranks, DEBUG_TIMEOUT) else set()
 

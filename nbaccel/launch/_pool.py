@@ -19,7 +19,6 @@ import itertools
 import sys
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchError, Stopped
@@ -102,6 +101,8 @@ class PoolWorkers(Observed):
                 f"{self.restarts + 1}). Names set with push or in %%distributed cells are "
                 f"gone; the process group forms again at the next Accelerator().{kept}"
             )
+        if not spare:  # the failed job's workers go with these: nothing left to debug
+            _kept.forget(self, "the pool restarted its workers")
         self._stop_workers(5.0 if graceful else 0.0, spare)
         self.restarts += 1
         self._start()
@@ -116,18 +117,6 @@ class PoolWorkers(Observed):
             self._replace(f"{dead.summary()} while the pool was idle")
 
     # ------------------------------------------------------------------ internals
-    def _kept_workers(self, group: Supervisor) -> Callable[[], str | None]:
-        """For nbaccel.debug(): why ``group``'s workers are no longer this pool's."""
-        pool = weakref.ref(self)
-
-        def why() -> str | None:
-            owner = pool()
-            if owner is None or owner.closed:
-                return "the pool was closed"
-            return None if owner._group is group else "the pool restarted its workers"
-
-        return why
-
     def _event(self, rank: int, kind: str, data: dict) -> None:
         listeners = self._board.record(rank, kind, data)
         handle = self._handle
@@ -223,9 +212,8 @@ class PoolWorkers(Observed):
         error = failed.error
         fixed_port = self._plan.config.master_port is not None
         keep = _kept.after_pool_call(  # for nbaccel.debug()
-            self, group, self._kept_workers(group), broken=bool(failed.broken),
-            port_fixed=fixed_port,
-        )  # fmt: skip
+            self, group, broken=bool(failed.broken), port_fixed=fixed_port
+        )
         if failed.broken:
             self._handle = None
             self._replace(failed.broken, spare=keep)

@@ -84,6 +84,9 @@ def test_every_failed_rank_can_be_debugged_and_the_first_is_the_default(capsys):
         for rank in (first.first, 1 - first.first):
             nbaccel.debug(rank, commands=["p local"])
             assert f"'rank {rank}'" in capsys.readouterr().out
+        pool.restart()  # the failed job's workers go: said so, not "the worker is gone"
+        with pytest.raises(LaunchError, match=r"no post-mortem session .*restarted its workers"):
+            nbaccel.debug()
 
 
 def test_a_worker_that_exits_during_the_session_is_reported_and_replaced():
