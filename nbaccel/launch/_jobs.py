@@ -216,8 +216,7 @@ def collective_count() -> int | None:
 
 def last_collective() -> dict[str, Any] | None:
     """The last collective this process issued, as torch's flight recorder holds it
-    (recording on gloo and NCCL by default from torch 2.13; ``TORCH_FR_BUFFER_SIZE`` sets
-    its size): ``{"group", "seq", "call", "sizes"}``; None where torch records nothing."""
+    (torch 2.13 records gloo's by default; ``TORCH_FR_BUFFER_SIZE`` sets how many): ``{"group", "seq", "call", "sizes"}``; None where torch records nothing."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is None or not dist.is_initialized():

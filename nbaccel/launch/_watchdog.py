@@ -23,7 +23,7 @@ of torch's (autograd's backward, a synchronisation) with the same count of colle
 a collective that cannot complete (called with different shapes or different calls on
 different ranks). A job that computes without collectives for a long time is not hung.
 The report gives each rank's last collective from torch's flight recorder (its number,
-call and sizes; gloo and NCCL record by default from torch 2.13) and names a collective
+call and sizes; torch 2.13 records gloo's by default) and names a collective
 that the ranks called differently.
 
 **Waiting, not stuck**: if, at such a moment, a rank outside any torch.distributed call
