@@ -2,8 +2,9 @@
 
 One ``selectors`` loop over every worker's stdout/stderr pipes and channel: output lines
 go to the :class:`~nbaccel.launch._output.LineForwarder` (a tail of stderr is kept for a
-fatal error's stack), channel messages to :meth:`Group.handle` (the supervisor's).
-Ending: ask to leave, SIGTERM (a worker ends its own children), SIGKILL, reap, close.
+fatal error's stack), channel messages to ``on_message`` (the supervisor, which holds a
+group and decides; the group only reads and ends). Ending: ask to leave, SIGTERM (a
+worker ends its own children), SIGKILL, reap, close.
 
 Example:
     >>> Group.DRAIN
@@ -34,10 +35,11 @@ class Group:
         self,
         procs: list[WorkerProcess],
         forwarder: LineForwarder,
+        on_message: Callable[[WorkerProcess, object], None],
         on_event: Callable[[int, str, dict], None],
     ) -> None:
         self.procs = {p.rank: p for p in procs}
-        self.forwarder, self.on_event = forwarder, on_event
+        self.forwarder, self.on_message, self.on_event = forwarder, on_message, on_event
         self.owner = os.getpid()
         self._tails = {rank: bytearray() for rank in self.procs}
         self._selector = selectors.DefaultSelector()
@@ -47,9 +49,6 @@ class Group:
             for name, fd in [*proc.fds.items(), ("channel", proc.channel.fileno())]:
                 self._selector.register(fd, selectors.EVENT_READ, (proc, name))
                 self._open.add(fd)
-
-    def handle(self, proc: WorkerProcess, message: object) -> None:
-        """One message from ``proc``'s channel (the supervisor acts on it)."""
 
     def pump(self, wait: float) -> None:
         """Read whatever arrives within ``wait`` seconds and act on it."""
@@ -64,7 +63,7 @@ class Group:
                 if messages is None:
                     self._close(key.fd, proc, name)
                 for message in messages or ():
-                    self.handle(proc, message)
+                    self.on_message(proc, message)
                 continue
             try:
                 data = os.read(key.fd, 1 << 16)
@@ -88,14 +87,19 @@ class Group:
             if name != "channel":
                 self.forwarder.close(proc.rank, name)
 
-    def _poll(self) -> None:
+    def tail(self, rank: int) -> str:
+        """The end of ``rank``'s stderr (a fatal error's stack is there)."""
+        return self._tails[rank].decode(errors="replace")
+
+    def poll(self) -> None:
+        """Reap the exited workers; a death by signal is an event ("killed")."""
         for proc in self.procs.values():
             if proc.returncode is None:
                 code = proc.poll()
                 if code is not None and code < 0:
                     self.on_event(proc.rank, "state", {"state": "killed", "code": code})
 
-    def _exited(self, proc: WorkerProcess) -> bool:
+    def exited(self, proc: WorkerProcess) -> bool:
         """Exited, and its channel read to the end (or it exited long enough ago)."""
         if proc.returncode is None or proc.exit_time is None:
             return False

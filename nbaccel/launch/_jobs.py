@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import json
 import linecache
 import os
 import runpy
@@ -213,6 +214,27 @@ def collective_count() -> int | None:
         return None
 
 
+def last_collective() -> dict[str, Any] | None:
+    """The last collective this process issued, as torch's flight recorder holds it
+    (torch 2.13 records gloo's by default; ``TORCH_FR_BUFFER_SIZE`` sets how many): ``{"group", "seq", "call", "sizes"}``; None where torch records nothing."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_initialized():
+            return None
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+
+        entries = json.loads(_dump_fr_trace_json(includeCollectives=True)).get("entries")
+        last = entries[-1]
+        return {
+            "group": last["process_group"][1],
+            "seq": int(last["collective_seq_id"]),
+            "call": str(last["profiling_name"]),
+            "sizes": last["input_sizes"],
+        }
+    except Exception:  # an older torch, no recorder, nothing recorded yet
+        return None
+
+
 __all__ = [
     "JOBS",
     "RemoteRepr",
@@ -220,5 +242,6 @@ __all__ = [
     "check_syntax",
     "collective_count",
     "dill_for_workers",
+    "last_collective",
     "ship",
 ]

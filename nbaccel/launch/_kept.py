@@ -1,14 +1,21 @@
 """Kernel side of post-mortem debugging: which failed job's ranks can still be debugged.
 
-The supervisor takes a :class:`FailedJob` snapshot when a job fails on workers that keep
-their traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s): the failed
-ranks, and where each other rank was at that moment (its stack, asked over its channel
-before it is interrupted or terminated). The pool or the launcher then hands it to
-:func:`remember` with the group of workers while one can still serve a session, and says
-when it is gone (the pool's next call or close; a launch's lingering rank leaving). When
+The :class:`KeepFailed` hook, plugged into the supervisor of workers that keep their
+traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s), takes a
+:class:`FailedJob` snapshot when a job fails: the failed ranks, and where each other rank
+was at that moment (its stack, asked over its channel before it is interrupted or
+terminated); a one-shot group leaves its failed ranks running. :func:`after_launch` and
+:func:`after_pool_call` hand it to :func:`remember` with the group while one can still
+serve a session, and say when it is gone (the pool's next call or close; a launch's
+lingering rank leaving). When
 only the kernel's debugging holds a failed rank (a debug=True launch, or a pool that
-replaced its workers), a thread ends it after its session, at ``debug_timeout``, or when
-the pool moves on. The last failure in this kernel is what :func:`nbaccel.debug` opens.
+replaced its workers), this module owns it as the pool owns its workers: no thread
+watches it; it is ended after its session, when the pool moves on, and otherwise when
+the kernel next touches its workers (:func:`sweep`: a launch, a pool call,
+``nbaccel.debug()``) once its ranks left or overstayed ``debug_timeout``; the one exit
+hook (:mod:`._lifetimes`) ends whatever is left. A lingering rank leaves by itself at
+``debug_timeout`` (the worker's own clock), so until that touch it is at most a zombie.
+The last failure in this kernel is what :func:`nbaccel.debug` opens.
 
 Example:
     >>> last() is None or isinstance(last(), FailedJob)
@@ -20,16 +27,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import _lifetimes
 from ._failures import Failure, signal_name
-
-# The supervisor imports this module, so its type is spelled here by name only.
-Supervisor = Any
-WorkerProcess = Any
+from ._supervisor import Hook, Supervisor
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
 LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session
@@ -49,11 +51,11 @@ class FailedJob:
     origin: str = "pool"  # "pool" or "notebook_launcher"
     group: Supervisor | None = None  # the workers, while a session is possible
     gone: str | None = None  # why no session is possible any more
-    still_there: Callable[[], str | None] = lambda: None  # the owner's word (pool closed...)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one session at a time
     deadline: float | None = None  # monotonic time a launch's failed ranks leave
     owner: int | None = None  # id() of the pool whose call failed
     gone_ranks: set[int] = field(default_factory=set)  # ranks let go after their session
+    lingering: list[int] = field(default_factory=list)  # the kept ranks, while held
 
     @classmethod
     def at_failure(
@@ -61,16 +63,16 @@ class FailedJob:
         group: Supervisor,
         problems: list[Failure],
         chosen: Failure,
-        procs: list[WorkerProcess],
+        ranks: list[int],
         finished: set[int],
     ) -> FailedJob:
-        """The snapshot, taken by the supervisor as the job fails."""
+        """The snapshot of the job on ``ranks``, taken as it fails."""
         failed = {f.rank: f for f in problems}
-        running = [p.rank for p in procs if p.rank not in {*failed, *finished} and p.poll() is None]
+        alive = [r for r in ranks if group.procs[r].poll() is None]
+        running = [r for r in alive if r not in {*failed, *finished}]
         stacks = group.stacks(running) if running else {}
         others = {}
-        for proc in procs:
-            rank = proc.rank
+        for rank in ranks:
             if rank in failed and rank != chosen.rank:
                 others[rank] = f"failed too ({failed[rank].summary()})"
             elif rank in stacks:
@@ -106,9 +108,8 @@ class FailedJob:
                 f"rank {rank} did not fail (it had finished the job), so it holds no "
                 f"traceback; rank(s) {self.holding()} did: try nbaccel.debug({self.first})."
             )
-        gone = self.gone or self.still_there()
-        if gone:
-            return f"no post-mortem session on rank {rank}: {gone}."
+        if self.gone:
+            return f"no post-mortem session on rank {rank}: {self.gone}."
         group = self.group
         if group is None or rank not in group.procs or group.procs[rank].poll() is not None:
             if self.origin == "pool" and rank in self.gone_ranks:
@@ -131,12 +132,43 @@ class FailedJob:
         return None
 
 
+class KeepFailed(Hook):
+    """Post-mortem's hook: the snapshot at a failure; a one-shot group spares its failed
+    ranks (they wait for ``nbaccel.debug()``)."""
+
+    def __init__(self) -> None:
+        self.job: FailedJob | None = None
+        self._ranks: list[int] = []
+
+    def started(self, sup: Supervisor, ranks: list[int]) -> None:
+        self._ranks = ranks
+
+    def failed(
+        self, sup: Supervisor, problems: list[Failure], chosen: Failure, finished: set[int]
+    ) -> None:
+        self.job = FailedJob.at_failure(sup, problems, chosen, self._ranks, finished)
+
+    def spared(self, sup: Supervisor) -> set[int]:
+        job = self.job
+        return set() if job is None else {r for r in job.holding() if sup.procs[r].poll() is None}
+
+
+def _taken(group: Supervisor) -> FailedJob | None:
+    """The snapshot of ``group``'s failed job (taken once), if it keeps failed ranks."""
+    hook = group.hook(KeepFailed)
+    if hook is None:
+        return None
+    job, hook.job = hook.job, None
+    return job
+
+
 _last: list[FailedJob] = []
 _held: dict[int, FailedJob] = {}  # failed jobs whose workers only the kernel's debug holds
 
 
 def last() -> FailedJob | None:
     """The last failed job of this kernel (None: nothing failed yet)."""
+    sweep()
     return _last[0] if _last else None
 
 
@@ -144,8 +176,7 @@ def remember(job: FailedJob) -> None:
     """``job`` is the one ``debug()`` opens from now on; an earlier one is let go."""
     for old in [*_last, *_held.values()]:
         if old is not job:
-            old.gone = old.gone or "a later job failed since; nbaccel.debug() opens that one"
-            _let_go(old)
+            _let_go(old, "a later job failed since; nbaccel.debug() opens that one")
     _last[:] = [job]
 
 
@@ -153,12 +184,12 @@ def forget(owner: object, why: str) -> None:
     """``owner`` (a pool) runs another call or closes: its failed job's tracebacks go."""
     for job in [*_last, *_held.values()]:
         if job.owner == id(owner):
-            job.gone = job.gone or why
-            _let_go(job)
+            _let_go(job, why)
 
 
 def holding_any() -> bool:
     """Whether any failed job's ranks are kept alive for ``nbaccel.debug()``."""
+    sweep()
     return bool(_held)
 
 
@@ -169,10 +200,7 @@ def make_room() -> list[str]:
     ended = []
     for job in list(_held.values()):
         ranks = sorted(set(job.holding()) - job.gone_ranks)
-        job.gone = job.gone or (
-            "a later launch started; the kernel ended the kept ranks to give it their GPU memory"
-        )
-        _let_go(job)
+        _let_go(job, "a later launch started; the kernel ended its kept ranks for their GPU memory")
         ended.append(f"rank(s) {', '.join(map(str, ranks))} of the failed {job.origin} job")
     return ended
 
@@ -180,7 +208,7 @@ def make_room() -> list[str]:
 def after_launch(group: Supervisor, error: BaseException, timeout: float | None) -> bool:
     """A launch failed for good (no restart follows). Remember it for ``nbaccel.debug()``;
     True when the kernel keeps ``group`` (its failed ranks linger), which then ends it."""
-    job, group.post_mortem = group.post_mortem, None
+    job = _taken(group)
     if job is None:
         rank = getattr(error, "rank", None)
         if isinstance(rank, int) and not isinstance(error, KeyboardInterrupt):
@@ -199,42 +227,50 @@ def after_launch(group: Supervisor, error: BaseException, timeout: float | None)
 
 
 def after_pool_call(
-    owner: object,
-    group: Supervisor,
-    still_there: Callable[[], str | None],
-    *,
-    broken: bool,
-    port_fixed: bool,
+    owner: object, group: Supervisor, *, broken: bool, port_fixed: bool
 ) -> set[int]:
     """A pool call failed: remember its snapshot (if the supervisor took one). When the
     pool replaces its workers (``broken``), return the failed ranks it must leave alive:
     the kernel holds them (until the pool's next call or close, their session's end, or
     ``DEBUG_TIMEOUT``). Not global rank 0 when the pool restarts on the same port: its
     rendezvous store listens there."""
-    job, group.post_mortem = group.post_mortem, None
+    job = _taken(group)
     if job is None:
         return set()
-    job.owner, job.group, job.still_there = id(owner), group, still_there
+    job.owner, job.group = id(owner), group  # its next call, restart or close: forget()
     remember(job)
     if not broken:
         return set()
-    job.still_there = lambda: None  # the pool's next call or close lets it go (forget)
     ranks = set(job.holding()) - ({0} if port_fixed else set())
     return ranks if _hold(job, group, ranks, DEBUG_TIMEOUT) else set()
 
 
 def _hold(job: FailedJob, group: Supervisor, ranks: set[int], seconds: float) -> bool:
-    """Keep ``group`` for the live ones of ``ranks``; a thread ends it when they are gone."""
-    alive = [group.procs[r] for r in sorted(ranks) if group.procs[r].poll() is None]
+    """Keep ``group`` for the live ones of ``ranks`` (ended by :func:`sweep`, a session's
+    end, the pool, or the exit hook)."""
+    alive = [r for r in sorted(ranks) if group.procs[r].poll() is None]
     if not alive:
         return False
-    job.group, job.deadline = group, time.monotonic() + seconds
+    job.group, job.deadline, job.lingering = group, time.monotonic() + seconds, alive
     _held[id(job)] = job
     _lifetimes.register("kept", _end_all)  # no lingering rank outlives the kernel
-    threading.Thread(
-        target=_watch, args=(job, group, alive), name="nbaccel-postmortem", daemon=True
-    ).start()
     return True
+
+
+def sweep() -> None:
+    """End the kept groups whose ranks all left, or overstayed their deadline (by
+    ``LINGER_GRACE``); never one a debugging session holds."""
+    now = time.monotonic()
+    for job in list(_held.values()):
+        group = job.group
+        if group is None or not job.lock.acquire(blocking=False):
+            continue
+        try:
+            done = all(group.procs[r].poll() is not None for r in job.lingering)
+            if done or (job.deadline is not None and now > job.deadline + LINGER_GRACE):
+                _end(job)
+        finally:
+            job.lock.release()
 
 
 def release(job: FailedJob, rank: int) -> None:
@@ -247,44 +283,35 @@ def release(job: FailedJob, rank: int) -> None:
     group.terminate(spare=set(group.procs) - {rank})
     job.gone_ranks.add(rank)
     if all(group.procs[r].poll() is not None for r in job.holding() if r in group.procs):
-        _end(job, group)
+        _end(job)
 
 
-def _let_go(job: FailedJob) -> None:
-    if id(job) in _held and job.group is not None:
-        with job.lock:
-            _end(job, job.group)
-
-
-def _watch(job: FailedJob, group: Supervisor, lingering: list[WorkerProcess]) -> None:
-    """End a kept group once its failed ranks left, overstayed, or were let go."""
-    while id(job) in _held:
-        time.sleep(0.2)
+def _let_go(job: FailedJob, why: str) -> None:
+    job.gone = job.gone or why
+    if id(job) in _held:
         with job.lock:  # never while a session runs on the group
-            done = all(p.poll() is not None for p in lingering)
-            late = job.deadline is not None and time.monotonic() > job.deadline + LINGER_GRACE
-            if (done or late) and id(job) in _held:
-                _end(job, group)
+            _end(job)
 
 
-def _end(job: FailedJob, group: Supervisor) -> None:
-    with contextlib.suppress(Exception):
-        group.terminate()
-        group.close()
-    job.group = None
+def _end(job: FailedJob) -> None:
+    group, job.group = job.group, None
     _held.pop(id(job), None)
+    if group is not None:
+        with contextlib.suppress(Exception):
+            group.terminate()
+            group.close()
 
 
 def _end_all() -> None:
     """Kernel exit: no lingering rank outlives it (they would also see their channel end)."""
     for job in list(_held.values()):
-        if job.group is not None:
-            _end(job, job.group)
+        _end(job)
 
 
 __all__ = [
     "DEBUG_TIMEOUT",
     "FailedJob",
+    "KeepFailed",
     "after_launch",
     "after_pool_call",
     "forget",
@@ -293,4 +320,5 @@ __all__ = [
     "make_room",
     "release",
     "remember",
+    "sweep",
 ]

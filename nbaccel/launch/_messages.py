@@ -45,9 +45,12 @@ class Job:
 
 @dataclass(frozen=True)
 class Probe:
-    """What is the main thread doing? Answered at once by the channel's reader thread."""
+    """What is the main thread doing? Answered at once by the channel's reader thread;
+    ``flight``: with the last collective torch's flight recorder holds (a dump: asked for
+    only when the watchdog reports)."""
 
     request: int
+    flight: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import itertools
 import sys
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from ..errors import LaunchError, Stopped
@@ -32,7 +31,7 @@ from ._start import forwarder, start_group
 from ._status import Observed, RankStatus
 from ._supervisor import JobFailed, Supervisor
 from ._tidy import add_hint, clean
-from ._watchdog import HangPolicy
+from ._watchdog import HangPolicy, HangWatch
 from .handle import LaunchHandle, already_running
 
 _SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for the next call
@@ -102,6 +101,8 @@ class PoolWorkers(Observed):
                 f"{self.restarts + 1}). Names set with push or in %%distributed cells are "
                 f"gone; the process group forms again at the next Accelerator().{kept}"
             )
+        if not spare:  # the failed job's workers go with these: nothing left to debug
+            _kept.forget(self, "the pool restarted its workers")
         self._stop_workers(5.0 if graceful else 0.0, spare)
         self.restarts += 1
         self._start()
@@ -116,18 +117,6 @@ class PoolWorkers(Observed):
             self._replace(f"{dead.summary()} while the pool was idle")
 
     # ------------------------------------------------------------------ internals
-    def _kept_workers(self, group: Supervisor) -> Callable[[], str | None]:
-        """For nbaccel.debug(): why ``group``'s workers are no longer this pool's."""
-        pool = weakref.ref(self)
-
-        def why() -> str | None:
-            owner = pool()
-            if owner is None or owner.closed:
-                return "the pool was closed"
-            return None if owner._group is group else "the pool restarted its workers"
-
-        return why
-
     def _event(self, rank: int, kind: str, data: dict) -> None:
         listeners = self._board.record(rank, kind, data)
         handle = self._handle
@@ -223,9 +212,8 @@ class PoolWorkers(Observed):
         error = failed.error
         fixed_port = self._plan.config.master_port is not None
         keep = _kept.after_pool_call(  # for nbaccel.debug()
-            self, group, self._kept_workers(group), broken=bool(failed.broken),
-            port_fixed=fixed_port,
-        )  # fmt: skip
+            self, group, broken=bool(failed.broken), port_fixed=fixed_port
+        )
         if failed.broken:
             self._handle = None
             self._replace(failed.broken, spare=keep)
@@ -249,9 +237,11 @@ class PoolWorkers(Observed):
         try:
             group = self._group
             assert group is not None
-            group.forwarder = forwarder(self._plan, self.ranks, output)
+            group.workers.forwarder = forwarder(self._plan, self.ranks, output)
             handle.supervisor = group
-            group.hang = hang
+            watch = group.hook(HangWatch)
+            if watch is not None:
+                watch.policy = hang
             job = group.new_job()
             for rank in handle.ranks:
                 self._event(rank, "state", {"state": "running", "pid": group.procs[rank].pid})

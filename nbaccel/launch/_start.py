@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import _kept
 from ._cell_output import CellOutput
 from ._messages import Job
 from ._output import LineForwarder
@@ -28,7 +29,7 @@ from ._preflight import LaunchPlan
 from ._process import start_processes
 from ._rendezvous import Rendezvous
 from ._supervisor import Supervisor
-from ._watchdog import HangPolicy
+from ._watchdog import HangPolicy, HangWatch, SubsetCheck
 from ._worker import WorkerSpec
 
 
@@ -83,6 +84,7 @@ def start_group(
     ``first_job`` reaches forked workers through the fork and spawned ones as their
     first message.
     """
+    _kept.sweep()  # kept ranks whose time is over go before new workers start
     cfg = plan.config
     ranks = plan.ranks
     rdzv = None
@@ -104,6 +106,9 @@ def start_group(
     finally:
         if rdzv is not None:
             rdzv.close()  # rank 0 owns the listening socket now; the kernel keeps no copy
+    hooks = [SubsetCheck(), HangWatch(HangPolicy.of(cfg))]
+    if persistent or plan.debug_timeout is not None:  # a pool, debug=True: nbaccel.debug()
+        hooks.append(_kept.KeepFailed())
     try:
         supervisor = Supervisor(
             procs,
@@ -112,7 +117,7 @@ def start_group(
             interval=plan.monitor_interval,
             on_event=on_event,
             one_shot=not persistent,
-            hang=HangPolicy.of(cfg),
+            hooks=hooks,
         )
         if plan.method != "fork" and first_job is not None:
             supervisor.send(ranks, first_job)

@@ -1,9 +1,6 @@
 """The one supervisor: the kernel's side of a group of workers, for every kind of launch.
 
-One loop multiplexes every worker's output pipes and channel with ``selectors``: output
-lines go to the :class:`~nbaccel.launch._output.LineForwarder` (a tail of stderr is kept
-for fatal-error stacks), channel messages (:mod:`~nbaccel.launch._messages`) are acted
-on by their type.
+Channel messages (:mod:`~nbaccel.launch._messages`) are acted on by their type.
 :meth:`Supervisor.run_job` waits for one job on some ranks and decides:
 
 * a failure (an exception, a death by signal, an unexpected exit) starts a short grace
@@ -13,18 +10,17 @@ on by their type.
 * only secondary failures while other ranks still run, or ranks still busy ``timeout``
   seconds after a peer finished: those ranks hang; their stacks (:meth:`probe`) go into
   a :class:`~nbaccel.errors.WorkerTimeoutError`;
-* ranks that wait on each other with no progress for ``hang_after`` seconds: the
-  :mod:`~nbaccel.launch._watchdog` reports them where the output goes and the job goes on
-  (``on_hang="raise"``: ``_hang`` as above);
-* a job on a subset of this node's ranks (``%%distributed --ranks 0``) whose rank enters
-  a torch.distributed call that needs a rank not running the job: an error naming it;
 * an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
   terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back;
 * a :class:`~nbaccel.errors.RanksMissingError` (a collective entered by some ranks only)
-  gets a note with the stacks of the ranks that did not come, probed as it arrives;
-* post-mortem (``keep_failed``: pools, debug=True launches): at a failure, where the other
-  ranks are (:class:`~nbaccel.launch._kept.FailedJob`); a one-shot group's failed ranks are
-  not terminated (they wait for ``nbaccel.debug()``); pdb's messages are queued for it.
+  gets a note with the stacks of the ranks that did not come, probed as it arrives.
+
+Extras plug in as :class:`Hook` objects (DESIGN.md habit 6), called on each message, on
+each turn of a job's loop (a hook may end the job), at a failure, and for the ranks a
+one-shot group leaves running: the hang watchdog and the subset check
+(:mod:`~nbaccel.launch._watchdog`), post-mortem's snapshot (:mod:`~nbaccel.launch._kept`),
+a pdb session's inbox (:mod:`~nbaccel.launch.debugger`). The workers' pipes and channels
+are read and ended by the :class:`~nbaccel.launch._group.Group` the supervisor holds.
 
 :class:`JobFailed` carries the error and, when the workers cannot go on (a rank died,
 hung, did not come back, or the ranks ran different numbers of collectives), the reason.
@@ -41,31 +37,20 @@ import itertools
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
 from ._failures import Failure, add_note, name_missing, pick_failure, remote_exception, trim_stack
 from ._group import Group
-from ._kept import FailedJob
-from ._messages import (
-    Done,
-    Event,
-    Fatal,
-    Hello,
-    Imported,
-    PdbOutput,
-    Probe,
-    ProbeAnswer,
-    Ready,
-)
+from ._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
 from ._output import LineForwarder
 from ._preload import remember_worker_imports
 from ._process import WorkerProcess
-from ._watchdog import HangPolicy, Watchdog, subset_error
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
+H = TypeVar("H", bound="Hook")
 
 
 class JobFailed(Exception):
@@ -77,12 +62,41 @@ class JobFailed(Exception):
         self.error, self.broken = error, broken
 
 
-class Supervisor(Group):
-    """Owns a group of started workers: reads them, runs jobs on them, ends them."""
+class Hook:
+    """An extra that plugs into the supervisor; every method is optional.
+
+    Example:
+        >>> class Count(Hook):
+        ...     def message(self, sup, rank, message):
+        ...         self.seen = getattr(self, "seen", 0) + 1
+    """
+
+    def started(self, sup: Supervisor, ranks: list[int]) -> None:
+        """A job starts on ``ranks``."""
+
+    def message(self, sup: Supervisor, rank: int, message: object) -> None:
+        """A message from ``rank``'s channel, after the supervisor acted on it."""
+
+    def look(self, sup: Supervisor, busy: list[int], done: Mapping[int, Done]) -> JobFailed | None:
+        """A turn of the job's loop (``busy``: its live ranks that have not finished, ``done``:
+        the answers so far); a :class:`JobFailed` returned ends the job with it."""
+        return None
+
+    def failed(
+        self, sup: Supervisor, problems: list[Failure], chosen: Failure, finished: set[int]
+    ) -> None:
+        """The job fails (``chosen`` is raised); the other ranks are not interrupted yet."""
+
+    def spared(self, sup: Supervisor) -> set[int]:
+        """Ranks a one-shot group leaves running when its job ends early."""
+        return set()
+
+
+class Supervisor:
+    """Owns a group of started workers: runs jobs on them, ends them."""
 
     GRACE = 1.0  # seconds to collect the other ranks' reports after a first failure
     INTERRUPT_GRACE = 3.0  # seconds an interrupted pool rank gets to come back
-    PROBE_EVERY = 0.5  # seconds between looks at a subset job's ranks
 
     def __init__(
         self,
@@ -93,12 +107,15 @@ class Supervisor(Group):
         interval: float,
         on_event: EventCallback,
         one_shot: bool,
-        hang: HangPolicy | None = None,
+        hooks: Iterable[Hook] = (),
     ) -> None:
-        super().__init__(procs, forwarder, on_event)
+        self.workers = group = Group(procs, forwarder, self._handle, on_event)
+        # the group's ends, as every launch and pool reaches them
+        self.procs, self.on_event, self.pump = group.procs, on_event, group.pump
+        self.drain, self.terminate = group.drain, group.terminate
+        self.close, self.shutdown = group.close, group.shutdown
         self.timeout, self.interval, self.one_shot = timeout, interval, one_shot
-        self.hang = hang or HangPolicy()  # the watchdog's (a pool call may set its own)
-        self.activity = 0  # events and answers received: progress, for the watchdog
+        self.hooks = list(hooks)
         self.ready: set[int] = set()
         self._ids = itertools.count(2)  # 1 is the first job, made before the group started
         self._job: int | None = None
@@ -107,15 +124,13 @@ class Supervisor(Group):
         self._fatal: dict[int, Failure] = {}
         self._answers: dict[int, dict[int, dict[str, Any]]] = {}
         self._reader: threading.Thread | None = None  # the thread in run_job, reading
-        # post-mortem (nbaccel.debug): a pool always keeps a failed rank's traceback, a
-        # launch with debug=True too; the failure's snapshot and the debugger's messages
-        self.keep_failed = not one_shot
-        self.post_mortem: FailedJob | None = None
-        self.pdb_messages: list[tuple[int, PdbOutput]] = []
 
-    def handle(self, proc: WorkerProcess, message: object) -> None:
+    def hook(self, kind: type[H]) -> H | None:
+        """The first hook of type ``kind`` (None: not plugged in)."""
+        return next((h for h in self.hooks if isinstance(h, kind)), None)
+
+    def _handle(self, proc: WorkerProcess, message: object) -> None:
         rank = proc.rank
-        self.activity += isinstance(message, (Event, Done))
         match message:
             case Hello(pid=pid):
                 state = "running" if self.one_shot else "idle"
@@ -139,11 +154,13 @@ class Supervisor(Group):
                 self.on_event(rank, "state", {"state": "failed", "error": failure.summary()})
             case ProbeAnswer(request=request) if request in self._answers:
                 self._answers[request][rank] = message.report
-            case PdbOutput():
-                self.pdb_messages.append((rank, message))
+        for hook in self.hooks:
+            hook.message(self, rank, message)
 
     # ------------------------------------------------------------------ looking inside
-    def probe(self, ranks: Iterable[int], wait: float = 1.0) -> dict[int, dict[str, Any]]:
+    def probe(
+        self, ranks: Iterable[int], wait: float = 1.0, *, flight: bool = False
+    ) -> dict[int, dict[str, Any]]:
         """What each rank's main thread is doing now: ``{"stack", "waiting", ...}`` (see
         :func:`nbaccel.launch._worker_os.main_thread_report`); answered by the worker's
         channel thread, so also while the main thread is blocked in C++. From another
@@ -154,7 +171,7 @@ class Supervisor(Group):
         answers = self._answers[request] = {}
         for proc in asked:
             with contextlib.suppress(OSError, AttributeError):
-                proc.channel.send(Probe(request))  # type: ignore[union-attr]
+                proc.channel.send(Probe(request, flight))  # type: ignore[union-attr]
         deadline = time.monotonic() + wait
         while len(answers) < len(asked) and time.monotonic() < deadline:
             reader = self._reader
@@ -193,19 +210,14 @@ class Supervisor(Group):
         self._job, self._done, self._done_at = job, {}, {}
         self._reader = threading.current_thread()
         procs = [self.procs[r] for r in ranks]
-        subset = [r for r in self.procs if r not in ranks]
         first_problem: float | None = None
-        last_look = time.monotonic()
-
-        def cpu(ranks: list[int]) -> dict[int, float | None]:  # working or stuck? (psutil)
-            return {r: self.procs[r].cpu_seconds() for r in ranks}
-
-        watchdog = Watchdog(self.hang, self.probe, cpu=cpu)
+        for hook in self.hooks:
+            hook.started(self, ranks)
         try:
             while True:
                 self.pump(self.interval)
                 now = time.time()
-                self._poll()
+                self.workers.poll()
                 if stop.is_set():
                     self._end_early(procs, Stopped("the run was stopped with stop()"))
                 busy = [p for p in procs if p.rank not in self._done]
@@ -216,28 +228,21 @@ class Supervisor(Group):
                     if waiting and now - first_problem < self.GRACE:
                         continue
                     self._failed(problems, procs)
-                if not busy and (not self.one_shot or all(self._exited(p) for p in procs)):
+                if not busy and (not self.one_shot or all(self.workers.exited(p) for p in procs)):
                     return self._values(want)
-                if subset and busy and time.monotonic() - last_look > self.PROBE_EVERY:
-                    last_look = time.monotonic()
-                    for rank, report in self.probe([p.rank for p in busy], wait=0.5).items():
-                        if error := subset_error(rank, report, ranks, subset):
-                            self._end_early(procs, error)
+                stuck = [p.rank for p in busy if p.returncode is None]
+                for hook in self.hooks:
+                    if (ending := hook.look(self, stuck, self._done)) is not None:
+                        self._end_early(procs, ending.error, ending.broken)
                 finished = [self._done_at[r] for r, done in self._done.items() if done.ok]
-                stuck = [p for p in busy if p.returncode is None]
-                seqs = {r: done.collectives for r, done in self._done.items()}
-                hang = watchdog.look([p.rank for p in stuck], seqs, self.activity)
-                if hang is not None and hang.policy.action == "raise" and not hang.busy:
-                    self._hang(stuck, hang.reason, hang.stacks)
-                elif hang is not None:
-                    hang.report(self.forwarder, self.on_event)
                 if self.timeout and finished and stuck and now - min(finished) > self.timeout:
                     reason = (
                         f"rank(s) {sorted(self._done)} finished more than timeout="
                         f"{self.timeout:g}s ago and these ranks are still running (waiting "
                         "for a peer that is gone?)"
                     )
-                    self._hang(stuck, reason, {})
+                    ending = self.hung(stuck, reason, {})
+                    self._end_early(procs, ending.error, ending.broken)
         except KeyboardInterrupt:
             self._end_early(procs, KeyboardInterrupt())
         finally:
@@ -259,11 +264,11 @@ class Supervisor(Group):
         out = [self._job_failure(p.rank) for p in procs if not self._ok(p.rank)]
         out += [f for r, f in self._fatal.items() if r not in {f.rank for f in out}]
         for proc in self.procs.values():
-            if not self._exited(proc) or proc.rank in {f.rank for f in out}:
+            if not self.workers.exited(proc) or proc.rank in {f.rank for f in out}:
                 continue
             assert proc.exit_time is not None and proc.returncode is not None
             if proc.returncode < 0:
-                stack = trim_stack(self._tails[proc.rank].decode(errors="replace"))
+                stack = trim_stack(self.workers.tail(proc.rank))
                 code = -proc.returncode
                 out.append(
                     Failure(proc.rank, proc.pid, proc.exit_time, "signal", code=code, stack=stack)
@@ -275,12 +280,12 @@ class Supervisor(Group):
 
     def dead(self) -> Failure | None:
         """How a worker that died while the group was idle died (None: all alive)."""
-        self._poll()
+        self.workers.poll()
         if all(p.returncode is None for p in self.procs.values()):
             return None
         deadline = time.time() + 1.0  # its last output, messages and stack arrive first
         gone = [p for p in self.procs.values() if p.returncode is not None]
-        while time.time() < deadline and not all(self._exited(p) for p in gone):
+        while time.time() < deadline and not all(self.workers.exited(p) for p in gone):
             self.pump(0.05)
         found = [f for f in self.failures([]) if f.kind != "exception"] or self.failures([])
         return pick_failure(found) if found else Failure(gone[0].rank, gone[0].pid, 0.0, "exit")
@@ -296,7 +301,8 @@ class Supervisor(Group):
                 f"{[p.rank for p in stuck]} had not reached that point"
             )
             tracebacks = {f.rank: f.info.get("traceback") or f.stack for f in problems}
-            self._hang(stuck, reason, tracebacks)
+            ending = self.hung([p.rank for p in stuck], reason, tracebacks)
+            self._end_early([], ending.error, ending.broken)
         error = remote_exception(chosen)
         others = [f.summary() for f in problems if f is not chosen]
         if others:
@@ -306,17 +312,16 @@ class Supervisor(Group):
             counts = {r: d.collectives for r, d in self._done.items()}
             name_missing(error, chosen.rank, counts, live, self.probe)
         dead = [f for f in problems if f.kind != "exception"]
-        if self.keep_failed:  # before the others are interrupted: where each one was
-            finished = {r for r, done in self._done.items() if done.ok}
-            self.post_mortem = FailedJob.at_failure(self, problems, chosen, procs, finished)
+        finished = {r for r, done in self._done.items() if done.ok}
+        for hook in self.hooks:  # before the others are interrupted: where each one is
+            hook.failed(self, problems, chosen, finished)
         self._end_early(procs, error, dead[0].summary() if dead else None)
 
-    def _hang(self, stuck: list[WorkerProcess], reason: str, stacks: dict[int, str]) -> None:
-        found = self.stacks([p.rank for p in stuck])
-        error = WorkerTimeoutError(
-            [p.rank for p in stuck], {**stacks, **found}, reason, stuck[0].pid
-        )
-        self._end_early([], error, f"rank(s) {[p.rank for p in stuck]} hung")
+    def hung(self, stuck: list[int], reason: str, stacks: dict[int, str]) -> JobFailed:
+        """``stuck`` ranks hang: their stacks now (over ``stacks``) in a WorkerTimeoutError."""
+        found = self.stacks(stuck)
+        error = WorkerTimeoutError(stuck, {**stacks, **found}, reason, self.procs[stuck[0]].pid)
+        return JobFailed(error, f"rank(s) {stuck} hung")
 
     def _end_early(
         self, procs: list[WorkerProcess], error: BaseException, broken: str | None = None
@@ -324,7 +329,8 @@ class Supervisor(Group):
         """A one-shot group is terminated; a pool's busy ranks are interrupted and given
         time to come back. Raises JobFailed(error, why the workers cannot go on)."""
         if self.one_shot or broken:
-            self.terminate(spare=self._lingering()) if self.one_shot else None
+            spared = {r for hook in self.hooks for r in hook.spared(self)}
+            self.terminate(spare=spared) if self.one_shot else None
             raise JobFailed(error, broken or "one-shot")
         busy = [p for p in procs if p.rank not in self._done and p.returncode is None]
         for proc in busy:
@@ -353,13 +359,6 @@ class Supervisor(Group):
                 )
         raise JobFailed(error, broken)
 
-    def _lingering(self) -> set[int]:
-        """debug=True: the failed ranks that stay for nbaccel.debug() (see ``_postmortem``)."""
-        kept = self.post_mortem
-        return (
-            set() if kept is None else {r for r in kept.holding() if self.procs[r].poll() is None}
-        )
-
     def _values(self, want: set[int]) -> dict[int, Any]:
         values = {}
         for rank in sorted(want):
@@ -383,7 +382,7 @@ class Supervisor(Group):
         deadline = time.monotonic() + seconds
         while len(self.ready) < len(self.procs):
             self.pump(0.05)
-            self._poll()
+            self.workers.poll()
             problems = self.failures([])
             if problems:
                 raise remote_exception(pick_failure(problems))

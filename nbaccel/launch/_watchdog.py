@@ -1,6 +1,8 @@
 """The hang watchdog: a job whose ranks wait on each other without progress is reported.
 
-The supervisor asks :meth:`Watchdog.look` on every turn of its loop; every
+It plugs into the supervisor as a hook (:class:`HangWatch`, one :class:`Watchdog` per
+job), with :class:`SubsetCheck` (a job on some ranks whose rank calls a collective that
+needs the others). The supervisor asks :meth:`Watchdog.look` on every turn of its loop; every
 ``look_every`` seconds (``hang_after / 8``, between 0.25 and 15 s) it probes the job's
 busy ranks (the worker's channel thread answers, also while the main thread is blocked in
 C++: its Python stack, the torch.distributed call it is in, its collective count).
@@ -20,6 +22,9 @@ Python frame shows it); or every busy rank sits idle (no CPU time used) inside a
 of torch's (autograd's backward, a synchronisation) with the same count of collectives:
 a collective that cannot complete (called with different shapes or different calls on
 different ranks). A job that computes without collectives for a long time is not hung.
+The report gives each rank's last collective from torch's flight recorder (its number,
+call and sizes; torch 2.13 records gloo's by default) and names a collective
+that the ranks called differently.
 
 **Waiting, not stuck**: if, at such a moment, a rank outside any torch.distributed call
 is *working* (its CPU time, with its children's, advanced by at least ``BUSY_SHARE`` of
@@ -48,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LaunchError, WorkerTimeoutError
+from ._messages import Done, Event
+from ._supervisor import Hook, JobFailed, Supervisor
 
 #: 5 minutes: longer than a real step, a checkpoint save or an evaluation on one rank
 #: usually keeps the others waiting, shorter than torch's own collective timeouts (NCCL's
@@ -57,7 +64,7 @@ NO_ANSWER = "(no answer: not running Python code)"
 #: The share of one CPU a rank must use between two looks to count as working.
 BUSY_SHARE = 0.05
 
-Probe = Callable[[list[int]], dict[int, dict[str, Any]]]
+Probe = Callable[..., dict[int, dict[str, Any]]]  # (ranks, *, flight=False) -> answers
 
 
 @dataclass(frozen=True)
@@ -184,6 +191,8 @@ class Watchdog:
         if not waits and (working or not all(blocked.values())):
             return None  # nobody waits on a peer: a long computation, not a hang
         self._reports += 1
+        # torch's flight recorder: each rank's last collective (a dump: asked for only now)
+        flights = {r: a.get("flight") for r, a in self._probe(busy, flight=True).items()}
         lines = [
             f"no progress for {idle:.0f}s (hang_after={self.policy.after:g}s: no collective "
             "issued, nothing logged, no rank finished), and ranks wait on each other:"
@@ -201,9 +210,13 @@ class Watchdog:
                 state = "not in a torch.distributed call (running Python code)"
             if known.get(rank, ahead) < ahead:
                 state += f"; issued {known[rank]} collectives, others {ahead}"
+            if last := flights.get(rank):
+                state += f"; last collective #{last['seq']}: {last['call']} of {last['sizes']}"
             lines.append(f"  rank {rank}: {state}")
         stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in busy}
-        if not waits:
+        if differs := mismatch(flights):
+            lines.append(differs)
+        elif not waits:
             lines.append(
                 "  every rank issued the same number of collectives and sits idle in torch: "
                 "a collective called differently on different ranks (shapes, or another "
@@ -252,24 +265,82 @@ class Watchdog:
         return hang
 
 
-def subset_error(
-    rank: int, report: dict[str, Any], ranks: list[int], idle: list[int]
-) -> LaunchError | None:
-    """A job run on ``ranks`` only (``%%distributed --ranks``) whose ``rank`` entered a call
-    that needs a rank of ``idle`` too: the error naming them (None: no such call)."""
-    waiting = report.get("waiting")
-    if not waiting:
+class HangWatch(Hook):
+    """The watchdog as the supervisor's hook: progress is counted from the messages, each
+    job gets a fresh :class:`Watchdog` under ``policy`` (a pool call may set its own)."""
+
+    def __init__(self, policy: HangPolicy) -> None:
+        self.policy, self.activity = policy, 0  # activity: events and answers received
+        self._dog: Watchdog | None = None
+
+    def started(self, sup: Supervisor, ranks: list[int]) -> None:
+        def cpu(ranks: list[int]) -> dict[int, float | None]:  # working or stuck? (psutil)
+            return {r: sup.procs[r].cpu_seconds() for r in ranks}
+
+        self._dog = Watchdog(self.policy, sup.probe, cpu=cpu)
+
+    def message(self, sup: Supervisor, rank: int, message: object) -> None:
+        self.activity += isinstance(message, (Event, Done))
+
+    def look(self, sup: Supervisor, busy: list[int], done: Mapping[int, Done]) -> JobFailed | None:
+        assert self._dog is not None
+        seqs = {r: d.collectives for r, d in done.items()}
+        hang = self._dog.look(busy, seqs, self.activity)
+        if hang is not None and hang.policy.action == "raise" and not hang.busy:
+            return sup.hung(busy, hang.reason, hang.stacks)
+        if hang is not None:
+            hang.report(sup.workers.forwarder, sup.on_event)
         return None
-    needs = idle if waiting["ranks"] is None else waiting["ranks"]
-    missing = sorted(set(needs) & set(idle))
-    if not missing:
-        return None
-    return LaunchError(
-        f"rank {rank} entered {waiting['call']} (a call that needs rank(s) {missing} too) in "
-        f"a job run on rank(s) {ranks} only: rank(s) {missing} do not run it, so it can never "
-        "complete. Run the cell on every rank (without --ranks), or keep collectives out of "
-        f"cells run on some ranks.\n--- where rank {rank} was ---\n{report['stack']}"
-    )
 
 
-__all__ = ["DEFAULT_HANG_AFTER", "Hang", "HangPolicy", "Watchdog", "subset_error"]
+class SubsetCheck(Hook):
+    """A job on some of the group's ranks (``%%distributed --ranks 0``): every
+    ``PROBE_EVERY`` seconds its busy ranks are probed; one inside a call that needs a rank
+    not running the job can never complete: the job ends with an error naming them."""
+
+    PROBE_EVERY = 0.5
+
+    def __init__(self) -> None:
+        self._ranks: list[int] = []
+        self._last = 0.0
+
+    def started(self, sup: Supervisor, ranks: list[int]) -> None:
+        self._ranks, self._last = ranks, time.monotonic()
+
+    def look(self, sup: Supervisor, busy: list[int], done: Mapping[int, Done]) -> JobFailed | None:
+        idle = [r for r in sup.procs if r not in self._ranks]
+        if not idle or not busy or time.monotonic() - self._last <= self.PROBE_EVERY:
+            return None
+        self._last = time.monotonic()
+        for rank, report in sup.probe(busy, wait=0.5).items():
+            waiting = report.get("waiting") or {"ranks": []}
+            missing = sorted(set(idle if waiting["ranks"] is None else waiting["ranks"]) & {*idle})
+            if missing:
+                return JobFailed(LaunchError(
+                    f"rank {rank} entered {waiting['call']} (a call that needs rank(s) {missing} "
+                    f"too) in a job run on rank(s) {self._ranks} only: rank(s) {missing} do not "
+                    "run it, so it can never complete. Run the cell on every rank (without "
+                    "--ranks), or keep collectives out of cells run on some ranks.\n--- where "
+                    f"rank {rank} was ---\n{report['stack']}"
+                ), None)  # fmt: skip
+        return None
+
+
+def mismatch(flights: Mapping[int, dict[str, Any] | None]) -> str | None:
+    """Ranks at the same collective of a group (torch's flight recorder: its sequence
+    number) with different calls or sizes: the line saying so (None: none found)."""
+    at: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    for rank, last in flights.items():
+        if last:
+            at.setdefault((last["group"], last["seq"]), {})[rank] = last
+    for (group, seq), ranks in sorted(at.items()):
+        if len({(last["call"], str(last["sizes"])) for last in ranks.values()}) > 1:
+            calls = ", ".join(f"rank {r}: {c['call']} of {c['sizes']}" for r, c in ranks.items())
+            return (
+                f"  torch's flight recorder: collective #{seq} of {group} is called differently "
+                f"on different ranks ({calls}), so it can never complete."
+            )
+    return None
+
+
+__all__ = ["DEFAULT_HANG_AFTER", "Hang", "HangPolicy", "HangWatch", "SubsetCheck", "Watchdog"]

@@ -159,6 +159,8 @@ def _read(channel: Channel, rank: int) -> None:
         elif isinstance(message, Probe):
             report = wos.main_thread_report(rank)
             report["collectives"] = _jobs.collective_count()  # the hang watchdog's progress
+            if message.flight:
+                report["flight"] = _jobs.last_collective()
             channel.send(ProbeAnswer(message.request, report))
         else:
             _inbox.put(message)

@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import LaunchError
 from . import _kept
 from ._messages import Debug, PdbLine, PdbOutput
-from ._supervisor import JobFailed, Supervisor
+from ._supervisor import Hook, JobFailed, Supervisor
 from ._tidy import clean, trim_stack
 
 _sessions = itertools.count(1)
@@ -118,17 +118,29 @@ def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _Inbox(Hook):
+    """A session's hook on the supervisor: the pdb messages of ``rank``'s session ``sid``."""
+
+    def __init__(self, rank: int, sid: int) -> None:
+        self.rank, self.sid, self.messages = rank, sid, list[PdbOutput]()
+
+    def message(self, sup: Supervisor, rank: int, message: object) -> None:
+        if isinstance(message, PdbOutput) and (rank, message.sid) == (self.rank, self.sid):
+            self.messages.append(message)
+
+
 def _session(group: Supervisor, rank: int, script: list[str] | None) -> None:
     """Drive one pdb session on ``rank``'s worker until pdb returns."""
     sid = next(_sessions)
-    group.pdb_messages.clear()
+    inbox = _Inbox(rank, sid)  # in place of an earlier session's
+    group.hooks[:] = [h for h in group.hooks if not isinstance(h, _Inbox)] + [inbox]
     try:
         group.send([rank], Debug(sid))
     except JobFailed as failed:
         raise LaunchError(f"rank {rank}'s worker is gone ({failed.error})") from None
     problem: BaseException | None = None
     while True:
-        message = _next(group, rank, sid)
+        message = _next(group, inbox)
         if message.kind == "none":
             raise LaunchError(f"no post-mortem session on rank {rank}: {message.text}.")
         _print(message.text)
@@ -166,31 +178,30 @@ def _ask(prompt: str, script: list[str] | None) -> str:
         return ""
 
 
-def _next(group: Supervisor, rank: int, sid: int) -> PdbOutput:
+def _next(group: Supervisor, inbox: _Inbox) -> PdbOutput:
     """The worker's next pdb message of session ``sid``; LaunchError if it dies. The
     interrupt button interrupts what pdb evaluates in the worker (it prompts again); a
     second press while the worker does not answer ends the session."""
-    interrupted = False
+    rank, interrupted = inbox.rank, False
     while True:
         try:
-            return _wait(group, rank, sid)
+            return _wait(group, inbox)
         except KeyboardInterrupt:
             if interrupted:
                 with contextlib.suppress(OSError, AttributeError):
-                    group.procs[rank].channel.send(PdbLine(sid, ""))  # type: ignore[union-attr]
+                    group.procs[rank].channel.send(PdbLine(inbox.sid, ""))  # type: ignore[union-attr]
                 raise
             interrupted = True
             group.procs[rank].send_signal(signal.SIGINT)
             _print(f"(interrupting rank {rank}; press again to leave the session)\n")
 
 
-def _wait(group: Supervisor, rank: int, sid: int) -> PdbOutput:
+def _wait(group: Supervisor, inbox: _Inbox) -> PdbOutput:
+    rank = inbox.rank
     proc = group.procs[rank]
     while True:
-        for index, (sender, message) in enumerate(group.pdb_messages):
-            if sender == rank and message.sid == sid:
-                del group.pdb_messages[index]
-                return message
+        if inbox.messages:
+            return inbox.messages.pop(0)
         if proc.poll() is not None:
             group.drain()
             raise LaunchError(

@@ -261,7 +261,6 @@ def _start(plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None) -> Su
         first_job=job,
         output=handle.cell_output or plan.output,
     )
-    group.keep_failed = plan.debug_timeout is not None  # debug=True: see _postmortem
     return group
 
 

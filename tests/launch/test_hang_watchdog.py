@@ -18,7 +18,8 @@ import torch
 
 from nbaccel import LaunchConfig, notebook_launcher, start_workers
 from nbaccel.config import resolve_launch_config
-from nbaccel.errors import ConfigError, WorkerError, WorkerTimeoutError
+from nbaccel.errors import ConfigError, LaunchError, WorkerError, WorkerTimeoutError
+from nbaccel.launch._supervisor import Hook, JobFailed
 from nbaccel.launch._watchdog import DEFAULT_HANG_AFTER, HangPolicy, Watchdog
 
 CPU = LaunchConfig(compute_device="cpu")
@@ -38,7 +39,7 @@ class Script:
             "stack": f"stack of {rank}", "waiting": waiting, "collectives": count, **more
         }  # fmt: skip
 
-    def __call__(self, ranks: list[int]) -> dict[int, dict]:
+    def __call__(self, ranks: list[int], flight: bool = False) -> dict[int, dict]:
         return {r: self.answers[r] for r in ranks if r in self.answers}
 
 
@@ -338,6 +339,26 @@ def test_a_slow_job_that_progresses_is_not_reported():
     assert "appear stuck" not in lines.text, lines.text
 
 
+class Ender(Hook):
+    """A hook of the test's own: it sees every message and ends the job once told to."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag, self.seen = flag, set()
+
+    def message(self, sup, rank, message):
+        self.seen.add(type(message).__name__)
+
+    def look(self, sup, busy, done):
+        if busy and os.path.exists(self.flag):
+            return JobFailed(LaunchError("ended by the test's hook"), None)
+        return None
+
+
+def waits_for(flag: str) -> None:
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_a_pool_call_is_reported_and_goes_on(tmp_path):
@@ -347,6 +368,19 @@ def test_a_pool_call_is_reported_and_goes_on(tmp_path):
         assert lines.seen.wait(120), lines.text
         flag.touch()
         assert handle.result(timeout=120) == 2.0 and pool.restarts == 0
+        # the watchdog, the subset check and post-mortem plug into the supervisor as hooks,
+        # and so can anything else: this one sees the messages and ends a job
+        group = pool._group
+        kinds = [type(hook).__name__ for hook in group.hooks]
+        assert kinds == ["SubsetCheck", "HangWatch", "KeepFailed"], kinds
+        ender = Ender(str(tmp_path / "end"))
+        group.hooks.append(ender)
+        handle = pool.call(waits_for, (str(tmp_path / "never"),), block=False)
+        (tmp_path / "end").touch()
+        with pytest.raises(LaunchError, match="ended by the test's hook"):
+            handle.result(timeout=120)
+        assert "Done" in ender.seen, ender.seen  # the interrupted ranks answered
+        assert pool.restarts == 0  # the ranks came back from the interrupt
 
 
 def mismatched() -> None:
@@ -363,10 +397,38 @@ def mismatched() -> None:
         dist.broadcast(value, src=0)
 
 
+def different_calls() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    Accelerator(cpu=True)
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(3))
+    else:
+        dist.broadcast(torch.ones(5), src=0)
+
+
 def prepares_a_model() -> str:
     from nbaccel import Accelerator
 
     return type(Accelerator(cpu=True).prepare(torch.nn.Linear(2, 2))).__name__
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_a_collective_called_differently_is_named_from_torchs_flight_recorder():
+    with pytest.raises(WorkerTimeoutError) as info:
+        notebook_launcher(different_calls, num_processes=2, config=CPU, start_method="fork",
+                          hang_after=2, on_hang="raise")  # fmt: skip
+    text = str(info.value)
+    assert "rank 1: waiting in torch.distributed.broadcast" in text, text
+    if torch.__version__ < "2.13":  # older torches record nothing on gloo by default
+        return
+    assert "last collective #1: gloo:all_reduce of [[3]]" in text, text
+    assert "last collective #1: gloo:broadcast of [[5]]" in text, text
+    assert "collective #1 of default_pg is called differently on different ranks" in text, text
 
 
 @pytest.mark.integration
