@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config.options import DEBUG_TIMEOUT  # a failed rank waits this long for debug()
 from . import _lifetimes
 from ._failures import Failure, signal_name
 
@@ -33,7 +34,6 @@ WorkerProcess = Any
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
 LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session
-DEBUG_TIMEOUT = 600.0  # seconds a failed rank waits for nbaccel.debug() (see launcher)
 
 
 FINISHED = "had finished the job"

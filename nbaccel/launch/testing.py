@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import resolve_launch_config
+from ..config.options import CallOptions, StartOptions
 from ..errors import LaunchError
 from ._environ import patched_environ
 
@@ -59,10 +60,10 @@ def run_on_workers(
         plan = plan_launch(
             fn,
             tuple(args),
-            num_processes=num_processes,
-            config=resolve_launch_config({"compute_device": "cpu"}),
-            return_all_ranks=True,
-            block=False,  # worker processes also for one (block=True would use this process)
+            {"num_processes": num_processes},
+            StartOptions(config=resolve_launch_config({"compute_device": "cpu"})),
+            # worker processes also for one (block=True would use this process)
+            CallOptions(return_all_ranks=True, block=False),
             kernel_state_ok=True,  # a test's own Accelerator here: the workers drop it
         )
         handle = launch(plan)

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import importlib.util
 import re
@@ -39,10 +40,13 @@ import ipywidgets as widgets
 from ..config import (
     LaunchConfig,
     default_config_path,
+    field_kind,
     field_names,
+    field_optional,
     resolve_launch_config,
     save_config,
 )
+from ..config.options import CallOptions
 from ..config.store import with_host_defaults
 from ..errors import ConfigError, Stopped
 from ..launch._tidy import oversubscribed
@@ -57,6 +61,8 @@ from ._panel_parts import OutputSink, make_control
 from .monitor import RunMonitor
 
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
+#: what a pool's call takes of the launcher's options (block is the panel's own)
+_CALL_OPTIONS = {f.name for f in dataclasses.fields(CallOptions)} - {"block"}
 
 
 class LaunchPanel(widgets.VBox):
@@ -179,9 +185,12 @@ class LaunchPanel(widgets.VBox):
         values = {name: control.value for name, control in self.controls.items()}
         if values["num_nodes"] == 1:  # one machine: the launcher picks a free port
             values["node_rank"], values["master_port"] = 0, None
-        for name in ("gpu_ids", "fsdp_transformer_cls_names_to_wrap", "deepspeed_config_file"):
-            values[name] = (values[name] or "").strip() or None
-        values["timeout"] = values["timeout"] or None
+        for name in field_names():  # an empty text, or 0 seconds, means "none"
+            kind, choices = field_kind(name)
+            if field_optional(name) and kind is str and not choices:
+                values[name] = (values[name] or "").strip() or None
+            elif field_optional(name) and kind is float:
+                values[name] = values[name] or None
         return values
 
     @property
@@ -303,7 +312,7 @@ class LaunchPanel(widgets.VBox):
             # Output printed by the kernel itself (warnings, errors) lands here too.
             with self.output:
                 if self.pool is not None:  # warm workers: no new processes
-                    own = {k: options[k] for k in ("output", "return_all_ranks") if k in options}
+                    own = {k: v for k, v in options.items() if k in _CALL_OPTIONS}
                     handle = self.pool.call(self.training_function, self.args, block=False, **own)
                 else:
                     handle = launcher.notebook_launcher(
