@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -228,8 +229,9 @@ def check_argument(name: str, value: Any, hint: Any) -> None:
     raise TypeError(f"{name}={value!r} must be {words}" + (" (or None)." if optional else "."))
 
 
+@functools.cache
 def _types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, globalns={**globals(), "LaunchConfig": LaunchConfig})
+    return typing.get_type_hints(cls)  # evaluated once per class (its string annotations)
 
 
 def check_types(options: Any) -> None:

@@ -171,7 +171,7 @@ def plan_launch(
         given.update({"master_addr": host} if host else {})
         port = at or port
     if elastic:  # the machines meet and get their node_rank (every other value checked first)
-        LaunchConfig(**given | {"num_nodes": 1, "node_rank": 0})
+        LaunchConfig(**dict(given, num_nodes=1, node_rank=0))
         given["node_rank"], given["master_addr"], port = elastic_meet(
             start.rdzv_endpoint,
             run_id=start.rdzv_id,
