@@ -230,13 +230,13 @@ def check_argument(name: str, value: Any, hint: Any) -> None:
 
 
 @functools.cache
-def _types(cls: type) -> dict[str, Any]:
+def _types(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls)  # evaluated once per class (its string annotations)
 
 
 def check_types(options: Any) -> None:
     """Check every field of a :class:`StartOptions` / :class:`CallOptions` against its type."""
-    for name, hint in _types(type(options)).items():
+    for name, hint in _types(options.__class__).items():
         check_argument(name, getattr(options, name), hint)
 
 
