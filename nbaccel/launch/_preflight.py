@@ -77,15 +77,18 @@ class LaunchPlan:
         return [self.global_rank(i) for i in range(self.num_processes or 1)]
 
 
-def _check_function(function: Any, args: Any) -> None:
+def check_call(
+    function: Any, args: Any, example: str = "notebook_launcher(train, args=(lr,))"
+) -> None:
+    """The function itself, not its result; its arguments as a tuple (``example``: the
+    right call, as the caller spells it)."""
     if not callable(function):
         raise TypeError(
             f"function={function!r} (a {type(function).__name__}) is not callable: pass the "
-            "function, not its result, e.g. notebook_launcher(train, args=(model,)) instead "
-            "of notebook_launcher(train(model))."
+            f"function, not its result, e.g. {example}, not train(lr)."
         )
     if not isinstance(args, tuple | list):
-        raise TypeError(f"args={args!r} must be a tuple of arguments, e.g. args=(model,).")
+        raise TypeError(f"args={args!r} must be a tuple of arguments, e.g. args=(lr,).")
 
 
 def _accelerate_env(cfg: LaunchConfig) -> dict[str, str]:
@@ -159,7 +162,7 @@ def plan_launch(
     ``start`` and ``call`` were validated when they were made.
     """
     cudatrace.install()  # from now on a later CUDA initialisation in the kernel is recorded
-    _check_function(function, args)
+    check_call(function, args)
     given = check_settings(dict(settings or {}))
     nodes: int = given.get("num_nodes") or (start.config.num_nodes if start.config else 1)
     check_rendezvous_args(start.rdzv_backend, start.rdzv_conf, start.rdzv_id, start.rdzv_endpoint,
@@ -276,6 +279,7 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
 
 __all__ = [
     "LaunchPlan",
+    "check_call",
     "cuda_fork_error",
     "plan_launch",
     "plan_script",

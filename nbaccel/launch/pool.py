@@ -33,7 +33,7 @@ from ..errors import LaunchError
 from . import _kept, _lifetimes
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
-from ._preflight import plan_launch
+from ._preflight import check_call, plan_launch
 from ._tidy import warn_oversubscribed
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
@@ -112,13 +112,7 @@ class WorkerPool(PoolWorkers):
             >>> pool.call(train, (3e-4,), return_all_ranks=True)  # doctest: +SKIP
             [0.91, 0.91]
         """
-        if not callable(function):
-            raise TypeError(
-                f"pool.run needs a function, got {function!r} (a {type(function).__name__}): "
-                "pass the function itself, e.g. pool.run(train, lr) instead of pool.run(train(lr))."
-            )
-        if not isinstance(args, tuple | list):
-            raise TypeError(f"args={args!r} must be a tuple of arguments, e.g. args=(lr,).")
+        check_call(function, args, "pool.run(train, lr)")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments.")
         call = CallOptions(return_all_ranks=return_all_ranks, block=block, output=output)
