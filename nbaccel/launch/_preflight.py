@@ -171,7 +171,8 @@ def plan_launch(
     port = start.port
     if start.rdzv_endpoint and not elastic:
         host, at = parse_endpoint(start.rdzv_endpoint)
-        given.update({"master_addr": host} if host else {})
+        if host:
+            given["master_addr"] = host
         port = at or port
     if elastic:  # the machines meet and get their node_rank (every other value checked first)
         LaunchConfig(**dict(given, num_nodes=1, node_rank=0))
@@ -183,9 +184,11 @@ def plan_launch(
             port=port,
             timeout=given.get("timeout"),
         )
-    given.update({"debug": True} if start.debug else {})
-    given.update({"master_port": port} if port is not None else {})
-    cfg = start.config.replace(**given) if start.config else resolve_launch_config(given)
+    if start.debug:
+        given["debug"] = True
+    if port is not None:
+        given["master_port"] = port
+    cfg = resolve_launch_config(given) if start.config is None else start.config.replace(**given)
     if start.rdzv_backend == "c10d" and cfg.num_nodes > 1 and not elastic:
         raise ConfigError(
             f"rdzv_backend='c10d' with num_nodes={cfg.num_nodes} from the config: pass "

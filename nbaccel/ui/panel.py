@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import importlib.util
 import re
@@ -38,15 +37,13 @@ from typing import Any
 import ipywidgets as widgets
 
 from ..config import (
+    CallOptions,
     LaunchConfig,
     default_config_path,
-    field_kind,
     field_names,
-    field_optional,
     resolve_launch_config,
     save_config,
 )
-from ..config.options import CallOptions
 from ..config.store import with_host_defaults
 from ..errors import ConfigError, Stopped
 from ..launch._tidy import oversubscribed
@@ -57,12 +54,11 @@ from ..platform.hardware import (
     hardware_precision_problem,
     notebook_host,
 )
-from ._panel_parts import OutputSink, make_control
+from ._panel_parts import OutputSink, field_value, make_control
 from .monitor import RunMonitor
 
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
-#: what a pool's call takes of the launcher's options (block is the panel's own)
-_CALL_OPTIONS = {f.name for f in dataclasses.fields(CallOptions)} - {"block"}
+_CALL_OPTIONS = set(CallOptions.__dataclass_fields__) - {"block"}  # a pool call's options
 
 
 class LaunchPanel(widgets.VBox):
@@ -182,15 +178,9 @@ class LaunchPanel(widgets.VBox):
     # ------------------------------------------------------------------ building
     # ------------------------------------------------------------------ state
     def _values(self) -> dict[str, Any]:
-        values = {name: control.value for name, control in self.controls.items()}
+        values = {name: field_value(name, control.value) for name, control in self.controls.items()}
         if values["num_nodes"] == 1:  # one machine: the launcher picks a free port
             values["node_rank"], values["master_port"] = 0, None
-        for name in field_names():  # an empty text, or 0 seconds, means "none"
-            kind, choices = field_kind(name)
-            if field_optional(name) and kind is str and not choices:
-                values[name] = (values[name] or "").strip() or None
-            elif field_optional(name) and kind is float:
-                values[name] = values[name] or None
         return values
 
     @property
