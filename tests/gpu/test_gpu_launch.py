@@ -314,7 +314,7 @@ from nbaccel.launch.testing import plan_for
 state = cudafork.fork_state()
 try:  # CPU ranks: two of them pass the GPU count check on a 1-GPU machine
     plan_for(print, num_processes=2, start_method="fork",
-                           config=LaunchConfig(compute_device="cpu"))
+             config=LaunchConfig(compute_device="cpu"))
     refused = False
 except Exception as err:
     refused = type(err).__name__ == "CUDAInitializedError"
