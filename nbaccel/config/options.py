@@ -199,17 +199,15 @@ def _matches(value: Any, hint: Any) -> bool:
 
 
 def _describe(hint: Any) -> str:
-    if typing.get_origin(hint) is Literal:
-        return "a str"
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(hint)))
     if hint is Writable:
         return "a file-like object"
-    if typing.get_origin(hint) is not None and typing.get_origin(hint).__module__ == (
-        "collections.abc"
-    ):
+    if origin is not None and origin.__module__ == "collections.abc":
         return "a callable"
-    return {bool: "True or False", int: "an int", float: "a number", str: "a str"}.get(
-        hint, f"a {getattr(hint, '__name__', hint)}"
-    )
+    named = {bool: "True or False", int: "an int", float: "a number", str: "a str"}
+    return named.get(hint) or f"a {getattr(origin or hint, '__name__', hint)}"
 
 
 def check_argument(name: str, value: Any, hint: Any) -> None:
@@ -224,8 +222,9 @@ def check_argument(name: str, value: Any, hint: Any) -> None:
     if _matches(value, hint):
         return
     inner, optional = split_optional(hint)
-    kinds = typing.get_args(inner) if typing.get_origin(inner) is not Literal else ()
-    words = " or ".join(dict.fromkeys(_describe(k) for k in kinds or (inner,)))
+    union = typing.get_origin(inner) in (typing.Union, type(int | str))
+    kinds = [k for k in (typing.get_args(inner) if union else (inner,)) if k is not type(None)]
+    words = " or ".join(dict.fromkeys(map(_describe, kinds)))
     raise TypeError(f"{name}={value!r} must be {words}" + (" (or None)." if optional else "."))
 
 
