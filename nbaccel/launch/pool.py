@@ -261,7 +261,7 @@ def start_workers(num_processes: int | None = None, **options: Unpack[PoolKeywor
         CUDAInitializedError: ``start_method="fork"`` after CUDA was initialised.
         WorkerError, LaunchError: a worker could not start.
     """
-    named = {"num_processes": num_processes}
+    named = dict(num_processes=num_processes)
     settings, start, _ = split(named, options, PoolKeywords, "start_workers()")
     # block=False: always worker processes (never "run in the kernel"), in their own session
     plan = plan_launch(_idle, (), settings, start, CallOptions(block=False))
