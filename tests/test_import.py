@@ -76,8 +76,8 @@ def test_importing_nbaccel_patches_nothing_and_a_launch_installs_the_cuda_record
         "import torch\n"
         "before = getattr(torch.cuda._lazy_init, '_nbaccel_cudatrace', False)\n"
         "hooks = [type(f).__name__ for f in sys.meta_path if 'Cuda' in type(f).__name__]\n"
-        "from nbaccel.launch._preflight import plan_launch\n"
-        "plan_launch(print, num_processes=2, start_method='fork')\n"
+        "from nbaccel.launch.testing import plan_for\n"
+        "plan_for(print, num_processes=2, start_method='fork')\n"
         "print(before, hooks, getattr(torch.cuda._lazy_init, '_nbaccel_cudatrace', False))"
     )
     for order in (code, "import torch\n" + code.replace("assert 'torch' not", "assert 'torch'")):

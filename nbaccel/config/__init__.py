@@ -2,6 +2,8 @@
 
 * :mod:`~nbaccel.config.choices` -- precision modes, start methods, compute devices;
 * :mod:`~nbaccel.config.launch_config` -- :class:`LaunchConfig` and its field facts;
+* :mod:`~nbaccel.config.options` -- the launch functions' other options, their defaults
+  and help (:class:`StartOptions`, :class:`CallOptions`);
 * :mod:`~nbaccel.config.file` / :mod:`~nbaccel.config.store` -- the YAML file;
 * :mod:`~nbaccel.config.precedence` -- arguments > ``NBACCEL_*`` > file > defaults, and
   the configuration a launcher installed in a worker.
@@ -22,9 +24,10 @@ from .choices import (
     StartMethodType,
     normalize_precision,
 )
-from .fields import field_help, field_kind, field_names
+from .fields import field_help, field_kind, field_names, field_optional
 from .file import CONFIG_VERSION, RENAMED_KEYS, default_config_path
 from .launch_config import INT_MINIMUMS, MAX_PORT, LaunchConfig
+from .options import CallOptions, StartOptions
 from .precedence import (
     ENV_VARS,
     install_launch_config,
@@ -45,14 +48,17 @@ __all__ = [
     "RENAMED_KEYS",
     "START_METHODS",
     "STRATEGIES",
+    "CallOptions",
     "ComputeDeviceType",
     "LaunchConfig",
     "PrecisionType",
     "StartMethodType",
+    "StartOptions",
     "default_config_path",
     "field_help",
     "field_kind",
     "field_names",
+    "field_optional",
     "install_launch_config",
     "installed_launch_config",
     "launch_config",

@@ -1,7 +1,7 @@
 """Every choice of the launch configuration, defined once.
 
-Precision modes, start methods, compute devices, strategies, FSDP and DeepSpeed options and what a
-hang does are ``Literal`` types here; the
+Precision modes, start methods, compute devices, strategies, FSDP and DeepSpeed options, what a
+hang does and how machines meet (``rdzv_backend``) are ``Literal`` types here; the
 launcher, the runtime, the CLI and the widget panel derive their options from these
 tuples so they can never drift apart.
 
@@ -26,6 +26,7 @@ FsdpWrapPolicyType = Literal["transformer_based_wrap", "size_based_wrap", "no_wr
 FsdpStateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 OnHangType = Literal["report", "raise"]
 DeepSpeedOffloadType = Literal["none", "cpu", "nvme"]
+RdzvBackendType = Literal["static", "c10d"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionType)
 START_METHODS: tuple[str, ...] = get_args(StartMethodType)
@@ -36,6 +37,7 @@ FSDP_STATE_DICT_TYPES: tuple[str, ...] = get_args(FsdpStateDictType)
 ON_HANG: tuple[str, ...] = get_args(OnHangType)
 DEEPSPEED_OFFLOAD_DEVICES: tuple[str, ...] = get_args(DeepSpeedOffloadType)
 DEEPSPEED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+RDZV_BACKENDS: tuple[str, ...] = get_args(RdzvBackendType)
 
 
 def normalize_precision(value: object, *, argument: str = "mixed_precision") -> str:
@@ -69,6 +71,7 @@ __all__ = [
     "FSDP_WRAP_POLICIES",
     "ON_HANG",
     "PRECISIONS",
+    "RDZV_BACKENDS",
     "START_METHODS",
     "STRATEGIES",
     "ComputeDeviceType",
@@ -77,6 +80,7 @@ __all__ = [
     "FsdpWrapPolicyType",
     "OnHangType",
     "PrecisionType",
+    "RdzvBackendType",
     "StartMethodType",
     "StrategyType",
     "normalize_precision",

@@ -42,10 +42,15 @@ def field_help() -> dict[str, str]:
 
 def field_kind(name: str) -> tuple[Any, tuple[str, ...] | None]:
     """``(python type, choices or None)`` of a LaunchConfig field."""
-    hint, _ = _split_optional(_field_types()[name])
+    hint, _ = split_optional(_field_types()[name])
     if typing.get_origin(hint) is Literal:
         return str, tuple(get_args(hint))
     return hint, None
+
+
+def field_optional(name: str) -> bool:
+    """Whether a LaunchConfig field may be ``None`` (e.g. ``timeout``, ``gpu_ids``)."""
+    return split_optional(_field_types()[name])[1]
 
 
 @functools.cache
@@ -55,7 +60,7 @@ def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(LaunchConfig)
 
 
-def _split_optional(hint: Any) -> tuple[Any, bool]:
+def split_optional(hint: Any) -> tuple[Any, bool]:
     if typing.get_origin(hint) in (Union, types.UnionType):
         args = [a for a in get_args(hint) if a is not type(None)]
         return (args[0] if len(args) == 1 else hint), len(args) < len(get_args(hint))
@@ -68,7 +73,7 @@ FALSE_WORDS = ("0", "false", "no", "off")
 
 def coerce(name: str, value: Any, source: str, *, from_text: bool = False) -> Any:
     """Check (and for environment text, parse) one field value; errors name key and source."""
-    hint, optional = _split_optional(_field_types()[name])
+    hint, optional = split_optional(_field_types()[name])
     # "none" is a real choice of some fields (deepspeed_offload_*_device), not a null there
     choice_none = typing.get_origin(hint) is Literal and "none" in get_args(hint)
     null_text = from_text and value.strip().lower() in ("null",) + (
@@ -121,4 +126,13 @@ def coerce(name: str, value: Any, source: str, *, from_text: bool = False) -> An
     return str(value) if hint is str else value
 
 
-__all__ = ["FALSE_WORDS", "TRUE_WORDS", "coerce", "field_help", "field_kind", "field_names"]
+__all__ = [
+    "FALSE_WORDS",
+    "TRUE_WORDS",
+    "coerce",
+    "field_help",
+    "field_kind",
+    "field_names",
+    "field_optional",
+    "split_optional",
+]

@@ -52,12 +52,19 @@ INT_MINIMUMS: dict[str, int] = {
 MAX_PORT = 65535
 
 
+#: what to do about a count below its minimum (the launch functions' arguments too)
+_FIXES: dict[str, str] = {
+    "num_processes": " Use None for one process per device, or a positive int.",
+    "num_nodes": " Pass the number of machines taking part.",
+    "node_rank": " Number the machines 0..num_nodes-1.",
+    "max_restarts": " Pass 0 to never restart.",
+}
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     # bool is an int subclass; True as a process count is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} must be an int >= {minimum}.")
-    if value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an int >= {minimum}.")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an int >= {minimum}.{_FIXES.get(name, '')}")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -88,7 +95,10 @@ class LaunchConfig:
     )
     mixed_precision: PrecisionType = field(
         default="no",
-        metadata={"help": '"no", "fp16", "bf16" or "fp8".'},
+        metadata={
+            "help": '"no", "fp16", "bf16" or "fp8": what the Accelerator() created inside '
+            "the launched function uses."
+        },
     )
     gradient_accumulation_steps: int = field(
         default=1,
@@ -104,7 +114,7 @@ class LaunchConfig:
     )
     master_addr: str = field(
         default="127.0.0.1",
-        metadata={"help": "address of node 0's rendezvous."},
+        metadata={"help": "address of node 0's rendezvous (one machine: it listens there only)."},
     )
     master_port: int | None = field(
         default=None,
@@ -124,13 +134,20 @@ class LaunchConfig:
     )
     timeout: float | None = field(
         default=None,
-        metadata={"help": "seconds a collective may block before the run is declared hung."},
+        metadata={
+            "help": "seconds a collective may block (the process group's timeout); ranks "
+            "still running that long after a peer finished are reported as stuck "
+            "(WorkerTimeoutError, with their stacks)."
+        },
     )
     debug: bool = field(
         default=False,
         metadata={"help": "record CUDA-initialisation stacks and worker stacks on hangs."},
     )
     # -- hangs: nbaccel.launch._watchdog ------------------------------------------------
+    # 5 minutes: longer than a real step, a checkpoint save or an evaluation on one rank
+    # usually keeps the others waiting, shorter than torch's own collective timeouts (NCCL's
+    # 10 min, gloo's 30 min), which end the job without saying where each rank was.
     hang_after: float = field(
         default=300.0,
         metadata={
@@ -140,11 +157,17 @@ class LaunchConfig:
     )
     on_hang: OnHangType = field(
         default="report",
-        metadata={"help": '"report" (and keep waiting) or "raise" (WorkerTimeoutError).'},
+        metadata={
+            "help": '"report" (and keep waiting; reported again after 2x, 4x ... as long) '
+            'or "raise" (end the job with WorkerTimeoutError).'
+        },
     )
     debug_collectives: bool = field(
         default=False,
-        metadata={"help": "torch's collective-mismatch check (TORCH_DISTRIBUTED_DEBUG=DETAIL)."},
+        metadata={
+            "help": "torch's collective-mismatch check (TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks "
+            "calling different collectives fail with torch's error instead of hanging; slower."
+        },
     )
     # -- strategy (the fsdp_* fields matter only with strategy="fsdp") --------------------
     strategy: StrategyType = field(

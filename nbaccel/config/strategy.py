@@ -1,9 +1,11 @@
-"""The strategy part of the launch configuration, as the workers receive it.
+"""The strategy part of the launch configuration, and its ``NBACCEL_*`` environment form.
 
-``strategy`` and the ``fsdp_*``/``deepspeed_*`` fields of :class:`~nbaccel.config.LaunchConfig` travel
-to every worker as ``NBACCEL_*`` environment text (as ``mixed_precision`` does), so the
-``Accelerator()`` inside the launched function picks FSDP or DeepSpeed without a code
-change.
+nbaccel's launchers hand every worker the resolved :class:`~nbaccel.config.LaunchConfig`
+object, typed (:func:`~nbaccel.config.install_launch_config`), so no setting travels as
+text. :func:`strategy_environment` is for processes nbaccel does not start (``torchrun``,
+a scheduler's job, a test's environment): there ``strategy`` and the ``fsdp_*`` /
+``deepspeed_*`` fields set as ``NBACCEL_*`` variables reach the ``Accelerator()``, which
+reads them through :func:`~nbaccel.config.resolve_launch_config`.
 
 Example:
     >>> from nbaccel.config import LaunchConfig
@@ -26,10 +28,8 @@ def strategy_fields() -> tuple[str, ...]:
 
 
 def strategy_environment(cfg: LaunchConfig) -> dict[str, str]:
-    """``NBACCEL_STRATEGY`` and (for "fsdp"/"deepspeed") the strategy's fields for the workers.
-
-    The launcher passes the strategy the same way as ``mixed_precision``: as environment
-    text that :func:`nbaccel.config.resolve_launch_config` parses back in every worker.
+    """``NBACCEL_STRATEGY`` and (for "fsdp"/"deepspeed") the strategy's fields as the
+    environment text that :func:`nbaccel.config.resolve_launch_config` parses back.
 
     Example:
         >>> strategy_environment(LaunchConfig(strategy="fsdp"))["NBACCEL_FSDP_CPU_OFFLOAD"]

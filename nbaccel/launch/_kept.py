@@ -29,13 +29,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..config.options import DEBUG_TIMEOUT  # a failed rank waits this long for debug()
 from . import _lifetimes
 from ._failures import Failure, signal_name
 from ._supervisor import Hook, Supervisor
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
 LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session
-DEBUG_TIMEOUT = 600.0  # seconds a failed rank waits for nbaccel.debug() (see launcher)
 
 
 FINISHED = "had finished the job"

@@ -1,6 +1,7 @@
 """Everything the launcher checks and decides before a single process exists.
 
-:func:`plan_launch` validates the arguments (``TypeError``/``ValueError`` naming
+:func:`plan_launch` type-checks the settings given as arguments (the options of
+:mod:`nbaccel.config.options` check themselves; ``TypeError``/``ValueError`` naming
 the argument and the fix), merges them with the environment and the config
 file through :func:`nbaccel.config.resolve_launch_config`, counts devices
 without initialising CUDA, refuses a multi-process launch when an Accelerator
@@ -11,28 +12,24 @@ and the OS's (threads, visible GPUs), never nbaccel's settings as text.
 
 Example:
     >>> from nbaccel.launch._preflight import plan_launch
-    >>> plan = plan_launch(print, num_processes=2, start_method="fork", mixed_precision="bf16")
+    >>> plan = plan_launch(print, (), dict(num_processes=2, start_method="fork", mixed_precision="bf16"))
     >>> plan.num_processes, plan.method, plan.config.mixed_precision
     (2, 'fork', 'bf16')
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import (
-    START_METHODS,
-    LaunchConfig,
-    normalize_precision,
-    resolve_launch_config,
-)
+from ..config import LaunchConfig, resolve_launch_config
+from ..config.options import CALL, START, CallOptions, StartOptions, check_settings
 from ..errors import ConfigError
 from ..platform import cudatrace, environment, hardware, tpu
 from ..platform.hardware import default_num_processes
-from ._kept import DEBUG_TIMEOUT
 from ._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
 from ._safety import (
     check_gpus_per_process,
@@ -47,7 +44,8 @@ from ._safety import (
 
 @dataclass
 class LaunchPlan:
-    """The validated, resolved decisions of one ``notebook_launcher`` call."""
+    """The validated, resolved decisions of one launch: the configuration every worker
+    receives, and the call's own start and call options as the user gave them."""
 
     function: Callable[..., Any]
     args: tuple[Any, ...]
@@ -57,13 +55,14 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
     payload: bytes | None = None  # dill-pickled (function, args) for spawn
-    template: str | None = None
-    output: Any = None
-    return_all_ranks: bool = False
-    block: bool = True
-    monitor_interval: float = 0.1
-    debug_timeout: float | None = None  # debug=True: a failed rank waits this long for debug()
+    start: StartOptions = START
+    call: CallOptions = CALL
     tpu: bool = False  # workers on the TPU backend (it sets each one up; see platform.tpu)
+
+    @property
+    def debug_timeout(self) -> float | None:
+        """debug=True: the seconds a failed rank waits for nbaccel.debug(); else None."""
+        return self.start.debug_timeout if self.start.debug else None
 
     @property
     def world_size(self) -> int:
@@ -78,32 +77,18 @@ class LaunchPlan:
         return [self.global_rank(i) for i in range(self.num_processes or 1)]
 
 
-def _check_int(name: str, value: Any, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int; {fix}")
-    if value < minimum:
-        raise ConfigError(f"{name}={value!r} must be >= {minimum}; {fix}")
-
-
-def _check_function(function: Any) -> None:
+def check_call(
+    function: Any, args: Any, example: str = "notebook_launcher(train, args=(lr,))"
+) -> None:
+    """The function itself, not its result; its arguments as a tuple (``example``: the
+    right call, as the caller spells it)."""
     if not callable(function):
         raise TypeError(
             f"function={function!r} (a {type(function).__name__}) is not callable: pass the "
-            "function, not its result, e.g. notebook_launcher(train, args=(model,)) instead "
-            "of notebook_launcher(train(model))."
+            f"function, not its result, e.g. {example}, not train(lr)."
         )
-
-
-def _check_port(use_port: Any) -> int | None:
-    """``use_port`` as an int (Accelerate's scripts pass it as a string, "29500"), or None."""
-    if isinstance(use_port, str) and use_port.strip().isdigit():
-        use_port = int(use_port)
-    if use_port is None:
-        return None
-    _check_int("use_port", use_port, 0, "pass a free TCP port, or None to pick one.")
-    if use_port > 65535:
-        raise ConfigError(f"use_port={use_port} must be <= 65535.")
-    return int(use_port) or None
+    if not isinstance(args, tuple | list):
+        raise TypeError(f"args={args!r} must be a tuple of arguments, e.g. args=(lr,).")
 
 
 def _accelerate_env(cfg: LaunchConfig) -> dict[str, str]:
@@ -160,126 +145,60 @@ def process_env(cfg: LaunchConfig, threads: int | None) -> dict[str, str]:
     return env
 
 
-#: the options of a launch (notebook_launcher's arguments after ``args``) and their defaults;
-#: None means "not given": the environment, the config file or the default decides
-_NONE = "num_processes mixed_precision use_port master_addr node_rank num_nodes rdzv_conf "
-_NONE += "max_restarts log_line_prefix_template start_method timeout config output "
-_NONE += "hang_after on_hang debug_collectives"
-OPTIONS: dict[str, Any] = dict.fromkeys(_NONE.split()) | {
-    "rdzv_backend": "static",
-    "rdzv_endpoint": "",
-    "rdzv_id": "none",
-    "monitor_interval": 0.1,
-    "return_all_ranks": False,
-    "block": True,
-    "kernel_state_ok": False,  # a test's own Accelerator in this process (run_on_workers)
-    "debug": False,
-    "debug_timeout": None,
-}
-# the options that are LaunchConfig fields (use_port is master_port there)
-_FIELDS = "num_processes mixed_precision master_addr node_rank num_nodes start_method "
-_FIELDS += "max_restarts timeout hang_after on_hang debug_collectives"
-
-
-def plan_launch(function: Any, args: Any = (), **options: Any) -> LaunchPlan:
+def plan_launch(
+    function: Any,
+    args: Any = (),
+    settings: Mapping[str, Any] | None = None,
+    start: StartOptions = START,
+    call: CallOptions = CALL,
+    *,
+    kernel_state_ok: bool = False,  # a test's own Accelerator in this process (run_on_workers)
+) -> LaunchPlan:
     """Validate and resolve a launch; raises before anything is started.
 
-    ``options`` are :data:`OPTIONS`. Every one that is not None was given explicitly and
-    wins over the config file and the environment, also when it equals the default
-    (``num_nodes=1``, ``max_restarts=0``).
+    ``settings`` are :class:`~nbaccel.config.LaunchConfig` fields given as arguments
+    (``None``: not given). Every one given wins over ``start.config``, the config file and
+    the environment, also when it equals the default (``num_nodes=1``, ``max_restarts=0``).
+    ``start`` and ``call`` were validated when they were made.
     """
     cudatrace.install()  # from now on a later CUDA initialisation in the kernel is recorded
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TypeError(f"unexpected argument(s) {unknown}; valid ones: {sorted(OPTIONS)}.")
-    o = {**OPTIONS, **options}
-    _check_function(function)
-    if not isinstance(args, tuple | list):
-        raise TypeError(f"args={args!r} must be a tuple of arguments, e.g. args=(model,).")
-    fixes = {
-        "num_processes": (1, "use None for one process per device, or a positive int."),
-        "num_nodes": (1, "pass the number of machines taking part."),
-        "node_rank": (0, "number the machines 0..num_nodes-1."),  # < num_nodes: LaunchConfig
-        "max_restarts": (0, "pass 0 to never restart."),
-    }
-    for name, (minimum, fix) in fixes.items():
-        if o[name] is not None:
-            _check_int(name, o[name], minimum, fix)
-    if o["mixed_precision"] is not None:
-        o["mixed_precision"] = normalize_precision(o["mixed_precision"])
-    if o["start_method"] is not None and o["start_method"] not in START_METHODS:
-        raise ConfigError(
-            f"start_method={o['start_method']!r} is unknown; use one of {START_METHODS}."
-        )
-    o["use_port"] = _check_port(o["use_port"])
-    timeout = o["timeout"]
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
-        raise TypeError(f"timeout={timeout!r} must be a number of seconds (or None).")
-    rdzv = (o["rdzv_backend"], o["rdzv_conf"], o["rdzv_id"], o["rdzv_endpoint"])
-    nodes = o["num_nodes"] or getattr(o["config"], "num_nodes", None) or 1
-    check_rendezvous_args(*rdzv, nodes)
-    elastic = o["rdzv_backend"] == "c10d" and nodes > 1
-    if o["rdzv_endpoint"] and not elastic:
-        host, port = parse_endpoint(str(o["rdzv_endpoint"]))
-        o["master_addr"], o["use_port"] = host or o["master_addr"], port or o["use_port"]
-    interval, template, output = o["monitor_interval"], o["log_line_prefix_template"], o["output"]
-    if not isinstance(interval, int | float) or not interval > 0:
-        raise ConfigError(f"monitor_interval={interval!r} must be seconds > 0.")
-    if template is not None and not isinstance(template, str):
-        raise TypeError(f"log_line_prefix_template={template!r} must be a str.")
-    if output is not None and not (callable(output) or hasattr(output, "write")):
-        raise TypeError(f"output={output!r} must be a file-like object or a callable.")
-    if o["config"] is not None and not isinstance(o["config"], LaunchConfig):
-        raise TypeError(f"config={o['config']!r} must be a nbaccel.LaunchConfig (or None).")
-    linger = _check_debug(o["debug"], o["debug_timeout"])
-    if elastic:  # the machines meet and get their node_rank (nothing started yet)
-        o["node_rank"], o["master_addr"], o["use_port"] = elastic_meet(
-            str(o["rdzv_endpoint"]),
-            run_id=str(o["rdzv_id"]),
+    check_call(function, args)
+    given = check_settings(dict(settings or {}))
+    nodes: int = given.get("num_nodes") or (start.config.num_nodes if start.config else 1)
+    check_rendezvous_args(start.rdzv_backend, start.rdzv_conf, start.rdzv_id, start.rdzv_endpoint,
+                          nodes)  # fmt: skip
+    elastic = start.rdzv_backend == "c10d" and nodes > 1
+    port = start.port
+    if start.rdzv_endpoint and not elastic:
+        host, at = parse_endpoint(start.rdzv_endpoint)
+        if host:
+            given["master_addr"] = host
+        port = at or port
+    if elastic:  # the machines meet and get their node_rank (every other value checked first)
+        LaunchConfig(**dict(given, num_nodes=1, node_rank=0))
+        given["node_rank"], given["master_addr"], port = elastic_meet(
+            start.rdzv_endpoint,
+            run_id=start.rdzv_id,
             num_nodes=nodes,
-            conf=o["rdzv_conf"],
-            port=o["use_port"],
-            timeout=o["timeout"],
+            conf=start.rdzv_conf,
+            port=port,
+            timeout=given.get("timeout"),
         )
-    given = {k: o[k] for k in _FIELDS.split() if o[k] is not None}
-    if linger is not None:
+    if start.debug:
         given["debug"] = True
-    if o["use_port"] is not None:
-        given["master_port"] = o["use_port"]
-    cfg = o["config"].replace(**given) if o["config"] is not None else resolve_launch_config(given)
-    if o["rdzv_backend"] == "c10d" and cfg.num_nodes > 1 and not elastic:
+    if port is not None:
+        given["master_port"] = port
+    cfg = resolve_launch_config(given) if start.config is None else start.config.replace(**given)
+    if start.rdzv_backend == "c10d" and cfg.num_nodes > 1 and not elastic:
         raise ConfigError(
             f"rdzv_backend='c10d' with num_nodes={cfg.num_nodes} from the config: pass "
             "num_nodes=... to the launch itself, so that the machines meet before it starts."
         )
-    common: dict[str, Any] = {
-        "template": template,
-        "output": output,
-        "return_all_ranks": bool(o["return_all_ranks"]),
-        "block": bool(o["block"]),
-        "monitor_interval": float(interval),
-        "debug_timeout": linger,
-    }
-    return _decide(cfg, function, tuple(args), common, o["kernel_state_ok"])
+    return _decide(LaunchPlan(function, tuple(args), cfg, None, "", start=start, call=call),
+                   kernel_state_ok)  # fmt: skip
 
 
-def _check_debug(debug: Any, timeout: Any) -> float | None:
-    """debug=True: the seconds a failed rank waits for nbaccel.debug(); else None."""
-    if not isinstance(debug, bool):
-        raise TypeError(f"debug={debug!r} must be True or False.")
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
-    ):
-        raise ConfigError(
-            f"debug_timeout={timeout!r} must be seconds > 0 (how long a failed rank waits for "
-            f"nbaccel.debug(); default {DEBUG_TIMEOUT:g})."
-        )
-    if not debug:
-        return None
-    return float(DEBUG_TIMEOUT if timeout is None else timeout)
-
-
-def _tpu_plan(cfg: LaunchConfig, function: Any, args: tuple[Any, ...], common: Any) -> LaunchPlan:
+def _tpu_processes(cfg: LaunchConfig) -> int:
     """TPU: the backend's processes, started and served by the one engine (never in the
     kernel, whose XLA runtime must stay unstarted for the workers to own the chips)."""
     if cfg.strategy in ("fsdp", "deepspeed"):  # a config error first, with or without torch_xla
@@ -295,10 +214,7 @@ def _tpu_plan(cfg: LaunchConfig, function: Any, args: tuple[Any, ...], common: A
             "kernel and launch before touching the device."
         )
     check_platform(cfg.start_method)
-    method = choose_start_method(cfg.start_method)
-    payload = _spawn_payload(function, args) if method == "spawn" else None
-    env = process_env(cfg, None)
-    return LaunchPlan(function, args, cfg, nproc, method, env, None, payload, **common, tpu=True)
+    return nproc
 
 
 def _check_deepspeed(cfg: LaunchConfig, args: tuple[Any, ...]) -> None:
@@ -310,43 +226,41 @@ def _check_deepspeed(cfg: LaunchConfig, args: tuple[Any, ...]) -> None:
         require_deepspeed("strategy='deepspeed' (or a DeepSpeedPlugin)")
 
 
-def _decide(
-    cfg: LaunchConfig,
-    function: Any,
-    args: tuple[Any, ...],
-    common: dict[str, Any],
-    kernel_state_ok: bool = False,
-) -> LaunchPlan:
-    if cfg.compute_device == "tpu" or (
+def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
+    """How many processes, started how (or the function run right here), with what
+    environment: ``plan`` completed."""
+    cfg, args = plan.config, plan.args
+    on_tpu = cfg.compute_device == "tpu" or (
         cfg.compute_device == "auto" and environment.xla_requested()
-    ):
-        return _tpu_plan(cfg, function, args, common)
-    _check_deepspeed(cfg, args)
-    nproc = _count_processes(cfg)
-    in_kernel = nproc == 1 and cfg.num_nodes == 1 and common["block"]
-    if not in_kernel:
-        check_platform(cfg.start_method)  # the OS first: nothing else would help there
-    check_gpus_per_process(cfg, nproc)
-    hardware.check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # bf16 on a T4: fp16
-    if cfg.strategy == "fsdp" and nproc * cfg.num_nodes < 2:
-        raise ConfigError(
-            "strategy='fsdp' shards the model across processes, but this launch starts one: "
-            "pass num_processes >= 2 (CPU processes work too), or use strategy='ddp'."
-        )
-    if (nproc > 1 or cfg.num_nodes > 1) and not kernel_state_ok:  # workers drop it anyway
-        check_no_state_in_kernel()
-    threads: int | None = worker_threads(nproc)
-    if in_kernel:
-        method, threads = "kernel", None
+    )
+    threads: int | None = None
+    if on_tpu:
+        nproc, in_kernel = _tpu_processes(cfg), False
     else:
-        method = choose_start_method(cfg.start_method)
-    if method == "fork":
+        _check_deepspeed(cfg, args)
+        nproc = _count_processes(cfg)
+        in_kernel = nproc == 1 and cfg.num_nodes == 1 and plan.call.block
+        if not in_kernel:
+            check_platform(cfg.start_method)  # the OS first: nothing else would help there
+        check_gpus_per_process(cfg, nproc)
+        hardware.check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # bf16 on a T4
+        if cfg.strategy == "fsdp" and nproc * cfg.num_nodes < 2:
+            raise ConfigError(
+                "strategy='fsdp' shards the model across processes, but this launch starts "
+                "one: pass num_processes >= 2 (CPU processes work too), or use strategy='ddp'."
+            )
+        if (nproc > 1 or cfg.num_nodes > 1) and not kernel_state_ok:  # workers drop it anyway
+            check_no_state_in_kernel()
+        threads = None if in_kernel else worker_threads(nproc)
+    method = "kernel" if in_kernel else choose_start_method(cfg.start_method)
+    if method == "fork" and not on_tpu:
         threads = fork_safe_threads(threads)
-    payload = _spawn_payload(function, args) if method == "spawn" else None
+    payload = _spawn_payload(plan.function, args) if method == "spawn" else None
     env = process_env(cfg, threads)
-    if not in_kernel:
+    if not (in_kernel or on_tpu):
         env.update(_accelerate_env(cfg))
-    return LaunchPlan(function, args, cfg, nproc, method, env, threads, payload, **common)
+    return dataclasses.replace(plan, num_processes=nproc, method=method, env=env,
+                               threads=threads, payload=payload, tpu=on_tpu)  # fmt: skip
 
 
 def plan_script(cfg: LaunchConfig) -> LaunchPlan:
@@ -362,12 +276,13 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     if on_tpu:
         env["PJRT_DEVICE"] = os.environ.get("PJRT_DEVICE", "TPU")
     method = "fork" if cfg.start_method == "fork" else "spawn"
-    return LaunchPlan(print, (), cfg, nproc, method, env, threads, template="")
+    return LaunchPlan(print, (), cfg, nproc, method, env, threads,
+                      start=StartOptions(log_line_prefix_template=""))  # fmt: skip
 
 
 __all__ = [
-    "DEBUG_TIMEOUT",
     "LaunchPlan",
+    "check_call",
     "cuda_fork_error",
     "plan_launch",
     "plan_script",

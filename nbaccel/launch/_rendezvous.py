@@ -44,7 +44,6 @@ from ..errors import ConfigError, LaunchError
 from ..platform import environment, torchcompat
 
 DEFAULT_TIMEOUT = 300.0  # torch's own default store timeout
-RDZV_BACKENDS = ("static", "c10d")
 
 
 def parse_endpoint(endpoint: str) -> tuple[str | None, int | None]:
@@ -58,15 +57,14 @@ def parse_endpoint(endpoint: str) -> tuple[str | None, int | None]:
 
 
 def check_rendezvous_args(backend: Any, conf: Any, run_id: Any, endpoint: Any, nodes: int) -> None:
-    """The static rendezvous, or c10d (elastic's): refuse what would otherwise be ignored."""
+    """The static rendezvous, or c10d (elastic's): refuse what would otherwise be ignored
+    (``backend`` is one of them: :class:`~nbaccel.config.options.StartOptions` checked it)."""
     if backend == "c10d" and nodes > 1 and not endpoint:
         raise ConfigError(
             f"rdzv_backend='c10d' with num_nodes={nodes} needs rdzv_endpoint='host:port': "
             "where the machines meet (a host every machine reaches, e.g. the first one's "
             "address, and a free port), the same on every machine."
         )
-    if backend not in RDZV_BACKENDS:
-        raise ConfigError(f"rdzv_backend={backend!r} is unknown; use 'static' (or 'c10d').")
     if backend == "c10d":  # rdzv_conf and rdzv_id configure it
         return
     if conf:

@@ -64,7 +64,11 @@ def forwarder(plan: LaunchPlan, ranks: list[int], output: Any) -> LineForwarder:
     info = {r: (lr, cfg.node_rank, plan.world_size) for lr, r in enumerate(ranks)}
     callback = output if callable(output) else None
     return LineForwarder(
-        *streams, plan.template, callback=callback, rank_info=info, num_processes=len(ranks)
+        *streams,
+        plan.start.log_line_prefix_template,
+        callback=callback,
+        rank_info=info,
+        num_processes=len(ranks),
     )
 
 
@@ -114,7 +118,7 @@ def start_group(
             procs,
             forwarder(plan, ranks, output),
             timeout=cfg.timeout,
-            interval=plan.monitor_interval,
+            interval=plan.start.monitor_interval,
             on_event=on_event,
             one_shot=not persistent,
             hooks=hooks,
@@ -174,7 +178,7 @@ def _specs(
             round_,
             plan.threads,
             persistent,
-            new_session=not plan.block,  # background runs and pools ignore the kernel's ^C
+            new_session=not plan.call.block,  # background runs and pools ignore the kernel's ^C
             die_with_parent=on_main,
             parent_pid=os.getpid(),
             linger=plan.debug_timeout,  # debug=True: a failed rank waits for nbaccel.debug()

@@ -32,9 +32,12 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import LaunchConfig
+from ..config.choices import PrecisionType, RdzvBackendType
+from ..config.keywords import LaunchKeywords, documented, split
+from ..config.options import START
 from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from ..platform import environment
 from ..platform.process_env import EnvironmentSnapshot
@@ -42,99 +45,52 @@ from . import _kept
 from ._cell_output import CellOutput
 from ._environ import installed, patched_environ
 from ._messages import Job
-from ._preflight import DEBUG_TIMEOUT, LaunchPlan, plan_launch, plan_script
+from ._preflight import LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
 from ._supervisor import JobFailed, Supervisor
 from ._tidy import add_hint, clean, warn_oversubscribed
 from .handle import LaunchHandle, already_running, running_from
 
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
+
+# Accelerate's parameters are written out: they may be passed positionally, in
+# Accelerate's order. nbaccel's own are keyword-only, typed for mypy and IDEs by a TypedDict
+# (PEP 692); @documented shows all of them, with their defaults, to help() and inspect.
+# Each option's default, help and validation are written once, in nbaccel.config (see
+# nbaccel.config.keywords); tests/config/test_options.py fails when they drift apart.
+@documented(LaunchKeywords)
 def notebook_launcher(
     function: Callable[..., Any],
     args: tuple[Any, ...] = (),
     num_processes: int | None = None,
-    mixed_precision: str | None = None,
-    use_port: int | str | None = None,
+    mixed_precision: PrecisionType | None = None,
+    use_port: int | str | None = START.use_port,
     master_addr: str | None = None,
     node_rank: int | None = None,
     num_nodes: int | None = None,
-    rdzv_backend: str = "static",
-    rdzv_endpoint: str = "",
-    rdzv_conf: dict[str, Any] | None = None,
-    rdzv_id: str = "none",
+    rdzv_backend: RdzvBackendType = START.rdzv_backend,
+    rdzv_endpoint: str = START.rdzv_endpoint,
+    rdzv_conf: dict[str, Any] | None = START.rdzv_conf,
+    rdzv_id: str = START.rdzv_id,
     max_restarts: int | None = None,
-    monitor_interval: float = 0.1,
-    log_line_prefix_template: str | None = None,
-    *,
-    start_method: str | None = None,
-    timeout: float | None = None,
-    config: LaunchConfig | None = None,
-    return_all_ranks: bool = False,
-    block: bool = True,
-    output: Any = None,
-    hang_after: float | None = None,
-    on_hang: str | None = None,
-    debug_collectives: bool | None = None,
-    debug: bool = False,
-    debug_timeout: float = DEBUG_TIMEOUT,
+    monitor_interval: float = START.monitor_interval,
+    log_line_prefix_template: str | None = START.log_line_prefix_template,
+    **options: Unpack[LaunchKeywords],
 ) -> Any:
     """Run ``function(*args)`` once per device and return rank 0's result.
+
+    The positional parameters are Accelerate's, in its order; nbaccel's own are
+    keyword-only. A setting left at ``None`` comes from the ``NBACCEL_*`` environment, the
+    config file or its default (shown); one you pass always wins, also when it equals the
+    default. Every argument is checked before any process starts.
 
     Args:
         function: the training function (define the model, data and ``Accelerator``
             inside it). Pass the function itself, not ``function()``.
         args: positional arguments for ``function``.
-        num_processes: processes on this machine; ``None`` = one per visible GPU,
-            else TPU cores, else 1. With one process the function runs in the kernel.
-        mixed_precision: "no", "fp16", "bf16" or "fp8"; reaches the ``Accelerator()``
-            created inside the function (``None``: from the environment/config file).
-        use_port: rendezvous port (an int, or a string such as "29500"); ``None`` picks a
-            free one for each launch. A busy port raises ``ValueError`` naming it.
-        master_addr: node 0's address (default 127.0.0.1); on one machine the rendezvous
-            listens on 127.0.0.1 only.
-        node_rank: this machine's index (multi-node: run the same cell on each machine).
-        num_nodes: machines taking part (default 1).
-        rdzv_backend: "static" (the default: every node names its ``node_rank``). "c10d"
-            (nodes joining in any order) is refused with an error saying what to do.
-        rdzv_endpoint: "host:port", overriding ``master_addr``/``use_port``.
-        rdzv_conf, rdzv_id: settings of the c10d rendezvous; refused when given.
-        max_restarts: how often a failed group of workers is started again (default 0).
-        monitor_interval: seconds between checks of the workers.
-        log_line_prefix_template: prefix of every forwarded output line when more than
-            one process runs here (default "[rank{rank}] "; "" disables). Fields:
-            {rank}, {local_rank}, {node_rank}, {world_size} (or torchrun's ${rank}).
-        start_method: "auto" (fork, or spawn when CUDA is already initialised in the
-            kernel), "fork" (refuses with ``CUDAInitializedError`` in that case) or "spawn".
-        timeout: seconds a collective may block (the process group's timeout). When a
-            rank's collective times out while other ranks still run, or ranks still run
-            ``timeout`` seconds after a peer finished, those ranks are reported as stuck
-            (``WorkerTimeoutError``) with their Python stacks, and everything is cleaned up.
-        config: a complete :class:`~nbaccel.LaunchConfig` to use instead of the
-            environment and config file (explicit arguments still override it).
-        return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).
-        block: ``False`` returns a :class:`LaunchHandle` at once while the workers run.
-        output: where worker output goes: ``None`` (the cell's stdout/stderr), a
-            file-like object, or a callable ``output(rank, stream, line)``.
-        hang_after: seconds without progress (no collective issued, nothing logged, no
-            rank finished) while a rank waits in torch.distributed before the job is
-            reported in the cell: which ranks, in which collective, which are not in one,
-            with their Python stacks. Default 300 (5 minutes: longer than a real step or
-            a checkpoint save keeps ranks waiting, shorter than torch's own collective
-            timeouts); ``0`` turns the watchdog off. Also ``NBACCEL_HANG_AFTER``, the
-            config file, ``LaunchConfig.hang_after``.
-        on_hang: ``"report"`` (the default: report, keep waiting, report again after 2x,
-            4x, ... longer without progress) or ``"raise"`` (end the job with
-            ``WorkerTimeoutError``).
-        debug_collectives: ``True`` runs torch's collective-mismatch check
-            (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, its wrapper process group): ranks calling
-            different collectives fail with torch's error instead of hanging. Slower
-            (every collective is checked first); for debugging.
-        debug: when a rank raises, keep it alive holding its traceback for
-            ``nbaccel.debug()`` (pdb on the failing frame, from the next cell); the other
-            ranks end as usual and the error is raised as usual. Also sets
-            ``LaunchConfig.debug``.
-        debug_timeout: seconds a failed rank waits for ``nbaccel.debug()`` (default 600);
-            it then leaves, as it does when the session ends.
+        {options}
 
     Returns:
         Rank 0's return value with tensors moved to the CPU (on another node: the value
@@ -153,14 +109,29 @@ def notebook_launcher(
             worker's stack (``err.stacks``).
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
-    plan = plan_launch(**locals())  # first: locals() are exactly the arguments
     __tracebackhide__ = True  # IPython shows the user's cell, then the error: not this frame
-    return launch(plan)
+    accelerate = dict(
+        num_processes=num_processes,
+        mixed_precision=mixed_precision,
+        use_port=use_port,
+        master_addr=master_addr,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_conf=rdzv_conf,
+        rdzv_id=rdzv_id,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        log_line_prefix_template=log_line_prefix_template,
+    )
+    settings, start, call = split(accelerate, options, LaunchKeywords, "notebook_launcher()")
+    return launch(plan_launch(function, args, settings, start, call))
 
 
 def launch(plan: LaunchPlan) -> Any:
     """Run a planned launch: in the kernel, or on a one-shot group of workers (TPUs too:
-    the backend sets each one up); a :class:`LaunchHandle` when ``plan.block`` is False."""
+    the backend sets each one up); a :class:`LaunchHandle` when ``plan.call.block`` is False."""
     __tracebackhide__ = True
     _free_kept_gpu_memory(plan)
     if plan.method == "kernel":
@@ -168,7 +139,7 @@ def launch(plan: LaunchPlan) -> Any:
     warn_oversubscribed(plan.config, plan.num_processes or 1, stacklevel=3)  # the user's line
     started: list[Supervisor] = []
     handle = LaunchHandle(
-        plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.return_all_ranks
+        plan.ranks, lambda h: _attempts(plan, h, started), all_ranks=plan.call.return_all_ranks
     )
     handle.label = f"notebook_launcher({getattr(plan.function, '__name__', 'function')})"
     cell = CellOutput.here()  # captured here, in the cell's thread (see _cell_output)
@@ -179,11 +150,11 @@ def launch(plan: LaunchPlan) -> Any:
                 already_running(running, "a run started from this cell is still going", cell)
             )
         )
-    if plan.output is None:
+    if plan.call.output is None:
         handle.cell_output = cell
     try:  # the first group starts in the calling thread (the kernel's main thread)
         started.append(_start(plan, handle))
-        if not plan.block:
+        if not plan.call.block:
             handle.run_in_background()
             return handle
     except BaseException:
@@ -245,7 +216,7 @@ def _attempts(
 
 
 def _wanted(plan: LaunchPlan) -> set[int]:
-    return set(plan.ranks) if plan.return_all_ranks else {plan.ranks[0]}
+    return set(plan.ranks) if plan.call.return_all_ranks else {plan.ranks[0]}
 
 
 def _start(plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None) -> Supervisor:
@@ -259,7 +230,7 @@ def _start(plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None) -> Su
         on_event=handle.on_event,
         round_=handle.attempt,
         first_job=job,
-        output=handle.cell_output or plan.output,
+        output=handle.cell_output or plan.call.output,
     )
     return group
 
@@ -270,7 +241,7 @@ def _announce_restart(plan: LaunchPlan, attempt: int, err: BaseException, cell: 
         f"nbaccel: workers failed ({first}); restarting, attempt {attempt} of "
         f"{plan.config.max_restarts}\n"
     )
-    output: Any = plan.output
+    output: Any = plan.call.output
     if output is None:  # the launching cell's, from this background thread too
         output = cell.streams()[1] if cell is not None else sys.stderr
     with contextlib.suppress(Exception):
@@ -317,7 +288,7 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
         state = sys.modules.get("nbaccel.runtime.state")
         if state is not None and not had_state:
             state.reset_state()  # leave the kernel as found: no Accelerator state behind
-    return [value] if plan.return_all_ranks else value
+    return [value] if plan.call.return_all_ranks else value
 
 
 def run_script(cfg: LaunchConfig, command: list[str]) -> int:

@@ -29,10 +29,11 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import symtable
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from .debugger import register_magic
 from .pool import WorkerPool, current_pool
@@ -40,36 +41,32 @@ from .pool import WorkerPool, current_pool
 USAGE = "%%distributed [--ranks 0,1] [--pool NAME]"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # a UsageError in the cell, not an exit
+        raise ValueError(f"{message}; usage: {USAGE}")
+
+
+def rank_numbers(text: str) -> list[int]:
+    """``0`` or ``0,1``: what ``--ranks`` takes (argparse names this function when not)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(text)
+    return [int(p) for p in parts]
+
+
+_PARSER = _Parser(prog="%%distributed", add_help=False, allow_abbrev=False)
+_PARSER.add_argument("--ranks", "-r", nargs="+", type=rank_numbers, default=[])
+_PARSER.add_argument("--pool")
+
+
 def _parse(line: str) -> tuple[list[int] | None, str | None]:
     try:
         words = shlex.split(line)
     except ValueError as err:
         raise ValueError(f"cannot parse {line!r} ({err}); usage: {USAGE}") from None
-    ranks: list[int] | None = None
-    pool: str | None = None
-    i = 0
-    while i < len(words):
-        word = words[i]
-        if word in ("--ranks", "-r", "--pool") and i + 1 >= len(words):
-            raise ValueError(f"{word} needs a value; usage: {USAGE}")
-        if word in ("--ranks", "-r"):
-            ranks = []
-            i += 1
-            while i < len(words) and not words[i].startswith("-"):
-                parts = [p for p in words[i].split(",") if p.strip()]
-                if not all(p.strip().isdigit() for p in parts):
-                    raise ValueError(
-                        f"--ranks takes rank numbers such as 0 or 0,1, not {words[i]!r}"
-                    )
-                ranks += [int(p) for p in parts]
-                i += 1
-            if not ranks:
-                raise ValueError(f"--ranks needs at least one rank; usage: {USAGE}")
-        elif word == "--pool":
-            pool, i = words[i + 1], i + 2
-        else:
-            raise ValueError(f"unknown option {word!r}; usage: {USAGE}")
-    return ranks, pool
+    options = _PARSER.parse_args(words)
+    ranks = [rank for group in options.ranks for rank in group]
+    return ranks or None, options.pool
 
 
 def distributed(line: str, cell: str, user_ns: dict[str, Any] | None = None) -> Any:

@@ -24,14 +24,20 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..config.choices import OnHangType
+from ..config.keywords import PoolKeywords, documented, split
+from ..config.options import CALL, CallOptions, OutputTarget, check_settings
 from ..errors import LaunchError
 from . import _kept, _lifetimes
 from ._jobs import check_syntax, dill_for_workers
 from ._pool import PoolWorkers
-from ._preflight import plan_launch
+from ._preflight import check_call, plan_launch
 from ._tidy import warn_oversubscribed
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 # The pools %%distributed may use, newest last. Weak: a pool the notebook no longer
@@ -81,49 +87,43 @@ class WorkerPool(PoolWorkers):
         __tracebackhide__ = True
         return self.call(function, args, kwargs)
 
+    @documented()
     def call(
         self,
         function: Callable[..., Any],
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         *,
-        return_all_ranks: bool = False,
-        block: bool = True,
-        output: Any = None,
+        return_all_ranks: bool = CALL.return_all_ranks,
+        block: bool = CALL.block,
+        output: OutputTarget | None = CALL.output,
         hang_after: float | None = None,
-        on_hang: str | None = None,
+        on_hang: OnHangType | None = None,
     ) -> Any:
-        """:meth:`run` with options.
+        """:meth:`run` with options (as ``notebook_launcher``'s; a setting left at ``None``
+        is the pool's, from ``start_workers``).
 
         Args:
             function: any function, also one defined or edited after the pool started.
             args, kwargs: its arguments (a tuple, a dict).
-            return_all_ranks: return ``[rank0_value, rank1_value, ...]`` (this node's ranks).
-            block: ``False`` returns a :class:`~nbaccel.LaunchHandle` at once.
-            output: where the workers' lines go, as for ``notebook_launcher``.
-            hang_after, on_hang: the hang watchdog for this call (``None``: the pool's, from
-                ``start_workers``), as for ``notebook_launcher``.
+            {options}
 
         Example:
             >>> pool.call(train, (3e-4,), return_all_ranks=True)  # doctest: +SKIP
             [0.91, 0.91]
         """
-        if not callable(function):
-            raise TypeError(
-                f"pool.run needs a function, got {function!r} (a {type(function).__name__}): "
-                "pass the function itself, e.g. pool.run(train, lr) instead of pool.run(train(lr))."
-            )
-        if not isinstance(args, tuple | list):
-            raise TypeError(f"args={args!r} must be a tuple of arguments, e.g. args=(lr,).")
+        check_call(function, args, "pool.run(train, lr)")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments.")
+        call = CallOptions(return_all_ranks=return_all_ranks, block=block, output=output)
+        check_settings(dict(hang_after=hang_after, on_hang=on_hang))  # then as the pool's
         payload = dill_for_workers(
             (function, tuple(args), dict(kwargs or {})), "the function and its args"
         )
-        hang = self._hang_policy(hang_after, on_hang)
         __tracebackhide__ = True  # IPython shows the user's cell, then the error
         name = getattr(function, "__name__", type(function).__name__)
-        return self._submit("run", (payload,), None, return_all_ranks, block, output, hang=hang,
+        return self._submit("run", (payload,), None, call.return_all_ranks, call.block,
+                            call.output, hang=self._hang_policy(hang_after, on_hang),
                             label=f"pool.call({name})")  # fmt: skip
 
     def exec_cell(
@@ -239,16 +239,19 @@ def _idle() -> None:
     """The plan's function: a pool's workers get theirs call by call."""
 
 
-def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPool:
+@documented(PoolKeywords)  # typed as notebook_launcher's (see there), defined in config
+def start_workers(num_processes: int | None = None, **options: Unpack[PoolKeywords]) -> WorkerPool:
     """Start a :class:`WorkerPool`: one warm worker per device, kept across cells.
 
-    ``options`` are :func:`~nbaccel.notebook_launcher`'s (``mixed_precision``,
-    ``start_method``, ``timeout``, ``hang_after``/``on_hang``/``debug_collectives``,
-    ``config``, ``master_addr``/``node_rank``/``num_nodes``
-    /``use_port`` for several machines: run the same cells on each, ...), checked the
-    same way before anything starts; a pool's calls have their own ``return_all_ranks``,
-    ``block`` and ``output`` (:meth:`WorkerPool.call`). The process group forms at the
-    first ``Accelerator()`` on the workers and lives as long as they do.
+    The options are ``notebook_launcher``'s (for several machines: run the same cells on
+    each), checked the same way before anything starts; a pool's calls have their own
+    ``return_all_ranks``, ``block`` and ``output`` (:meth:`WorkerPool.call`), and a failed
+    rank keeps its traceback for ``nbaccel.debug()`` until the pool's next call. The
+    process group forms at the first ``Accelerator()`` on the workers and lives as long
+    as they do.
+
+    Args:
+        {options}
 
     Example:
         >>> pool = start_workers(num_processes=2)  # doctest: +SKIP
@@ -258,16 +261,10 @@ def start_workers(num_processes: int | None = None, **options: Any) -> WorkerPoo
         CUDAInitializedError: ``start_method="fork"`` after CUDA was initialised.
         WorkerError, LaunchError: a worker could not start.
     """
-    if "debug_timeout" in options:
-        raise TypeError(
-            "start_workers() takes no debug_timeout: a pool's failed rank keeps its traceback "
-            "for nbaccel.debug() until the pool's next call."
-        )
-    own = sorted(set(options) & {"max_restarts", "return_all_ranks", "block", "output"})
-    if own:
-        raise TypeError(f"start_workers() takes no {own}: they are options of pool.call().")
+    named = dict(num_processes=num_processes)
+    settings, start, _ = split(named, options, PoolKeywords, "start_workers()")
     # block=False: always worker processes (never "run in the kernel"), in their own session
-    plan = plan_launch(_idle, (), num_processes=num_processes, block=False, **options)
+    plan = plan_launch(_idle, (), settings, start, CallOptions(block=False))
     warn_oversubscribed(plan.config, plan.num_processes or 1, stacklevel=2)
     pool = WorkerPool(plan)
     pool._start()

@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import resolve_launch_config
+from ..config.keywords import LaunchKeywords, split
+from ..config.options import CallOptions, StartOptions
 from ..errors import LaunchError
 from ._environ import patched_environ
+
+if TYPE_CHECKING:
+    from ._preflight import LaunchPlan
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -59,10 +64,10 @@ def run_on_workers(
         plan = plan_launch(
             fn,
             tuple(args),
-            num_processes=num_processes,
-            config=resolve_launch_config({"compute_device": "cpu"}),
-            return_all_ranks=True,
-            block=False,  # worker processes also for one (block=True would use this process)
+            {"num_processes": num_processes},
+            StartOptions(config=resolve_launch_config({"compute_device": "cpu"})),
+            # worker processes also for one (block=True would use this process)
+            CallOptions(return_all_ranks=True, block=False),
             kernel_state_ok=True,  # a test's own Accelerator here: the workers drop it
         )
         handle = launch(plan)
@@ -73,4 +78,16 @@ def run_on_workers(
         raise LaunchError(f"run_on_workers: no result from every rank after {timeout}s") from None
 
 
-__all__ = ["find_free_port", "run_on_workers"]
+def plan_for(function: Callable[..., Any], args: Any = (), **options: Any) -> LaunchPlan:
+    """What ``notebook_launcher(function, args, **options)`` decides, nothing started.
+
+    Example:
+        >>> plan_for(print, num_processes=2, start_method="fork").method  # doctest: +SKIP
+        'fork'
+    """
+    from ._preflight import plan_launch
+
+    return plan_launch(function, args, *split(options, {}, LaunchKeywords, "plan_for()"))
+
+
+__all__ = ["find_free_port", "plan_for", "run_on_workers"]

@@ -20,7 +20,14 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..config import INT_MINIMUMS, MAX_PORT, field_help, field_kind, field_names
+from ..config import (
+    INT_MINIMUMS,
+    MAX_PORT,
+    field_help,
+    field_kind,
+    field_names,
+    field_optional,
+)
 from ..platform.hardware import Hardware, precision_choices
 from ._widgets_compat import tooltip_kwargs
 
@@ -80,6 +87,15 @@ def make_control(name: str, value: Any, *, hardware: Hardware | None = None) -> 
     return widgets.Text(value=value or "", placeholder=placeholder, **common)
 
 
+def field_value(name: str, value: Any) -> Any:
+    """A control's value as its LaunchConfig field takes it: for an optional field an
+    empty text, or 0 seconds, is None."""
+    kind, choices = field_kind(name)
+    if field_optional(name) and kind is str and not choices:
+        return (value or "").strip() or None
+    return (value or None) if field_optional(name) and kind is float else value
+
+
 class OutputSink:
     """A file-like object that shows what is written to it in an ``Output`` widget.
 
@@ -125,4 +141,11 @@ class OutputSink:
         return "\n".join(self._lines)
 
 
-__all__ = ["LABEL_CH", "VALUE_CH", "OutputSink", "label", "make_control"]
+__all__ = [
+    "LABEL_CH",
+    "VALUE_CH",
+    "OutputSink",
+    "field_value",
+    "label",
+    "make_control",
+]

@@ -37,6 +37,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from ..config import (
+    CallOptions,
     LaunchConfig,
     default_config_path,
     field_names,
@@ -53,10 +54,11 @@ from ..platform.hardware import (
     hardware_precision_problem,
     notebook_host,
 )
-from ._panel_parts import OutputSink, make_control
+from ._panel_parts import OutputSink, field_value, make_control
 from .monitor import RunMonitor
 
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
+_CALL_OPTIONS = set(CallOptions.__dataclass_fields__) - {"block"}  # a pool call's options
 
 
 class LaunchPanel(widgets.VBox):
@@ -176,12 +178,9 @@ class LaunchPanel(widgets.VBox):
     # ------------------------------------------------------------------ building
     # ------------------------------------------------------------------ state
     def _values(self) -> dict[str, Any]:
-        values = {name: control.value for name, control in self.controls.items()}
+        values = {name: field_value(name, control.value) for name, control in self.controls.items()}
         if values["num_nodes"] == 1:  # one machine: the launcher picks a free port
             values["node_rank"], values["master_port"] = 0, None
-        for name in ("gpu_ids", "fsdp_transformer_cls_names_to_wrap", "deepspeed_config_file"):
-            values[name] = (values[name] or "").strip() or None
-        values["timeout"] = values["timeout"] or None
         return values
 
     @property
@@ -303,7 +302,7 @@ class LaunchPanel(widgets.VBox):
             # Output printed by the kernel itself (warnings, errors) lands here too.
             with self.output:
                 if self.pool is not None:  # warm workers: no new processes
-                    own = {k: options[k] for k in ("output", "return_all_ranks") if k in options}
+                    own = {k: v for k, v in options.items() if k in _CALL_OPTIONS}
                     handle = self.pool.call(self.training_function, self.args, block=False, **own)
                 else:
                     handle = launcher.notebook_launcher(

@@ -84,7 +84,7 @@ def test_worker_environment_round_trips_through_resolve():
 
 
 def test_launch_plan_passes_the_strategy_to_the_workers():
-    from nbaccel.launch._preflight import plan_launch
+    from nbaccel.launch.testing import plan_for as plan_launch
 
     config = LaunchConfig(strategy="fsdp", fsdp_cpu_offload=True)
     plan = plan_launch(print, num_processes=2, start_method="fork", config=config)

@@ -310,11 +310,11 @@ VERDICT = """
 import os, sys, json
 from nbaccel.platform import cudafork
 from nbaccel import LaunchConfig
-from nbaccel.launch import _preflight
+from nbaccel.launch.testing import plan_for
 state = cudafork.fork_state()
 try:  # CPU ranks: two of them pass the GPU count check on a 1-GPU machine
-    _preflight.plan_launch(print, num_processes=2, start_method="fork",
-                           config=LaunchConfig(compute_device="cpu"))
+    plan_for(print, num_processes=2, start_method="fork",
+             config=LaunchConfig(compute_device="cpu"))
     refused = False
 except Exception as err:
     refused = type(err).__name__ == "CUDAInitializedError"

@@ -18,7 +18,7 @@ from nbaccel import errors, notebook_launcher, start_workers
 from nbaccel.cli import build_parser
 from nbaccel.cli._options import overrides_from_args
 from nbaccel.config import LaunchConfig, save_config
-from nbaccel.launch._preflight import plan_launch
+from nbaccel.launch.testing import plan_for as plan_launch
 
 # notebook_launcher's parameters in Hugging Face Accelerate, in their order
 ACCELERATE_ORDER = [

@@ -28,8 +28,9 @@ import torch
 import nbaccel
 from nbaccel import LaunchHandle, debug_launcher, notebook_launcher
 from nbaccel.errors import CUDAInitializedError, LaunchError, WorkerError, WorkerTimeoutError
-from nbaccel.launch import _preflight, _process, _safety
+from nbaccel.launch import _process, _safety
 from nbaccel.launch._failures import Failure, pick_failure, remote_exception
+from nbaccel.launch.testing import plan_for
 from nbaccel.platform import cudatrace as _cudatrace
 from nbaccel.platform import forksafe
 
@@ -434,7 +435,7 @@ def test_fork_guard_uses_the_real_cuda_check(no_workers, monkeypatch):
     message = str(info.value)
     assert "restart the kernel" in message and "start_method='spawn'" in message
     # "auto" switches to spawn instead of refusing
-    plan = _preflight.plan_launch(rank_tensor, (0,), num_processes=2)
+    plan = plan_for(rank_tensor, (0,), num_processes=2)
     assert plan.method == "spawn" and plan.payload
 
 

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from nbaccel import ConfigError, LaunchConfig, notebook_launcher
-from nbaccel.launch import _preflight
+from nbaccel.launch.testing import plan_for
 from nbaccel.platform import environment
 
 
@@ -48,16 +48,16 @@ def test_more_processes_than_gpus_is_refused_before_anything_starts(
 def test_gpu_ids_limit_the_usable_gpus(gpus):
     gpus(4)
     with pytest.raises(ConfigError, match="2 visible GPUs"):
-        _preflight.plan_launch(print, num_processes=3, config=LaunchConfig(gpu_ids="0,1"))
+        plan_for(print, num_processes=3, config=LaunchConfig(gpu_ids="0,1"))
 
 
 def test_the_cpu_alternative_and_one_process_per_gpu_pass(gpus):
     gpus(1)
-    plan = _preflight.plan_launch(
+    plan = plan_for(
         print, num_processes=2, start_method="fork", config=LaunchConfig(compute_device="cpu")
     )
     assert plan.num_processes == 2 and plan.config.compute_device == "cpu"
     gpus(2)
-    assert _preflight.plan_launch(print, num_processes=2, start_method="fork").num_processes == 2
+    assert plan_for(print, num_processes=2, start_method="fork").num_processes == 2
     gpus(0)  # no GPU at all: CPU processes over gloo, as before
-    assert _preflight.plan_launch(print, num_processes=2, start_method="fork").num_processes == 2
+    assert plan_for(print, num_processes=2, start_method="fork").num_processes == 2

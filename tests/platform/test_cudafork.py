@@ -21,20 +21,20 @@ def test_driver_state_is_read_without_initialising_it(tmp_path):
         f"""
         import ctypes, json, warnings
         from nbaccel.platform import cudafork
-        from nbaccel.launch import _preflight
+        from nbaccel.launch.testing import plan_for
         nothing = [cudafork.mapped_driver(), cudafork.fork_state().broken]
         drv = ctypes.CDLL({str(library)!r})
         mapped = [cudafork.mapped_driver(), cudafork.fork_state().broken, drv.stub_init_calls()]
         drv.cuInit(0)
         state = cudafork.fork_state()
         try:
-            _preflight.plan_launch(print, num_processes=2, start_method="fork")
+            plan_for(print, num_processes=2, start_method="fork")
             refused = None
         except Exception as err:
             refused = [type(err).__name__, str(err)]
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            auto = _preflight.plan_launch(print, num_processes=2).method
+            auto = plan_for(print, num_processes=2).method
         print(json.dumps({{"nothing": nothing, "mapped": mapped, "after": [state.context,
             state.driver, drv.stub_init_calls()], "refused": refused, "auto": auto,
             "said": [str(w.message) for w in said]}}))

@@ -111,7 +111,7 @@ def test_a_driver_initialised_by_anyone_refuses_fork_and_auto_spawns(
     )
     kernel.run("drv.cuInit(0)  # a library initialises the driver in this cell")
     kernel.run(
-        "from nbaccel.launch import _preflight\n"
+        "from nbaccel.launch.testing import plan_for\n"
         "FORKS = [0]\nos.register_at_fork(before=lambda: FORKS.__setitem__(0, FORKS[0] + 1))\n"
         "try:\n"
         "    notebook_launcher(rank, num_processes=2, start_method='fork')\n"
@@ -120,7 +120,7 @@ def test_a_driver_initialised_by_anyone_refuses_fork_and_auto_spawns(
         "    refused = [type(err).__name__, str(err)]\n"
         "with warnings.catch_warnings(record=True) as said:\n"
         "    warnings.simplefilter('always')\n"
-        "    methods = [_preflight.plan_launch(rank, num_processes=2).method for _ in range(2)]\n"
+        "    methods = [plan_for(rank, num_processes=2).method for _ in range(2)]\n"
         "state = {'mapped_only': mapped_only, 'calls': drv.stub_init_calls(), 'refused': refused,\n"
         "         'forks': FORKS[0], 'methods': methods,\n"
         # not the kernel's own deprecations (jupyter_client's utcnow on Python 3.12+, sent

@@ -172,19 +172,19 @@ def test_bf16_on_t4_warns_naming_fp16_before_any_process_starts(monkeypatch):
 def test_fp8_on_t4_is_refused_and_fp16_passes_silently(monkeypatch):
     import warnings
 
-    from nbaccel.launch import _preflight
+    from nbaccel.launch.testing import plan_for
 
     _pretend(monkeypatch, KAGGLE, T4X2)
     from nbaccel.platform import environment as env_module
 
     monkeypatch.setattr(env_module, "gpu_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"'fp8' is not native on Tesla T4.*'fp16'"):
-        _preflight.plan_launch(print, num_processes=2, mixed_precision="fp8")
+        plan_for(print, num_processes=2, mixed_precision="fp8")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        plan = _preflight.plan_launch(print, num_processes=2, mixed_precision="fp16")
+        plan = plan_for(print, num_processes=2, mixed_precision="fp16")
         assert plan.config.mixed_precision == "fp16"
-        _preflight.plan_launch(  # the CPU: no GPU question
+        plan_for(  # the CPU: no GPU question
             print,
             num_processes=2,
             mixed_precision="bf16",

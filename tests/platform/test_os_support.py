@@ -81,7 +81,7 @@ for info in pkgutil.walk_packages(nbaccel.__path__, "nbaccel."):
 
 from nbaccel import Accelerator, notebook_launcher
 from nbaccel.errors import ConfigError, LaunchError
-from nbaccel.launch._preflight import plan_launch
+from nbaccel.launch.testing import plan_for as plan_launch
 
 accelerator = Accelerator(cpu=True)
 model = torch.nn.Linear(4, 1)

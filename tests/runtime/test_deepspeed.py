@@ -429,7 +429,7 @@ def test_prepare_model_alone_cannot_build_the_engine_and_says_how():
 
 def test_deepspeed_on_tpu_is_refused_before_starting():
     from nbaccel import LaunchConfig
-    from nbaccel.launch._preflight import plan_launch
+    from nbaccel.launch.testing import plan_for as plan_launch
 
     config = LaunchConfig(compute_device="tpu", num_processes=1, strategy="deepspeed")
     with pytest.raises(ConfigError, match=r"strategy='deepspeed' is not available on TPU"):
