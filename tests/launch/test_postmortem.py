@@ -104,12 +104,13 @@ def test_launch_rank_leaves_after_debug_timeout():
     import threading
 
     me = psutil.Process()
+    before = set(threading.enumerate())  # an earlier module's threads are not this launch's
     with pytest.raises(KeyError):
         notebook_launcher(fails_on_one, num_processes=2, debug=True, debug_timeout=2)
     # the kept rank is owned like a pool's workers: no thread of nbaccel's watches it (a
     # reaper waits only for a SIGKILLed process that is slow to vanish, on a loaded machine)
-    names = [t.name for t in threading.enumerate() if t.name.startswith("nbaccel")]
-    assert [n for n in names if not n.startswith("nbaccel-reap-")] == [], names
+    new = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("nbaccel")]
+    assert [n for n in new if not n.startswith("nbaccel-reap-")] == [], new
     assert _kept.holding_any()
     deadline = time.monotonic() + 30
     while not all(_gone(p.pid) for p in me.children()) and time.monotonic() < deadline:
