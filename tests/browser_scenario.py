@@ -365,6 +365,7 @@ def run_scenario(page: Any, front: Front, folder: Path, cores: int, timings: dic
     monitor = panel.locator(".nbaccel-run-monitor")
     expect(monitor.locator("table")).to_contain_text("stopped")
     expect(monitor).to_contain_text(re.compile(r"train: \d+/100000.*\(stopped\)"))
+    expect(output).not_to_contain_text("train:")  # item 6: the monitor's bar only
     cell = front.cell_at(page, 6)
     page.wait_for_function(
         f"cell => ({TITLES_JS})(cell).final.some(t => t.endsWith(', stopped'))",

@@ -10,16 +10,14 @@ pool) through its ``status()`` snapshot and ``add_listener`` events. It shows:
 * live charts of every value passed to ``Accelerator.log`` -- one per metric, step on
   the x axis, a line per rank (or the ranks' mean and spread for many ranks) -- and,
   with ``system=True``, of each rank's step time and memory; redrawn at most every
-  ``chart_interval`` seconds whatever the logging rate, from bounded memory
-  (:mod:`nbaccel.ui._history`). When the run ends the final charts are also left in
-  the cell as a static ``image/svg+xml`` output, which saved notebooks, nbviewer and
-  GitHub show;
-* the run's output: a bounded, scrollable log (the last ``log_lines`` lines) that
-  takes over the lines a background launch would write into its cell.
+  ``chart_interval`` seconds whatever the logging rate, from bounded memory (``_history``).
+  When the run ends the final charts stay in the cell as a static ``image/svg+xml``
+  output, which saved notebooks, nbviewer and GitHub show;
+* the run's output (what it would print in its cell): a log of the last ``log_lines``.
 
-In a kernel with ipywidgets it is a widget; in a kernel without, one output updated
-in place; elsewhere a plain-text table printed at most every ``text_interval`` seconds
-and once when the run ends. The widget panel's output area reuses the same component.
+In a kernel with ipywidgets it is a widget; in a kernel without, one output updated in
+place; elsewhere a plain-text table printed at most every ``text_interval`` seconds and
+once when the run ends. The LaunchPanel reuses the same component.
 
 Example:
     >>> from nbaccel import notebook_launcher  # doctest: +SKIP
@@ -227,6 +225,10 @@ class RunMonitor:
         """True when every rank reached a final state."""
         return self._all_ended()
 
+    @property
+    def draws_progress(self) -> bool:  # the view draws the run's bar (rank 0's tqdm)
+        return bool(self._progress)
+
     def chart_data(self) -> dict[str, dict[int, list[tuple[float, float]]]]:
         """``{metric: {rank: [(step, value), ...]}}``: what the charts draw."""
         with self._lock:
@@ -270,8 +272,7 @@ class RunMonitor:
             table, progress = self.rows(), dict(self._progress)
         return view.text_table(table, self.stragglers(), progress)
 
-    def __str__(self) -> str:
-        return self.text()
+    __str__ = text
 
     def __repr__(self) -> str:
         return f"<RunMonitor\n{self.text()}\n>"
