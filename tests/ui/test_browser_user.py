@@ -28,6 +28,7 @@ import pytest
 from browser_scenario import CHROMIUM, CHROMIUM_ARGS, LAB, NOTEBOOK, run_scenario, write_notebook
 
 from nbaccel.launch.testing import find_free_port
+from nbaccel.platform.environment import cpu_count
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -151,7 +152,7 @@ def test_what_a_notebook_user_sees_in_jupyterlab(lab, tmp_path):
                     assert time.monotonic() < deadline, "the kernel was not idle within 90 s"
                     page.wait_for_timeout(200)
                 try:
-                    run_scenario(page, LAB, root, len(os.sched_getaffinity(0)), timings)
+                    run_scenario(page, LAB, root, cpu_count(), timings)
                 finally:
                     page.screenshot(path=str(ARTIFACTS / "user_jupyterlab.png"), full_page=True)
             finally:
