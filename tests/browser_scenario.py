@@ -100,6 +100,9 @@ CELLS = (
     "finally:\n"
     "    os.sched_setaffinity(0, keep)",  # 8
     'notebook_launcher(fails_when_told, args=("go-a",), num_processes=2)',  # 9
+    "from nbaccel import start_workers\npool = start_workers(num_processes=2)\nwatch(pool)",  # 10
+    "print(pool.run(train, 20))",  # 11: run twice
+    "pool.close()",  # 12
 )
 
 # nbaccel's own code, which a user should not have to read through in an error
@@ -394,6 +397,32 @@ def run_scenario(page: Any, front: Front, folder: Path, cores: int, timings: dic
     assert "debug=True" in text and "nbaccel.debug()" in text, text
     _no_frames_of_ours(text)
     mark("item 5: blocking error")
+
+    # ---- item 3: watch(pool): one monitor, one chart set, the last call's
+    front.run(page, 10)
+    _wait_text(front.cell_at(page, 10).locator(".nbaccel-run-monitor table"), "idle")
+    front.run(page, 11)
+    call = front.outputs(page, 11)
+    expect(call.filter(has_text="trained 20 steps")).to_have_count(1, timeout=LONG)
+    front.run(page, 11)
+    pool_cell = front.cell_at(page, 10)
+    page.wait_for_function(
+        f"cell => ({TITLES_JS})(cell).final.some(t => t.startsWith('run 2: '))",
+        arg=pool_cell.element_handle(),
+        timeout=LONG,
+    )
+    titles = front.titles(page, 10)
+    assert len(titles["final"]) == 1 and titles["live"] == [], titles
+    assert re.match(r"run 2: .*\(train\), started [\d:]+, finished$", titles["final"][0]), titles
+    expect(pool_cell.locator(".nbaccel-run-monitor")).to_have_count(1)
+    expect(pool_cell.locator(".nbaccel-run-monitor")).to_contain_text("train: 20/20")
+    expect(call.filter(has_text="trained 20 steps")).to_have_count(1, timeout=LONG)
+    expect(call.filter(has_text="train:")).to_have_count(0)  # item 6: the monitor's bar only
+    front.run(page, 12)
+    expect(front.cell_at(page, 12).locator(front.prompt)).to_contain_text(
+        re.compile(r"\[\d+\]"), timeout=LONG
+    )
+    mark("item 3: watch(pool)")
 
     # nothing of the runs in the cells run meanwhile
     expect(front.outputs(page, 2)).to_have_text(re.compile(r"^\s*(Out\[\d+\]:\s*)?2\s*$"))

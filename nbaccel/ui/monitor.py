@@ -122,6 +122,7 @@ class RunMonitor:
         elif stream is True and self._cell is not None:  # a kernel without ipywidgets
             self._display_id = uuid.uuid4().hex
             self._stream = None
+        self._bar_drawn = (lambda: bool(self._progress)) if self._view is not None else None
         if handle is not None:
             self.attach(handle)
 
@@ -137,7 +138,7 @@ class RunMonitor:
             self._status = handle.status()  # after add_listener: no event falls in between
             self._ended = self._all_ended()
             if not self._ended:
-                self._runs.begin(handle)
+                self._runs.begin(handle, self._bar_drawn)
             cell = getattr(handle, "cell_output", None)
             if self._view is not None and cell is not None:  # the log takes the cell's lines
                 cell.set_listener(self._on_output)
@@ -176,7 +177,7 @@ class RunMonitor:
             if kind == "state" and data.get("state") == "running" and self._ended:
                 self._new_run()  # a pool's next call
                 self._ended = False
-                self._runs.begin(self._handle)
+                self._runs.begin(self._handle, self._bar_drawn)
                 self._live.replace(self._cell, self._repr_mimebundle_())  # live again
             self._runs.note(data.get("state") if kind == "state" else None)
             if self._history.record(rank, kind, data):
@@ -346,8 +347,7 @@ class RunMonitor:
             names = ", ".join(self.chart_data())
             self._final.show(self._cell, svg, f"<nbaccel charts: {names} ({svg_title(svg)})>")
 
-    def _stacks_html(self) -> str:
-        """What "where are the ranks?" shows (asked on a thread by the widget)."""
+    def _stacks_html(self) -> str:  # what "where are the ranks?" shows (on a thread)
         return view.stacks_html(self.stacks(), self.stragglers())
 
     def _print_if_due(self, ending: bool) -> None:
