@@ -42,6 +42,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 NOTEBOOK = "user.ipynb"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"  # screenshots of cells
 LONG = 120_000  # ms: only stops a stuck run
 
 SETUP = """\
@@ -103,6 +104,8 @@ CELLS = (
     "from nbaccel import start_workers\npool = start_workers(num_processes=2)\nwatch(pool)",  # 10
     "print(pool.run(train, 20))",  # 11: run twice
     "pool.close()",  # 12
+    "hd = notebook_launcher(train, args=(100000,), num_processes=2, block=False)\nwatch(hd)",  # 13
+    "hd.stop()",  # 14
 )
 
 # nbaccel's own code, which a user should not have to read through in an error
@@ -331,6 +334,11 @@ def run_scenario(page: Any, front: Front, folder: Path, cores: int, timings: dic
     expect(red).to_have_count(0)
     expect(front.errors(page, 5)).to_have_count(0)
     mark("items 1/3/6: watched runs ended")
+    ARTIFACTS.mkdir(exist_ok=True)
+    for index in (1, 4, 5):
+        front.cell_at(page, index).screenshot(
+            path=str(ARTIFACTS / f"user_{front.name}_{index}.png")
+        )
 
     # ---- item 7: the panel
     front.run(page, 6)
@@ -379,6 +387,7 @@ def run_scenario(page: Any, front: Front, folder: Path, cores: int, timings: dic
     assert len(titles["final"]) == 1, titles  # the second run's charts replaced the first's
     assert titles["final"][0].startswith("run 2: notebook_launcher(train), started "), titles
     mark("item 7/3: panel stopped")
+    front.cell_at(page, 6).screenshot(path=str(ARTIFACTS / f"user_{front.name}_6.png"))
 
     front.run(page, 8)  # 4 processes on 2 cores: the panel's words, from notebook_launcher
     expect(front.outputs(page, 8).filter(has_text="returned 7")).to_have_count(1, timeout=LONG)
@@ -423,6 +432,27 @@ def run_scenario(page: Any, front: Front, folder: Path, cores: int, timings: dic
         re.compile(r"\[\d+\]"), timeout=LONG
     )
     mark("item 3: watch(pool)")
+    for index in (9, 10, 11):
+        front.cell_at(page, index).screenshot(
+            path=str(ARTIFACTS / f"user_{front.name}_{index}.png")
+        )
+
+    # ---- item 3: a watched run stopped with handle.stop() is drawn as stopped
+    front.run(page, 13)
+    stopped = front.cell_at(page, 13)
+    _wait_text(stopped.locator(".nbaccel-run-monitor"), r"train: \d+/100000")
+    front.run(page, 14)
+    page.wait_for_function(
+        f"cell => ({TITLES_JS})(cell).final.some(t => t.endsWith(', stopped'))",
+        arg=stopped.element_handle(),
+        timeout=LONG,
+    )
+    monitor = stopped.locator(".nbaccel-run-monitor")
+    expect(monitor.locator("table")).to_contain_text("stopped")
+    expect(monitor).to_contain_text(re.compile(r"train: \d+/100000.*\(stopped\)"))
+    expect(front.errors(page, 13)).to_have_count(0)  # a stop is the user's doing
+    stopped.screenshot(path=str(ARTIFACTS / f"user_{front.name}_13.png"))
+    mark("item 3: stopped under watch")
 
     # nothing of the runs in the cells run meanwhile
     expect(front.outputs(page, 2)).to_have_text(re.compile(r"^\s*(Out\[\d+\]:\s*)?2\s*$"))

@@ -3,9 +3,8 @@
 :class:`RunMonitor` follows a :class:`~nbaccel.launcher.LaunchHandle` (or a warm
 pool) through its ``status()`` snapshot and ``add_listener`` events. It shows:
 
-* a table: each rank's state, step and latest logged scalars; a straggler is marked
-  (the rule: :mod:`nbaccel.ui._stragglers`), and "where are the ranks?" shows every
-  running rank's current Python stack (``handle.stacks()``);
+* a table: each rank's state, step and latest scalars; stragglers marked (``_stragglers``),
+  and "where are the ranks?" shows each running rank's Python stack (``handle.stacks()``);
 * rank 0's progress bar (``nbaccel.tqdm`` or a ``tqdm.auto`` bar in the function);
 * live charts of every value passed to ``Accelerator.log`` -- one per metric, step on
   the x axis, a line per rank (or the ranks' mean and spread for many ranks) -- and,
@@ -305,7 +304,8 @@ class RunMonitor:
                 self._print_if_due(ending)
             if ending:
                 self._leave_final_charts()
-                frozen = view.static_bundle(self.text(), self.rows(), self._progress, self._log)
+                ended = dict(self._progress, outcome=self._runs.outcome) if self._progress else {}
+                frozen = view.static_bundle(self.text(), self.rows(), ended, self._log)
                 self._live.replace(self._cell, frozen)  # plain outputs: saved with the notebook
 
     def _draw_widget(self, svg: str | None) -> None:
