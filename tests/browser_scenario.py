@@ -11,10 +11,13 @@ Every check reads the page (DOM text and elements), never the kernel:
    and no second job starts;
 3. ``watch(h)`` as a cell's last expression shows one monitor; one chart set per run,
    titled "run 1: notebook_launcher(train), started ..., <outcome>"; a failed run's and a
-   stopped run's charts say so (the panel's Stop button's run: its bar too);
+   stopped run's charts and bar say so (``handle.stop()`` and the panel's Stop button);
+   ``watch(pool)`` through two calls: one monitor, one chart set ("run 2: ...");
 5. the error outputs lead with the user's error: no nbaccel frames, a hint to
    ``debug=True`` / ``nbaccel.debug()``;
-6. under ``watch``, one tqdm bar (rank 0's), not also a text bar, never a red line;
+6. under ``watch``, in the panel and under ``watch(pool)``, one tqdm bar (rank 0's, the
+   monitor's), not also a text bar in the output, the panel or the pool call's cell;
+   never a red line;
 7. the panel starts at what fits the machine, shows the return value, its Stop button
    stops a background run; ``notebook_launcher(num_processes=4)`` on 2 cores warns.
 

@@ -4,7 +4,8 @@ One Jupyter server, one page, one notebook (tests/browser_scenario.py: the cells
 the checks, shared with the Notebook 6.5 / ipywidgets 7 run in tests/stacks/): a failed
 background run speaks in its cell with and without ``watch`` (items 1, 5), a re-run
 launching cell is refused naming its run (2), one titled chart set per run and one
-monitor, failed and stopped runs drawn so (3), rank 0's tqdm bar once and never red (6),
+monitor, also for a watched pool, failed and stopped runs drawn so (3), rank 0's tqdm
+bar once and never red, in the panel and a pool call's cell too (6),
 the panel's starting size, return value, Stop button and the launcher's oversubscription
 warning (7). Item 4 (save and reload) is tests/ui/test_browser.py's.
 
