@@ -187,17 +187,33 @@ class Front:
         return page.locator(self.cell).nth(index)
 
     def run(self, page: Any, index: int) -> None:
-        """Run the cell in place; return once the page shows it queued or run."""
+        """Run the cell in place; return once the page shows it queued or run.
+
+        The page marks a cell "[*]" the moment it sends it to the kernel; a prompt still
+        unchanged 15 s after the keys means they were lost (the click landed while the page
+        re-laid out): pressed once more (it happened once in ~20 runs on a loaded machine).
+        """
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
         cell = self.cell_at(page, index)
         prompt = cell.locator(self.prompt).first
         before = prompt.inner_text()
-        cell.locator(self.editor).first.click()
-        page.keyboard.press("Control+Enter")  # run in place (no new cell, focus stays)
-        page.wait_for_function(
-            "([el, before]) => el.innerText !== before && /\\[(\\*|\\d+)\\]/.test(el.innerText)",
-            arg=[prompt.element_handle(), before],
-            timeout=30_000,
+        changed = (
+            "([el, before]) => el.innerText !== before && /\\[(\\*|\\d+)\\]/.test(el.innerText)"
         )
+        busy = "*" in before  # running already: its prompt changes when this run ends
+        for attempt in (1, 2):
+            cell.locator(self.editor).first.click()
+            page.keyboard.press("Control+Enter")  # run in place (no new cell, focus stays)
+            try:
+                page.wait_for_function(
+                    changed, arg=[prompt.element_handle(), before],
+                    timeout=LONG if busy or attempt == 2 else 15_000,
+                )  # fmt: skip
+                return
+            except PlaywrightTimeout:
+                if busy or attempt == 2 or prompt.inner_text() != before:
+                    raise
 
     def outputs(self, page: Any, index: int) -> Any:
         return self.cell_at(page, index).locator(self.output)
