@@ -83,6 +83,8 @@ class CellOutput:
         self._timer: threading.Timer | None = None
         self._bars: dict[tuple[str, int], str] = {}  # (stream, rank) -> display id
         self._listener: OutputListener | None = None
+        #: when it returns True, progress bars are not drawn here: a monitor draws them
+        self.hide_bars: Callable[[], bool] | None = None
 
     @property
     def key(self) -> str:
@@ -179,6 +181,10 @@ class CellOutput:
             return
         with self._lock:
             key = (name, rank)
+            if self.hide_bars is not None and self.hide_bars():
+                text = ""  # a monitor elsewhere draws this bar (watch(pool)): blank here
+                if key not in self._bars:
+                    return
             display_id = self._bars.get(key)
             if display_id is None:
                 display_id = self._bars[key] = uuid.uuid4().hex

@@ -26,6 +26,7 @@ PANEL_W, PANEL_H = 320, 180
 LEFT, RIGHT, TOP, BOTTOM = 60, 10, 22, 26
 LEGEND_H = 20
 TITLE_H = 16
+TITLE_CHAR_W = 7.7  # px per character of the bold 11 px title (0.7 em), at most
 MAX_RANK_LINES = 8
 MAX_POINTS = 2 * PANEL_W  # drawn per line; more would not show at this width
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -157,7 +158,9 @@ def render_svg(
     cols = max(1, min(columns, len(names) or 1))
     rows = -(-len(names) // cols) if names else 0
     top = TITLE_H if title else 0  # the title has a line of its own, above the legend
-    width = max(cols * PANEL_W, 16 + 6 * len(title))
+    # a bold 11 px character is up to 0.7 em wide (DejaVu Sans, the usual Linux face): at
+    # 6 px a character, "..., finished" was cut off at the image's edge
+    width = max(cols * PANEL_W, 16 + math.ceil(TITLE_CHAR_W * len(title)))
     height = top + LEGEND_H + rows * PANEL_H
     panels = [
         _panel(name, data[name], mode, (i % cols) * PANEL_W, LEGEND_H + (i // cols) * PANEL_H)

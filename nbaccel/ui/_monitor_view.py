@@ -145,10 +145,15 @@ def display_bundle(text: str, table: str, progress: str, svg: str | None) -> dic
 def static_bundle(
     text: str, table: list[list[str]], progress: dict[str, Any], lines: Iterable[tuple[str, str]]
 ) -> dict[str, Any]:
-    """The widget view once its run ended, as plain outputs: table, bar's last text, log."""
+    """The widget view once its run ended, as plain outputs: table, bar's last text, log.
+
+    ``progress["outcome"]``: how the run ended; a stopped or failed run's bar says so.
+    """
     lines = list(lines)
     log = "".join(line for _, line in lines)
-    bar = f"<div>{html.escape(progress_text(progress))}</div>" if progress else ""
+    outcome = progress.get("outcome", "finished")
+    bar_text = progress_text(progress) + ("" if outcome == "finished" else f" ({outcome})")
+    bar = f"<div>{html.escape(bar_text)}</div>" if progress else ""
     shown = [table_html(table, {}), bar, log_html(lines, None)]
     page = f"<div class='nbaccel-run-monitor nbaccel-ended'>{''.join(shown)}</div>"
     return {"text/plain": f"{text}\n{log}".rstrip("\n"), "text/html": page}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as widgets
@@ -102,12 +103,26 @@ class OutputSink:
     The launcher writes the workers' lines here (``output=`` of ``notebook_launcher``),
     from its forwarding thread. Carriage returns redraw the last line, so text
     progress bars update in place; only the last ``max_lines`` lines are kept.
+
+    Args:
+        output: the ``Output`` widget.
+        max_lines: how many lines it keeps.
+        hide_bars: when it returns True, a progress bar's redraws (``redraw``) are not
+            shown: the panel's monitor draws that bar already (a bar is drawn once).
     """
 
-    def __init__(self, output: widgets.Output, max_lines: int = 1000) -> None:
+    def __init__(
+        self,
+        output: widgets.Output,
+        max_lines: int = 1000,
+        *,
+        hide_bars: Callable[[], bool] | None = None,
+    ) -> None:
         self.output = output
         self.max_lines = max_lines
+        self.hide_bars = hide_bars
         self._lines: list[str] = [""]
+        self._live: dict[int, str] = {}  # rank -> its bar's current state, below the lines
         self._return = False
         self._lock = threading.Lock()
 
@@ -123,22 +138,43 @@ class OutputSink:
                     if self._return:
                         self._lines[-1], self._return = "", False
                     self._lines[-1] += piece
-            del self._lines[: -self.max_lines]
-            self.output.outputs = (
-                {"output_type": "stream", "name": "stdout", "text": "\n".join(self._lines)},
-            )
+            self._show()
         return len(text)
+
+    def redraw(self, rank: int, text: str, done: bool) -> None:
+        """A progress bar of ``rank`` drawn again in place (``done``: its last state, kept
+        as a line); nothing while ``hide_bars()`` says the monitor draws it."""
+        with self._lock:
+            self._live.pop(rank, None)
+            if self.hide_bars is not None and self.hide_bars():
+                pass
+            elif done:
+                self._lines.insert(len(self._lines) - 1, text)
+            else:
+                self._live[rank] = text
+            self._show()
+
+    def _show(self) -> None:
+        if self._live and self.hide_bars is not None and self.hide_bars():
+            self._live.clear()  # drawn before the monitor knew the bar
+        del self._lines[: -self.max_lines]
+        self.output.outputs = ({"output_type": "stream", "name": "stdout",
+                                "text": self.getvalue()},)  # fmt: skip
 
     def flush(self) -> None:
         pass
 
     def clear(self) -> None:
         with self._lock:
-            self._lines, self._return = [""], False
+            self._lines, self._live, self._return = [""], {}, False
             self.output.outputs = ()
 
     def getvalue(self) -> str:
-        return "\n".join(self._lines)
+        shown = "\n".join(self._lines)
+        if self._live:
+            gap = "\n" if shown and not shown.endswith("\n") else ""
+            shown += gap + "\n".join(self._live.values())
+        return shown
 
 
 __all__ = [

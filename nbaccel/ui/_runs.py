@@ -38,9 +38,16 @@ class RunTitle:
         self._text = ""
         self._run: Any = None
 
-    def begin(self, followed: Any) -> None:
-        """A run begins on ``followed`` (a ``LaunchHandle``, or a pool: its current call)."""
+    def begin(self, followed: Any, bar_drawn: Any = None) -> None:
+        """A run begins on ``followed`` (a ``LaunchHandle``, or a pool: its current call).
+
+        ``bar_drawn``: returns True once the monitor draws the run's progress bar; a pool
+        call's own cell then draws none (a bar is drawn once).
+        """
         run = getattr(followed, "_handle", None) or followed
+        cell = getattr(run, "cell_output", None)
+        if bar_drawn is not None and cell is not None and run is not followed:
+            cell.hide_bars = bar_drawn
         self.count += 1
         self._run, self.outcome = run, "finished"
         label = getattr(run, "label", None) or "pool call"

@@ -3,23 +3,20 @@
 :class:`RunMonitor` follows a :class:`~nbaccel.launcher.LaunchHandle` (or a warm
 pool) through its ``status()`` snapshot and ``add_listener`` events. It shows:
 
-* a table: each rank's state, step and latest logged scalars; a straggler is marked
-  (the rule: :mod:`nbaccel.ui._stragglers`), and "where are the ranks?" shows every
-  running rank's current Python stack (``handle.stacks()``);
+* a table: each rank's state, step and latest scalars; stragglers marked (``_stragglers``),
+  and "where are the ranks?" shows each running rank's Python stack (``handle.stacks()``);
 * rank 0's progress bar (``nbaccel.tqdm`` or a ``tqdm.auto`` bar in the function);
 * live charts of every value passed to ``Accelerator.log`` -- one per metric, step on
   the x axis, a line per rank (or the ranks' mean and spread for many ranks) -- and,
   with ``system=True``, of each rank's step time and memory; redrawn at most every
-  ``chart_interval`` seconds whatever the logging rate, from bounded memory
-  (:mod:`nbaccel.ui._history`). When the run ends the final charts are also left in
-  the cell as a static ``image/svg+xml`` output, which saved notebooks, nbviewer and
-  GitHub show;
-* the run's output: a bounded, scrollable log (the last ``log_lines`` lines) that
-  takes over the lines a background launch would write into its cell.
+  ``chart_interval`` seconds whatever the logging rate, from bounded memory (``_history``).
+  When the run ends the final charts stay in the cell as a static ``image/svg+xml``
+  output, which saved notebooks, nbviewer and GitHub show;
+* the run's output (what it would print in its cell): a log of the last ``log_lines``.
 
-In a kernel with ipywidgets it is a widget; in a kernel without, one output updated
-in place; elsewhere a plain-text table printed at most every ``text_interval`` seconds
-and once when the run ends. The widget panel's output area reuses the same component.
+In a kernel with ipywidgets it is a widget; in a kernel without, one output updated in
+place; elsewhere a plain-text table printed at most every ``text_interval`` seconds and
+once when the run ends. The LaunchPanel reuses the same component.
 
 Example:
     >>> from nbaccel import notebook_launcher  # doctest: +SKIP
@@ -124,6 +121,7 @@ class RunMonitor:
         elif stream is True and self._cell is not None:  # a kernel without ipywidgets
             self._display_id = uuid.uuid4().hex
             self._stream = None
+        self._bar_drawn = (lambda: bool(self._progress)) if self._view is not None else None
         if handle is not None:
             self.attach(handle)
 
@@ -139,7 +137,7 @@ class RunMonitor:
             self._status = handle.status()  # after add_listener: no event falls in between
             self._ended = self._all_ended()
             if not self._ended:
-                self._runs.begin(handle)
+                self._runs.begin(handle, self._bar_drawn)
             cell = getattr(handle, "cell_output", None)
             if self._view is not None and cell is not None:  # the log takes the cell's lines
                 cell.set_listener(self._on_output)
@@ -178,7 +176,7 @@ class RunMonitor:
             if kind == "state" and data.get("state") == "running" and self._ended:
                 self._new_run()  # a pool's next call
                 self._ended = False
-                self._runs.begin(self._handle)
+                self._runs.begin(self._handle, self._bar_drawn)
                 self._live.replace(self._cell, self._repr_mimebundle_())  # live again
             self._runs.note(data.get("state") if kind == "state" else None)
             if self._history.record(rank, kind, data):
@@ -227,6 +225,10 @@ class RunMonitor:
         """True when every rank reached a final state."""
         return self._all_ended()
 
+    @property
+    def draws_progress(self) -> bool:  # the view draws the run's bar (rank 0's tqdm)
+        return bool(self._progress)
+
     def chart_data(self) -> dict[str, dict[int, list[tuple[float, float]]]]:
         """``{metric: {rank: [(step, value), ...]}}``: what the charts draw."""
         with self._lock:
@@ -270,8 +272,7 @@ class RunMonitor:
             table, progress = self.rows(), dict(self._progress)
         return view.text_table(table, self.stragglers(), progress)
 
-    def __str__(self) -> str:
-        return self.text()
+    __str__ = text
 
     def __repr__(self) -> str:
         return f"<RunMonitor\n{self.text()}\n>"
@@ -303,7 +304,8 @@ class RunMonitor:
                 self._print_if_due(ending)
             if ending:
                 self._leave_final_charts()
-                frozen = view.static_bundle(self.text(), self.rows(), self._progress, self._log)
+                ended = dict(self._progress, outcome=self._runs.outcome) if self._progress else {}
+                frozen = view.static_bundle(self.text(), self.rows(), ended, self._log)
                 self._live.replace(self._cell, frozen)  # plain outputs: saved with the notebook
 
     def _draw_widget(self, svg: str | None) -> None:
@@ -345,8 +347,7 @@ class RunMonitor:
             names = ", ".join(self.chart_data())
             self._final.show(self._cell, svg, f"<nbaccel charts: {names} ({svg_title(svg)})>")
 
-    def _stacks_html(self) -> str:
-        """What "where are the ranks?" shows (asked on a thread by the widget)."""
+    def _stacks_html(self) -> str:  # what "where are the ranks?" shows (on a thread)
         return view.stacks_html(self.stacks(), self.stragglers())
 
     def _print_if_due(self, ending: bool) -> None:

@@ -151,7 +151,8 @@ class LaunchPanel(widgets.VBox):
         self.output = widgets.Output(
             layout=widgets.Layout(border="1px solid #ddd", min_height="2em", padding="4px")
         )
-        self.sink = OutputSink(self.output)
+        # a tqdm bar shows once: in the monitor's bar once it draws it, not also as text here
+        self.sink = OutputSink(self.output, hide_bars=lambda: self.monitor.draws_progress)
         # the live per-rank view (state, step, latest logged scalars, rank 0's progress),
         # the same component as nbaccel.monitor.watch(handle) in a plain cell
         self.monitor = RunMonitor(widget=True, stream=None)

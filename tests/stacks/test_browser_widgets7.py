@@ -1,13 +1,15 @@
-"""The LaunchPanel on ipywidgets 7.7.1 in a real browser: the Colab-like stack's front end.
+"""Issue 35 on ipywidgets 7.7.1 in a real browser: the Colab-like stack's front end.
 
 Colab draws widgets with its own front end, which cannot be installed here; the front end
 for ipywidgets 7 that installs from PyPI is the classic Notebook 6.5 with
 widgetsnbextension 3.6, which the Colab-like stack has (scripts/stacks.env). Its server,
 kernel and workers run inside the stack's Debian root (Python 3.13, torch 2.11,
 ipykernel 6.17.1); Debian's Chromium on this machine opens the notebook through
-Playwright, runs the cell, sets 2 processes, clicks Launch and waits for both ranks'
-output, rank 0's progress bar and "Finished" — the scenario tests/ui/test_browser.py runs
-on ipywidgets 8 in JupyterLab 4 and Notebook 7.
+Playwright and runs tests/browser_scenario.py's cells and checks, as
+tests/ui/test_browser_user.py does in JupyterLab 4: a failed background run speaks in
+its cell, a re-run launching cell is refused, one titled chart set per run, rank 0's
+tqdm bar once, and the LaunchPanel (2 processes, Launch, both ranks' output, the return
+value, the monitor, the Stop button) with the launcher's oversubscription warning.
 
 Run by scripts/test_stacks.sh (NBACCEL_STACK=colab, NBACCEL_STACK_ROOT=the root).
 """
@@ -26,32 +28,22 @@ from pathlib import Path
 
 import psutil
 import pytest
+from browser_scenario import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    NOTEBOOK,
+    NOTEBOOK6,
+    run_scenario,
+    write_notebook,
+)
 
 from nbaccel.launch.testing import find_free_port
+from nbaccel.platform.environment import cpu_count
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
-PANEL_CELL = """\
-from nbaccel.widgets import LaunchPanel
-import ipywidgets
-print("ipywidgets", ipywidgets.__version__)
-
-def train(greeting):
-    import time
-    from nbaccel import Accelerator, tqdm
-    accelerator = Accelerator()
-    for _ in tqdm(range(20), desc="steps"):
-        time.sleep(0.02)
-    print(f"{greeting} from rank {accelerator.process_index} of {accelerator.num_processes}")
-    return accelerator.process_index
-
-panel = LaunchPanel(train, args=("hello",))
-panel
-"""
 
 
 def _get(url: str, token: str, method: str = "GET") -> int:
@@ -74,17 +66,9 @@ def notebook6():
     inside = f"/tmp/nbaccel-widgets7-{secrets.token_hex(4)}"  # a folder in the root's /tmp
     work = stack_root / inside.lstrip("/")
     (work / "notebooks").mkdir(parents=True)
-    import nbformat
-
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nb.cells.append(nbformat.v4.new_code_cell(PANEL_CELL))
-    nbformat.write(nb, work / "notebooks" / "panel.ipynb")
-    (work / "nbaccel.yaml").write_text("config_version: 1\ncompute_device: cpu\nnum_processes: 1\n")
+    write_notebook(work / "notebooks")
+    # no num_processes: the panel starts at what fits the machine
+    (work / "nbaccel.yaml").write_text("config_version: 1\ncompute_device: cpu\n")
     port, token = find_free_port(), secrets.token_hex(16)
     log_path = ARTIFACTS / "widgets7-notebook6.log"
     ARTIFACTS.mkdir(exist_ok=True)
@@ -113,7 +97,7 @@ def notebook6():
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"Notebook 6 did not start:\n{log_path.read_text()}")
             time.sleep(0.3)
-        yield base, token, server
+        yield base, token, server, work / "notebooks"
     finally:
         if server.poll() is None:  # a failed test: shut down politely (kernels too), then kill
             left = psutil.Process(server.pid).children(recursive=True)
@@ -122,64 +106,45 @@ def notebook6():
                 server.wait(30)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-            for proc in [*left, psutil.Process(server.pid)]:
+            for proc in left:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
+            server.kill()  # the server exited after the shutdown: a no-op
             server.wait(10)
         log.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
-def test_launch_panel_on_ipywidgets7_in_notebook6(notebook6, tmp_path):
+def test_what_a_notebook_user_sees_on_ipywidgets7_in_notebook6(notebook6, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    base, token, server = notebook6
+    base, token, server, folder = notebook6
+    timings: dict[str, float] = {}
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
             user_data_dir=str(tmp_path / "chromium-profile"),
             executable_path=CHROMIUM,
             headless=True,
             args=CHROMIUM_ARGS,
-            viewport={"width": 1200, "height": 1100},
+            viewport={"width": 1200, "height": 1400},
         )
         try:
             page = context.pages[0] if context.pages else context.new_page()
-            console: list[str] = []  # the front end's messages, saved if the panel is missing
+            console: list[str] = []  # the front end's messages, saved if a check fails
             page.on("console", lambda msg: console.append(f"{msg.type}: {msg.text}"))
-            page.goto(f"{base}/notebooks/panel.ipynb?token={token}")
+            page.goto(f"{base}/notebooks/{NOTEBOOK}?token={token}")
             page.locator("#kernel_indicator_icon.kernel_idle_icon").wait_for(timeout=90_000)
-            page.locator(".code_cell .CodeMirror").first.click()
-            page.keyboard.press("Shift+Enter")
-            panel = page.locator(".output_area .nbaccel-launch-panel")
             try:
-                panel.wait_for(timeout=90_000)
+                run_scenario(page, NOTEBOOK6, folder, cpu_count(), timings)
+                expect(NOTEBOOK6.outputs(page, 0)).to_contain_text("ipywidgets 7.7.1")
+                panel = page.locator(".nbaccel-launch-panel")
+                expect(panel.get_by_role("button", name="Save as default")).to_be_visible()
             except Exception:
-                page.screenshot(path=str(ARTIFACTS / "widgets7-notebook6-failed.png"))
                 (ARTIFACTS / "widgets7-notebook6-failed.html").write_text(page.content())
                 (ARTIFACTS / "widgets7-notebook6-console.txt").write_text("\n".join(console))
                 raise
-            expect(page.locator(".output_area", has_text="ipywidgets 7.7.1")).to_have_count(1)
-            # Rendered by the widget manager, not the kernel's text repr "LaunchPanel(train, ...)".
-            expect(page.locator(".output_area", has_text="LaunchPanel(")).to_have_count(0)
-            expect(panel).to_contain_text("Hardware:")
-            row = panel.locator(".widget-inline-hbox", has_text="num processes")
-            processes = row.locator("input")
-            expect(processes).to_have_value("1")
-            processes.fill("2")
-            processes.press("Enter")
-            launch = panel.get_by_role("button", name="Launch")
-            expect(launch).to_be_enabled()
-            expect(panel.get_by_role("button", name="Save as default")).to_be_visible()
-            launch.click()
-            output = panel.locator(".jupyter-widgets-output-area")  # 7's Output (8: .widget-output)
-            expect(output).to_contain_text("[rank0] hello from rank 0 of 2", timeout=120_000)
-            expect(output).to_contain_text("[rank1] hello from rank 1 of 2", timeout=30_000)
-            expect(output).to_contain_text("steps: 100%")
-            expect(panel).to_contain_text("Finished", timeout=30_000)
-            # the live per-rank table (the monitor's widget) shows both ranks finished
-            monitor = panel.locator(".nbaccel-run-monitor")
-            expect(monitor).to_contain_text("finished")
-            panel.screenshot(path=str(ARTIFACTS / "widgets7-notebook6-panel.png"))
+            finally:
+                page.screenshot(path=str(ARTIFACTS / "widgets7-notebook6.png"), full_page=True)
         finally:
             context.close()
 
@@ -191,3 +156,5 @@ def test_launch_panel_on_ipywidgets7_in_notebook6(notebook6, tmp_path):
     server.wait(30)
     alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left after the server stopped: {[p.pid for p in alive]}"
+    start = timings.pop("start")
+    print({what: round(at - start, 1) for what, at in timings.items()})
