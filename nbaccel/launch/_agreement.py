@@ -1,12 +1,8 @@
 """Multi-node agreement: before any training, the nodes check they launched the same job.
 
-Each node computes its own world size (``num_processes=None`` counts its GPUs),
-runs its own nbaccel and torch, and picks its own start method. If they differ,
-ranks collide and the job hangs until the timeout. So every worker, before the
-user's code, publishes its node's view in the launch's rendezvous store
-(torch's TCPStore, hosted by global rank 0) under a key of the current *round*
-(the restart attempt), waits for every node's view of the same round, and
-raises on every node, naming both values, when they differ.
+Nodes that differ in world size, nbaccel, torch or start method collide and hang until the
+timeout. So each worker publishes its node's view in the rendezvous store under the
+current restart round, waits for every node's, and raises naming both values on a mismatch.
 
 Example:
     >>> compare({0: {"world_size": "4"}, 1: {"world_size": "2"}})

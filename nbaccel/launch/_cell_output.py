@@ -1,22 +1,14 @@
 """Keep a run's output in the notebook cell that started it, whatever cell runs later.
 
-ipykernel sends ``sys.stdout`` writes with the parent header of the request it is
-executing *now* (ipykernel 7: a per-thread value falling back to the global one, which
-is the current cell's; 6.x: the global one), so the output of a background run moved
-into whichever cell ran next. Front ends route output by its parent header, and keep
-routing late messages of a finished cell to that cell (JupyterLab, Notebook 7, VS Code,
-Colab). So :meth:`CellOutput.here` captures the launching request's parent header, and
-everything the run shows later is sent on the kernel's IOPub socket with that parent:
-
-* ``stream`` messages (the workers' lines, through :meth:`CellOutput.streams`, two
-  file-like objects the line forwarder writes to), batched every :data:`FLUSH_S`;
-* a carriage-return redraw (a worker's text progress bar) is not a stream line: it is a
-  ``display_data`` output updated in place (``update_display_data``), one per bar;
-* any other display (the live monitor's final chart) with :meth:`CellOutput.display`.
-
-A listener (:meth:`CellOutput.set_listener`, used by the live monitor) takes the lines
-and redraws instead of the cell. ``kernel.iopub_socket`` is ipykernel's thread-safe
-background socket (every send is queued to its IO thread), in ipykernel 6 and 7 alike.
+ipykernel sends ``sys.stdout`` writes with the parent header of the request running *now*,
+so a background run's output moved into whichever cell ran next; front ends route output by
+its parent header, also for a finished cell. :meth:`CellOutput.here` captures the launching
+request's header, and everything the run shows later goes on the kernel's IOPub socket
+(thread-safe in ipykernel 6 and 7) with it: ``stream`` messages batched every
+:data:`FLUSH_S` (:meth:`CellOutput.streams`), a carriage-return redraw as a
+``display_data`` updated in place (one per bar), other displays with
+:meth:`CellOutput.display`. A listener (:meth:`CellOutput.set_listener`, the live monitor)
+may take the lines instead of the cell.
 
 Example:
     >>> CellOutput.here() is None  # not in a notebook kernel: nothing to capture

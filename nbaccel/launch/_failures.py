@@ -1,16 +1,10 @@
 """Turn what went wrong in the workers into one exception in the kernel.
 
-Three jobs:
-
-* classify each worker failure as *real* (the user's exception, a death by
-  signal, an unexpected exit) or *secondary* (a healthy rank noticing that a
-  peer vanished: "Connection closed by peer", a collective timing out), so the
-  kernel reports the first real failure;
-* re-create the remote exception's type where possible: the raised object is an
-  instance of a dynamic subclass of both the original type and
-  :class:`~nbaccel.errors.WorkerError`, so ``except ValueError`` keeps working
-  and ``err.rank``/``err.remote_traceback`` are there too;
-* cut a fatal error's stack (faulthandler's dump on stderr) to the user's frames.
+Each failure is *real* (the user's exception, a death by signal, an unexpected exit) or
+*secondary* (a healthy rank noticing a vanished peer); the first real one is raised, as an
+instance of a dynamic subclass of both the remote type and
+:class:`~nbaccel.errors.WorkerError` (``except ValueError`` works, ``err.rank`` is there).
+A fatal error's stack is cut to the user's frames.
 
 Example:
     >>> info = {"type_module": "builtins", "type_qualname": "ValueError",

@@ -1,10 +1,8 @@
 """The kernel's ends of one group of worker processes: read them, end them.
 
-One ``selectors`` loop over every worker's stdout/stderr pipes and channel: output lines
-go to the :class:`~nbaccel.launch._output.LineForwarder` (a tail of stderr is kept for a
-fatal error's stack), channel messages to ``on_message`` (the supervisor, which holds a
-group and decides; the group only reads and ends). Ending: ask to leave, SIGTERM (a
-worker ends its own children), SIGKILL, reap, close.
+One ``selectors`` loop over every worker's pipes and channel: lines go to the
+:class:`~._output.LineForwarder` (a tail of stderr is kept for a fatal error's stack),
+messages to the supervisor. Ending: ask to leave, SIGTERM, SIGKILL, reap, close.
 
 Example:
     >>> Group.DRAIN

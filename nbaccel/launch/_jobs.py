@@ -1,13 +1,9 @@
 """What a worker can be asked to do: the table of job kinds, and its namespace.
 
-* ``call``: ``fn(*args, **kwargs)`` with the objects themselves (a forked worker's first
-  job, inherited through the fork: nothing is pickled, anything may be passed);
-* ``run``: the same, shipped with dill (spawned workers, and every pool call: a function
-  edited in the notebook after the pool started runs in its new form);
-* ``exec``: a ``%%distributed`` cell in the worker's namespace, with the kernel's names it
-  uses; the value of a final expression comes back;
-* ``push`` / ``pull`` / ``names``: set, read, list names of that namespace;
-* ``script``: a Python file or module as ``__main__`` (``nbaccel launch``).
+``call`` (the objects themselves, inherited through a fork), ``run`` (the same with dill:
+spawned workers and pool calls), ``exec`` (a ``%%distributed`` cell, with the kernel's
+names it uses; a final expression's value comes back), ``push``/``pull``/``names`` (the
+namespace), ``script`` (a file or module as ``__main__``, ``nbaccel launch``).
 
 Example:
     >>> worker = Worker(rank=0)

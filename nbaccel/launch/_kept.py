@@ -1,21 +1,12 @@
 """Kernel side of post-mortem debugging: which failed job's ranks can still be debugged.
 
-The :class:`KeepFailed` hook, plugged into the supervisor of workers that keep their
-traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s), takes a
-:class:`FailedJob` snapshot when a job fails: the failed ranks, and where each other rank
-was at that moment (its stack, asked over its channel before it is interrupted or
-terminated); a one-shot group leaves its failed ranks running. :func:`after_launch` and
-:func:`after_pool_call` hand it to :func:`remember` with the group while one can still
-serve a session, and say when it is gone (the pool's next call or close; a launch's
-lingering rank leaving). When
-only the kernel's debugging holds a failed rank (a debug=True launch, or a pool that
-replaced its workers), this module owns it as the pool owns its workers: no thread
-watches it; it is ended after its session, when the pool moves on, and otherwise when
-the kernel next touches its workers (:func:`sweep`: a launch, a pool call,
-``nbaccel.debug()``) once its ranks left or overstayed ``debug_timeout``; the one exit
-hook (:mod:`._lifetimes`) ends whatever is left. A lingering rank leaves by itself at
-``debug_timeout`` (the worker's own clock), so until that touch it is at most a zombie.
-The last failure in this kernel is what :func:`nbaccel.debug` opens.
+:class:`KeepFailed`, the supervisor's hook, takes a :class:`FailedJob` snapshot as a job
+fails (the failed ranks, and every other rank's stack); :func:`after_launch` and
+:func:`after_pool_call` :func:`remember` it, the last one being what :func:`nbaccel.debug`
+opens. Failed ranks only the kernel's debugging holds (a debug=True launch, a pool that
+replaced its workers) are owned here without a thread: ended after their session, when the
+pool moves on, or when the kernel next touches its workers (:func:`sweep`) once they left
+or overstayed ``debug_timeout``; the exit hook (:mod:`._lifetimes`) ends the rest.
 
 Example:
     >>> last() is None or isinstance(last(), FailedJob)

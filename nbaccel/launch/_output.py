@@ -1,15 +1,10 @@
 """Forward the workers' stdout/stderr into the launching cell, one whole line at a time.
 
-The kernel reads each worker's fd 1/2 from a pipe and hands the bytes to a
-:class:`LineForwarder`, which cuts them into lines and writes every line with a
-single ``write`` call, so lines of different ranks never interleave mid-line.
-Carriage-return updates (text progress bars) are forwarded as they arrive.
-
-Prefixing: when more than one process can print, every line gets the prefix
-(default ``"[rank{rank}] "``); a single worker's output is left as it is.
-``log_line_prefix_template=""`` disables prefixes. Templates use ``str.format``
-fields ``{rank}``, ``{local_rank}``, ``{node_rank}``, ``{world_size}`` or
-torchrun-style ``${rank}``/``${local_rank}``/``${role_name}``.
+:class:`LineForwarder` cuts each worker's bytes into lines and writes every line with one
+``write`` call, so ranks never interleave mid-line; carriage-return updates (progress bars)
+pass as they arrive. When more than one process can print, lines get a prefix (default
+``"[rank{rank}] "``, ``""`` disables it; ``str.format`` fields ``{rank}``, ``{local_rank}``,
+``{node_rank}``, ``{world_size}`` or torchrun's ``${rank}``/``${local_rank}``/``${role_name}``).
 
 Example:
     >>> import io
@@ -52,13 +47,8 @@ def format_prefix(
         >>> format_prefix("[${role_name}${rank}]: ", 3)
         '[default3]: '
     """
-    fields = {
-        "rank": rank,
-        "local_rank": local_rank,
-        "node_rank": node_rank,
-        "world_size": world_size,
-        "role_name": "default",
-    }
+    fields: dict[str, object] = {"rank": rank, "local_rank": local_rank, "node_rank": node_rank}
+    fields.update(world_size=world_size, role_name="default")
     if "$" in template:
         return string.Template(template).safe_substitute(fields)
     try:
@@ -110,9 +100,9 @@ class LineForwarder:
         num_processes: int = 1,
     ) -> None:
         self._streams = {"stdout": stdout, "stderr": stderr}
-        self._template = DEFAULT_PREFIX if template is None else template
-        if num_processes < 2:
-            self._template = ""
+        self._template = (
+            "" if num_processes < 2 else DEFAULT_PREFIX if template is None else template
+        )
         self._callback = callback
         self._rank_info = rank_info or {}
         self._buffers: dict[tuple[int, str], str] = {}
@@ -125,13 +115,9 @@ class LineForwarder:
     def _prefix(self, rank: int) -> str:
         if not self._template:
             return ""
-        local_rank, node_rank, world_size = self._rank_info.get(rank, (rank, 0, 1))
+        local, node, world = self._rank_info.get(rank, (rank, 0, 1))
         return format_prefix(
-            self._template,
-            rank,
-            local_rank=local_rank,
-            node_rank=node_rank,
-            world_size=world_size,
+            self._template, rank, local_rank=local, node_rank=node, world_size=world
         )
 
     def _emit(self, rank: int, stream: str, text: str, end: str, redrawn: bool = False) -> None:
@@ -151,14 +137,12 @@ class LineForwarder:
             with contextlib.suppress(Exception):
                 redraw(rank, f"{self._prefix(rank)}{text}", end != "\r")
             return
-        try:
+        with contextlib.suppress(Exception):
             target.write(f"{self._prefix(rank)}{text}{end}")
             self._unflushed.add(stream)
             if end == "\r":
                 target.flush()
                 self._unflushed.discard(stream)
-        except Exception:
-            pass
 
     def feed(self, rank: int, stream: str, data: bytes) -> None:
         """Add raw bytes read from ``rank``'s ``stream`` ("stdout" or "stderr")."""

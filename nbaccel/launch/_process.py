@@ -1,19 +1,11 @@
 """Start worker processes: fork the kernel, or spawn fresh interpreters.
 
-Each worker gets two pipes whose write ends become its stdout and stderr, and one end
-of a socket pair: its two-way channel to the supervisor. The kernel keeps the pipes'
-read ends and the other end of each channel. Every process forked from the kernel, by
-nbaccel or by anyone else, closes the kernel's ends at once (a hook installed by the
-first launch): a worker's channel reaches its end of file exactly when the supervisor's
-process is gone.
-
-* fork: ``os.fork()`` directly, so the child closes every end that is not its own and
-  never returns into the kernel's code (:func:`nbaccel.launch._worker.fork_main`); its
-  first job (the function and its arguments) is inherited, never pickled. Before forking,
-  the kernel does once what every worker would otherwise repeat (:mod:`._preload`).
-* spawn: ``python -c "...spawn_main(fd)"`` with the pipes as fds 1/2 and the channel
-  passed; its spec, ``sys.path`` and the notebook's cell sources are the channel's first
-  frame.
+Each worker gets two pipes for stdout/stderr and one end of a socket pair, its channel to
+the supervisor. Every process forked from the kernel closes the kernel's ends at once (a
+hook the first launch installs), so a worker's channel ends exactly when the supervisor's
+process is gone. fork: ``os.fork()``, the child never returns into the kernel's code and
+inherits its first job; spawn: ``python -c "...spawn_main(fd)"``, its spec, ``sys.path``
+and the notebook's cell sources the channel's first frame.
 
 Example:
     >>> from nbaccel.launch._process import WorkerProcess

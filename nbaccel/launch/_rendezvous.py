@@ -1,27 +1,13 @@
 """The rendezvous of one launch: torch's own TCPStore, listening on loopback only.
 
-A plain ``TCPStore`` server (what ``init_process_group("env://")`` starts on
-rank 0) listens on *all* interfaces, whatever ``MASTER_ADDR`` says. nbaccel
-keeps torch's rendezvous but chooses the socket:
-
-1. the kernel binds the listening socket itself, to ``master_addr`` (127.0.0.1
-   on a single node; never the wildcard there). Binding first also turns a busy
-   ``use_port`` into a clear error before any worker exists;
-2. the socket is handed to global rank 0, whose bootstrap starts the server on
-   it: ``TCPStore(..., multi_tenant=True, master_listen_fd=fd)``;
-3. the kernel closes its copy. When the user's code (or the Accelerator) later
-   calls ``init_process_group`` with ``env://``, torch creates rank 0's store with
-   ``multi_tenant=True`` for the same port and so *reuses* that server instead of
-   binding a new one. User code that picks its own port or init method keeps
-   working unchanged.
-
-On other nodes the kernel checks, before starting any worker, that node 0's
-store answers within the timeout, and fails with the address and port otherwise.
-
-``rdzv_backend="c10d"`` across machines (:func:`elastic_meet`): the identical launch runs on
-every machine without a ``node_rank``; the machines first meet through
-``torch.distributed.elastic``'s c10d rendezvous at ``rdzv_endpoint``, which numbers them,
-and node 0 publishes there the address and port of the store above.
+torch's ``env://`` store listens on every interface whatever ``MASTER_ADDR`` says. So the
+kernel binds the socket itself (to ``master_addr``, 127.0.0.1 on one machine; a busy
+``use_port`` fails before any worker exists), hands it to global rank 0, whose bootstrap
+serves the store on it (``TCPStore(..., multi_tenant=True, master_listen_fd=fd)``), and
+closes its copy; the user's later ``init_process_group("env://")`` reuses that server.
+Other nodes check first that node 0's store answers. With ``rdzv_backend="c10d"``
+(:func:`elastic_meet`) the machines meet through torch elastic's rendezvous at
+``rdzv_endpoint``, which numbers them, and node 0 publishes its store's address there.
 
 Example:
     >>> from nbaccel.launch._rendezvous import Rendezvous

@@ -1,12 +1,9 @@
 """Whether, and how, workers may start from this process: checks made before any exists.
 
-A kernel in which an ``Accelerator`` or a process group already lives, more NCCL
-processes than GPUs, an operating system without fork or POSIX process control, CUDA or
-its driver initialised before a fork, by torch or anyone else (the error names the line,
-the cell or the likely lines that did it): each is refused with what to do instead.
-``"auto"`` forks only when that is safe and spawns otherwise, saying why once; where
-the kernel's OpenMP pool cannot be released before forking (torch 2.4's libgomp), forked
-workers keep one compute thread.
+A live ``Accelerator`` or process group, more NCCL processes than GPUs, no fork or POSIX
+process control, CUDA initialised before a fork (the error names the line): each refused
+with what to do. ``"auto"`` forks only when safe; where torch 2.4's libgomp pool cannot be
+released before forking, forked workers keep one compute thread.
 
 Example:
     >>> from nbaccel.launch._safety import worker_threads

@@ -1,10 +1,8 @@
 """Start one group of workers for a plan: rendezvous, specs, processes, their supervisor.
 
-The same for every launch; only the arguments differ: a one-shot group (notebook_launcher,
-``nbaccel launch``) gets its job as it starts, a pool's workers wait for jobs. Everything
-started here is either handed to the returned
-:class:`~nbaccel.launch._supervisor.Supervisor` or killed and reaped before the exception
-propagates; the kernel keeps no listening socket.
+A one-shot group (notebook_launcher, ``nbaccel launch``) gets its job as it starts, a pool's
+workers wait for jobs. What is started is handed to the returned
+:class:`~._supervisor.Supervisor` or ended before the exception propagates.
 
 Example:
     >>> from nbaccel.launch._start import rank_environment

@@ -1,11 +1,8 @@
 """Per-rank live status and event listeners, shared by a launch and a warm pool.
 
-Workers publish events (``state`` changes with a pid, logged ``step``/``values``, progress);
-a :class:`RankStatus` keeps the latest per rank for ``status()`` and ``pids``, and hands
-each event to the listeners (``nbaccel.monitor.watch``, the panel). A
-:class:`~nbaccel.launch.handle.LaunchHandle` and a
-:class:`~nbaccel.launch._pool.PoolWorkers` each own one. Logged values (``log``/``system``
-events) are also kept, bounded, for a listener added late (``add_listener(replay=True)``).
+A :class:`RankStatus` keeps each rank's latest state, pid, step and values for ``status()``
+and ``pids``, hands each event to the listeners (the monitor, the panel), and keeps logged
+values, bounded, for a listener added late (``add_listener(replay=True)``).
 
 Example:
     >>> board = RankStatus([0, 1], "starting")

@@ -1,29 +1,14 @@
 """The one supervisor: the kernel's side of a group of workers, for every kind of launch.
 
-Channel messages (:mod:`~nbaccel.launch._messages`) are acted on by their type.
-:meth:`Supervisor.run_job` waits for one job on some ranks and decides:
-
-* a failure (an exception, a death by signal, an unexpected exit) starts a short grace
-  period for the others' reports; then the *first real* failure is raised (secondary
-  "connection closed by peer"/timeout errors of healthy ranks count only when nothing
-  else went wrong);
-* only secondary failures while other ranks still run, or ranks still busy ``timeout``
-  seconds after a peer finished: those ranks hang; their stacks (:meth:`probe`) go into
-  a :class:`~nbaccel.errors.WorkerTimeoutError`;
-* an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
-  terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back;
-* a :class:`~nbaccel.errors.RanksMissingError` (a collective entered by some ranks only)
-  gets a note with the stacks of the ranks that did not come, probed as it arrives.
-
-Extras plug in as :class:`Hook` objects (DESIGN.md habit 6), called on each message, on
-each turn of a job's loop (a hook may end the job), at a failure, and for the ranks a
-one-shot group leaves running: the hang watchdog and the subset check
-(:mod:`~nbaccel.launch._watchdog`), post-mortem's snapshot (:mod:`~nbaccel.launch._kept`),
-a pdb session's inbox (:mod:`~nbaccel.launch.debugger`). The workers' pipes and channels
-are read and ended by the :class:`~nbaccel.launch._group.Group` the supervisor holds.
-
-:class:`JobFailed` carries the error and, when the workers cannot go on (a rank died,
-hung, did not come back, or the ranks ran different numbers of collectives), the reason.
+:meth:`Supervisor.run_job` acts on the channel's messages (:mod:`._messages`) by type and
+waits for one job: after a first failure, ``GRACE`` for the others' reports, then the first
+*real* failure is raised (a healthy rank's "connection closed by peer" counts only when
+nothing else went wrong); ranks still busy ``timeout`` seconds after a peer finished hang
+(their stacks go into a :class:`~nbaccel.errors.WorkerTimeoutError`); on an interrupt,
+``stop()`` or a failure, a one-shot group is terminated while a pool's busy ranks get
+SIGINT and ``INTERRUPT_GRACE`` to come back. Extras plug in as :class:`Hook` objects: the
+hang watchdog and the subset check (:mod:`._watchdog`), post-mortem (:mod:`._kept`), a pdb
+session's inbox (:mod:`.debugger`). The workers' pipes belong to the :class:`._group.Group`.
 
 Example:
     >>> Supervisor.GRACE

@@ -1,14 +1,9 @@
 """The channel between the kernel and one worker: frames both ways, CPU-only pickling.
 
-Each worker has exactly one two-way channel, one end of a Unix socket pair: the kernel
-sends jobs, questions and "exit" on it; the worker answers with hello, events, each
-job's outcome and the answers (the messages: :mod:`~nbaccel.launch._messages`, one
-frozen dataclass each). A frame is an 8-byte big-endian length and a pickle.
-Values are pickled with :func:`dumps`, which moves every tensor to the CPU first (the
-kernel must never initialise CUDA) and uses plain pickle bytes rather than torch's
-shared-memory reducers; dill is the fallback for what plain pickle cannot handle
-(lambdas, classes defined in a notebook). A side that gets a message type it does not
-act on ignores it (the worker answers a job of an unknown kind with an error).
+One end of a Unix socket pair per worker carries the :mod:`._messages`; a frame is an
+8-byte big-endian length and a pickle. :func:`dumps` moves every tensor to the CPU first
+(the kernel never initialises CUDA) and avoids torch's shared-memory reducers; dill is the
+fallback for lambdas and notebook classes.
 
 Example:
     >>> import pickle, socket

@@ -1,24 +1,13 @@
 """One worker's life: set up, join the rendezvous, run jobs until told to stop.
 
-Every launch starts its workers the same way, by forking the kernel (:func:`fork_main`)
-or as fresh interpreters (:func:`spawn_main`, whose spec arrives as the channel's first
-frame). Then:
-
-1. set-up: output onto the supervisor's pipes, signals, faulthandler (fatal errors on
-   stderr), the typed :class:`~nbaccel.config.LaunchConfig` and rank facts installed as
-   the process's state (the runtime reads them, never environment text), the events sink,
-   a thread that reads the channel (it answers "what are you doing?" at once, and ends the
-   worker when the channel ends: the supervisor is gone);
-2. the rendezvous store (global rank 0 hosts it on the socket the kernel reserved) and,
-   across nodes, the agreement check; then "ready";
-3. the loop: a job comes in (``run``/``call`` a function, ``exec`` a cell, ``push``/
-   ``pull``/``names``, ``script``), runs, and its outcome goes back as one ``Done``
-   message (value or error, and the collective count that reveals ranks out of step).
-   A one-shot worker (notebook_launcher, nbaccel launch) leaves after its job; a pool
-   worker waits for the next one. Job kinds are a table (:data:`JOBS`): a new kind is a
-   new entry;
-4. leaving: the exit barrier, then the process group torn down (or, once every rank has
-   left, skipped), and ``os._exit``.
+A worker is forked from the kernel (:func:`fork_main`) or spawned (:func:`spawn_main`, its
+spec the channel's first frame). It sets up (output onto the supervisor's pipes, signals,
+faulthandler, the typed :class:`~nbaccel.config.LaunchConfig` and rank facts as process
+state, the events sink, a channel reader that answers probes at once and ends the worker
+with the channel); meets the others (rank 0 hosts the store on the kernel's socket; across
+nodes, the agreement check) and says "ready"; runs jobs from the table :data:`JOBS`, each
+answered by one ``Done`` (value or error, and its collective count); a one-shot worker
+leaves after its job. Leaving: the exit barrier, the group torn down, ``os._exit``.
 
 Example:
     >>> from nbaccel.launch._worker import JOBS

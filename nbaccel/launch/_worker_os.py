@@ -1,14 +1,9 @@
-"""Operating-system side of a worker: output, signals, dying with the supervisor, and
-what the main thread is doing right now.
+"""Operating-system side of a worker: output, signals, dying with the supervisor, its stack.
 
-* fds 1/2 onto the supervisor's pipes with fresh Python streams; default signal handlers;
-* :func:`die` ends the worker and everything it started (DataLoader workers, subprocesses).
-  It runs when the supervisor is gone: the channel reaches its end of file (the kernel,
-  or ``nbaccel launch``, was killed: the OS closes its sockets), or the parent-death signal
-  arrives (Linux ``PR_SET_PDEATHSIG``, SIGTERM); and on SIGTERM. No timer is involved;
-* :func:`main_thread_report` answers the supervisor's "what are you doing?": the main
-  thread's Python stack and, when it is inside ``torch.distributed``, which call and
-  which ranks that call waits for.
+fds 1/2 go onto the supervisor's pipes; :func:`die` ends the worker and everything it
+started when the supervisor is gone (the channel's end of file, the parent-death signal)
+or on SIGTERM, no timer involved; :func:`main_thread_report` says what the main thread
+does (its stack, and the torch.distributed call it waits in and for which ranks).
 
 Example:
     >>> from nbaccel.launch._worker_os import flush_c_stdio

@@ -1,16 +1,11 @@
 """``LaunchHandle``: one job running (or finished) on a group of workers.
 
 ``notebook_launcher(..., block=False)`` and ``pool.call(..., block=False)`` return one at
-once; the job is followed by a background thread and the kernel stays responsive. With
-``block=True`` the same object is driven from the calling thread.
-
-Status model (``handle.status()``): one dict per global rank of this node with
-``"state"`` ("starting", "running", "finished", "failed", "killed", "stopped",
-"terminated"), ``"step"`` (the last ``step=`` a worker published), ``"scalars"``
-(latest values of ``publish(..., values={...})``, e.g. from ``Accelerator.log``),
-``"pid"`` and ``"last_event"``. Listeners added with :meth:`LaunchHandle.add_listener`
-are called as ``callback(rank, kind, data)`` on the supervising thread for every
-worker event and every state change (``kind == "state"``).
+once and follow the job in a background thread; ``block=True`` drives the same object from
+the calling thread. ``handle.status()`` has per rank ``"state"`` ("starting", "running",
+"finished", "failed", "killed", "stopped", "terminated"), ``"step"``, ``"scalars"`` (from
+``Accelerator.log``), ``"pid"`` and ``"last_event"``; listeners
+(:meth:`LaunchHandle.add_listener`) get ``callback(rank, kind, data)`` for every event.
 
 Example:
     >>> from nbaccel import notebook_launcher  # doctest: +SKIP
