@@ -191,14 +191,20 @@ def start_processes(
             spec.close_fds = [fd for fd in children if fd not in mine.values()]
             spec.close_fds += [fd for fd in close_in_children if fd != spec.store_fd]
             with _interrupts_deferred():  # an interrupt now must not lose the pid
-                pid, popen = _start(spec, method, mine, first_job)
+                if method == "fork":
+                    pid, popen = _fork(spec, mine, first_job), None
+                else:
+                    popen = _spawn(spec, mine)
+                    pid = popen.pid
                 pipes = {"stdout": kernel["stdout"], "stderr": kernel["stderr"]}
                 procs.append(
                     WorkerProcess(spec.rank, spec.local_rank, pid, pipes, kernel["channel"], popen)
                 )
         if method != "fork":
+            sources = environment.notebook_cell_sources()  # IPython 7's cells (Colab) and 8's
             for spec, proc in zip(specs, procs, strict=True):
-                _send_setup(proc, spec)
+                with contextlib.suppress(OSError):  # died at start-up: its exit is reported
+                    proc.channel.send(Setup(spec, list(sys.path), sources))  # type: ignore[union-attr]
     except BaseException as err:
         for proc in procs:
             proc.kill()
@@ -229,13 +235,6 @@ def _ends() -> tuple[dict[str, int], dict[str, Any]]:
     _KERNEL_ENDS.update((out_r, err_r, kernel_sock.fileno()))
     kernel = {"stdout": out_r, "stderr": err_r, "channel": Channel(kernel_sock)}
     return {"stdout": out_w, "stderr": err_w, "channel": worker_fd}, kernel
-
-
-def _start(spec: WorkerSpec, method: str, mine: dict[str, int], job: Job | None) -> tuple[int, Any]:
-    if method == "fork":
-        return _fork(spec, mine, job), None
-    popen = _spawn(spec, mine)
-    return popen.pid, popen
 
 
 def _fork(spec: WorkerSpec, mine: dict[str, int], job: Job | None) -> int:
@@ -302,17 +301,6 @@ def _spawn(spec: WorkerSpec, mine: dict[str, int]) -> subprocess.Popen[bytes]:
     spec.fds = {"stdout": 1, "stderr": 2, "channel": channel}
     spec.close_fds = []
     return popen
-
-
-def _notebook_sources() -> dict[str, Any]:
-    """linecache entries without a file on disk (notebook cells), for remote tracebacks."""
-    return environment.notebook_cell_sources()  # IPython 7's cells (Colab) and 8's
-
-
-def _send_setup(proc: WorkerProcess, spec: WorkerSpec) -> None:
-    assert proc.channel is not None
-    with contextlib.suppress(OSError):  # it died at start-up: the supervisor reports its exit
-        proc.channel.send(Setup(spec, list(sys.path), _notebook_sources()))
 
 
 __all__ = ["WorkerProcess", "close_ends", "start_processes"]

@@ -35,6 +35,7 @@ from ._process import WorkerProcess
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
+NO_ANSWER = "(no answer: not running Python code)"
 H = TypeVar("H", bound="Hook")
 
 
@@ -167,11 +168,9 @@ class Supervisor:
         return self._answers.pop(request)
 
     def stacks(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Each rank's stack now (see :meth:`probe`)."""
         answers = self.probe(ranks)
-        return {
-            r: answers[r]["stack"] if r in answers else "(no answer: not running Python code)"
-            for r in ranks
-        }
+        return {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in ranks}
 
     # ------------------------------------------------------------------ jobs
     def new_job(self) -> int:
@@ -239,14 +238,10 @@ class Supervisor:
         proc = self.procs[rank]
         return Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
 
-    def _ok(self, rank: int) -> bool:
-        """Not known to have failed this job (finished well, or not finished)."""
-        done = self._done.get(rank)
-        return done is None or done.ok
-
     def failures(self, procs: list[WorkerProcess]) -> list[Failure]:
         """The job's failed ranks, and every rank of the group that failed or died."""
-        out = [self._job_failure(p.rank) for p in procs if not self._ok(p.rank)]
+        failed = {r for r, done in self._done.items() if not done.ok}
+        out = [self._job_failure(p.rank) for p in procs if p.rank in failed]
         out += [f for r, f in self._fatal.items() if r not in {f.rank for f in out}]
         for proc in self.procs.values():
             if not self.workers.exited(proc) or proc.rank in {f.rank for f in out}:

@@ -35,13 +35,13 @@ from typing import Any
 
 from ..errors import LaunchError, WorkerTimeoutError
 from ._messages import Done, Event
-from ._supervisor import Hook, JobFailed, Supervisor
+from ._supervisor import NO_ANSWER, Hook, JobFailed, Supervisor
 
 #: 5 minutes: longer than a real step, a checkpoint save or an evaluation on one rank
 #: usually keeps the others waiting, shorter than torch's own collective timeouts (NCCL's
 #: 10 min, gloo's 30 min), which end the job without saying where each rank was.
 DEFAULT_HANG_AFTER = 300.0
-NO_ANSWER = "(no answer: not running Python code)"
+
 #: The share of one CPU a rank must use between two looks to count as working.
 BUSY_SHARE = 0.05
 
