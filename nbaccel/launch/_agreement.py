@@ -17,9 +17,9 @@ import os
 from typing import Any
 
 from ..errors import LaunchError
+from ._rendezvous import DEFAULT_TIMEOUT
 
 _PREFIX = "nbaccel/agree"
-DEFAULT_TIMEOUT = 300.0
 
 _FIXES = {
     "world_size": "pass the same num_processes on every node (num_processes=None counts "

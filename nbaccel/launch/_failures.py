@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -188,12 +189,9 @@ def _remote_exception(failure: Failure) -> WorkerError:
 def _copy_attributes(err: BaseException, info: dict[str, Any]) -> None:
     """Carry the remote exception's own attributes (e.g. ``err.code``) over, if any."""
     for name, data in (info.get("attributes") or {}).items():
-        if hasattr(WorkerError, name) or name in ("rank", "pid", "exc_type", "message"):
-            continue
-        try:
-            setattr(err, name, loads(*data))
-        except Exception:
-            continue
+        if not hasattr(WorkerError, name) and name not in ("rank", "pid", "exc_type", "message"):
+            with contextlib.suppress(Exception):
+                setattr(err, name, loads(*data))
 
 
 def trim_stack(text: str) -> str:

@@ -91,9 +91,8 @@ def _exec(worker: Worker, source: str, filename: str, names: bytes, sources: dic
 
 
 def _mentions(code: Any, name: str) -> bool:
-    if name in code.co_names:
-        return True
-    return any(_mentions(c, name) for c in code.co_consts if hasattr(c, "co_names"))
+    nested = (c for c in code.co_consts if hasattr(c, "co_names"))
+    return name in code.co_names or any(_mentions(c, name) for c in nested)
 
 
 def _push(worker: Worker, payload: bytes) -> None:

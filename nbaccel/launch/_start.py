@@ -95,12 +95,8 @@ def start_group(
             rdzv.check_reachable(cfg.timeout)  # before any worker exists
         specs = _specs(plan, rdzv, round_, persistent)
         listen_fd = rdzv.listen_fd() if rdzv is not None else None
-        procs = start_processes(
-            specs,
-            plan.method,
-            first_job,
-            close_in_children=(listen_fd,) if listen_fd is not None else (),
-        )
+        fds = (listen_fd,) if listen_fd is not None else ()
+        procs = start_processes(specs, plan.method, first_job, close_in_children=fds)
     finally:
         if rdzv is not None:
             rdzv.close()  # rank 0 owns the listening socket now; the kernel keeps no copy
@@ -149,39 +145,22 @@ def _specs(
     on_main = threading.current_thread() is threading.main_thread()
     shared = {**plan.env, **(rdzv.worker_env() if rdzv is not None else _one_rank_env(plan))}
     specs = []
+    local, world = len(plan.ranks), plan.world_size
     for local_rank, rank in enumerate(plan.ranks):
-        env = {
-            **shared,
-            **rank_environment(
-                rank,
-                local_rank,
-                world_size=plan.world_size,
-                local_world_size=len(plan.ranks),
-                node_rank=cfg.node_rank,
-            ),
-        }
-        spec = WorkerSpec(
-            rank,
-            local_rank,
-            plan.world_size,
-            len(plan.ranks),
-            cfg.node_rank,
-            cfg,
-            env,
-            plan.method,
-            round_,
-            plan.threads,
-            persistent,
+        env = shared | rank_environment(
+            rank, local_rank, world_size=world, local_world_size=local, node_rank=cfg.node_rank
+        )
+        specs.append(WorkerSpec(
+            rank, local_rank, world, local, cfg.node_rank, cfg, env, plan.method, round_,
+            plan.threads, persistent,
             new_session=not plan.block,  # background runs and pools ignore the kernel's ^C
             die_with_parent=on_main,
             parent_pid=os.getpid(),
             linger=plan.debug_timeout,  # debug=True: a failed rank waits for nbaccel.debug()
             tpu=plan.tpu,
-        )
-        specs.append(spec)
-    listen_fd = rdzv.listen_fd() if rdzv is not None else None
-    if rdzv is not None and listen_fd is not None:  # global rank 0 hosts the store on it
-        specs[0].store_fd, specs[0].store_host = listen_fd, rdzv.store_host()
+        ))  # fmt: skip
+    if rdzv is not None and (fd := rdzv.listen_fd()) is not None:  # rank 0 hosts the store
+        specs[0].store_fd, specs[0].store_host = fd, rdzv.store_host()
     return specs
 
 

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import socket
@@ -51,10 +52,8 @@ class FrameReader:
                 break
             body = bytes(self._buffer[HEADER.size : HEADER.size + size])
             del self._buffer[: HEADER.size + size]
-            try:
+            with contextlib.suppress(Exception):
                 out.append(_CPUUnpickler(io.BytesIO(body)).load())
-            except Exception:
-                continue
         return out
 
 

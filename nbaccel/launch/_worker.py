@@ -69,17 +69,10 @@ class WorkerSpec:
     def facts(self) -> EnvironmentSnapshot:
         cfg = self.config
         return EnvironmentSnapshot(
-            self.rank,
-            self.world_size,
-            self.local_rank,
-            self.local_world_size,
-            self.node_rank,
-            self.env.get("MASTER_ADDR"),
-            self.env.get("MASTER_PORT"),
-            use_cpu=cfg.compute_device == "cpu",
-            timeout=cfg.timeout,
-            debug=cfg.debug,
-        )
+            self.rank, self.world_size, self.local_rank, self.local_world_size, self.node_rank,
+            self.env.get("MASTER_ADDR"), self.env.get("MASTER_PORT"),
+            use_cpu=cfg.compute_device == "cpu", timeout=cfg.timeout, debug=cfg.debug,
+        )  # fmt: skip
 
 
 #: torch's NCCL watchdog by default ends the whole process when a collective times out
