@@ -62,14 +62,9 @@ def compare(views: dict[int, dict[str, str]]) -> list[str]:
 
 
 def agree(store: Any, spec: Any) -> None:
-    """Publish this node's facts for the current round, wait for all nodes, compare.
-
-    Only for multi-node launches; a no-op when ``store`` is None or there is one node.
-
-    Raises:
-        LaunchError: the nodes differ (every difference, with every node's value, and
-            the fix), or not every node reached this round within the timeout.
-    """
+    """Publish this node's facts for the current round, wait for all nodes, compare
+    (a no-op without a store or with one node); LaunchError naming each difference and
+    its fix, or the nodes that did not come within the timeout."""
     num_nodes = spec.config.num_nodes
     if store is None or num_nodes < 2:
         return

@@ -59,12 +59,8 @@ def _parent(kernel: Any) -> dict[str, Any] | None:
 
 
 class CellOutput:
-    """Where one run's output goes: the cell that started it (see the module docstring).
-
-    Args:
-        kernel: the ipykernel kernel (its ``session`` and ``iopub_socket`` are used).
-        parent: the launching request's message (its header becomes the parent header).
-    """
+    """Where one run's output goes: the cell that started it (``parent``: its request,
+    whose header the output carries), sent with ipykernel ``kernel``'s session."""
 
     def __init__(self, kernel: Any, parent: dict[str, Any]) -> None:
         self._session = kernel.session
@@ -191,11 +187,8 @@ class CellOutput:
 
 
 class CellStream:
-    """A file-like stream into a :class:`CellOutput` (what the line forwarder writes to).
-
-    Besides ``write``/``flush`` it has ``redraw(rank, text, done)``: the line forwarder
-    hands carriage-return redraws to it instead of writing them as lines.
-    """
+    """A file-like stream into a :class:`CellOutput` for the line forwarder, which hands
+    it carriage-return redraws through ``redraw(rank, text, done)``."""
 
     def __init__(self, cell: CellOutput, name: str) -> None:
         self.cell, self.name = cell, name

@@ -220,11 +220,9 @@ def after_launch(group: Supervisor, error: BaseException, timeout: float | None)
 def after_pool_call(
     owner: object, group: Supervisor, *, broken: bool, port_fixed: bool
 ) -> set[int]:
-    """A pool call failed: remember its snapshot (if the supervisor took one). When the
-    pool replaces its workers (``broken``), return the failed ranks it must leave alive:
-    the kernel holds them (until the pool's next call or close, their session's end, or
-    ``DEBUG_TIMEOUT``). Not global rank 0 when the pool restarts on the same port: its
-    rendezvous store listens there."""
+    """A pool call failed: remember its snapshot. When the pool replaces its workers
+    (``broken``), return the failed ranks it must leave alive for the kernel to hold (not
+    rank 0 when it restarts on the same port: its store listens there)."""
     job = _taken(group)
     if job is None:
         return set()

@@ -65,11 +65,8 @@ _CXX_STACK_LINE = re.compile(r"^(?:frame #\d+: .*|<omitting python frames>|\s*)$
 
 
 def _visible(line: str) -> str:
-    """What a terminal shows of a finished line: the text after its last carriage return.
-
-    A progress bar's final redraw is ``"\\r100%|...|\\n"``; writing the prefix before that
-    ``"\\r"`` would let the redraw overwrite it, so the overwritten parts are dropped here.
-    """
+    """What a terminal shows of a finished line: the text after its last carriage return
+    (a bar's last redraw, ``"\\r100%|...|\\n"``, would overwrite the prefix)."""
     if "\r" not in line:
         return line
     pieces = [piece for piece in line.split("\r") if piece]
@@ -77,17 +74,10 @@ def _visible(line: str) -> str:
 
 
 class LineForwarder:
-    """Thread-safe line assembler and writer for every worker's stdout/stderr.
-
-    Args:
-        stdout: where stdout lines go (the cell's ``sys.stdout`` at launch time).
-        stderr: where stderr lines go.
-        template: prefix template; ``None`` = :data:`DEFAULT_PREFIX`.
-        callback: instead of writing to streams, call ``callback(rank, stream, line)``.
-        rank_info: global rank -> (local_rank, node_rank, world_size) for templates.
-        num_processes: how many processes print through this forwarder; one alone
-            gets no prefix.
-    """
+    """Thread-safe line assembler and writer for every worker's stdout/stderr: lines go to
+    ``stdout``/``stderr`` or ``callback(rank, stream, line)``, prefixed by ``template``
+    (None: :data:`DEFAULT_PREFIX`; none for ``num_processes=1``) filled from ``rank_info``
+    (global rank -> local_rank, node_rank, world_size)."""
 
     def __init__(
         self,

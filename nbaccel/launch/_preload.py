@@ -47,12 +47,9 @@ class Learner:
 
 
 def preload() -> None:
-    """Prepare the kernel so that forked workers inherit a warm, fork-safe runtime.
-
-    Imports nbaccel's runtime and the learned modules (CPU-only torch builds), then
-    releases the OpenMP pool: a child would otherwise hang in its first multi-threaded
-    op. None of this starts CUDA or threads; a failure is left for the worker to report.
-    """
+    """Prepare the kernel so that forked workers inherit a warm, fork-safe runtime: the
+    imports above, then the OpenMP pool released (a child would hang in its first
+    multi-threaded op). No CUDA, no threads; a failure is left for the worker to report."""
     with contextlib.suppress(Exception):
         from ..runtime import accelerator  # noqa: F401
     with contextlib.suppress(Exception):  # a cache every worker's Accelerator() reads

@@ -248,15 +248,10 @@ def _fork(spec: WorkerSpec, mine: dict[str, int], job: Job | None) -> int:
 
 @contextlib.contextmanager
 def _interrupts_deferred() -> Iterator[None]:
-    """Hold a notebook interrupt (SIGINT) back until the block ends.
-
-    An interrupt that lands while ``os.fork()`` runs raises KeyboardInterrupt as soon as
-    the call returns, before its pid is stored anywhere: that worker would live on,
-    unsupervised. Inside the block SIGINT is only recorded; after it, the kernel's own
-    handler gets the signal, where the cleanup in :func:`start_processes` knows every
-    worker. (Blocking the signal with ``pthread_sigmask`` would not do: the OS then hands
-    it to another of the kernel's threads, and Python still raises in this one.)
-    """
+    """Hold a notebook interrupt (SIGINT) back until the block ends: one raised as
+    ``os.fork()`` returns would lose the pid, and the worker would live on unsupervised.
+    (``pthread_sigmask`` would not do: the OS hands the signal to another thread, and
+    Python still raises in this one.)"""
     if (
         threading.current_thread() is not threading.main_thread()  # handlers run there only
         or signal.getsignal(signal.SIGINT) is None  # not Python's: cannot be put back

@@ -105,12 +105,8 @@ class Rendezvous:
         return self.addr
 
     def check_reachable(self, timeout: float | None) -> None:
-        """Other nodes: fail clearly when node 0's store does not answer in time.
-
-        A plain TCP connect is retried in short rounds (quiet, and an interrupt gets
-        through between them; a long TCPStore connect would block in C++ and log every
-        retry), then torch's own store client confirms that a store answers there.
-        """
+        """Other nodes: fail clearly when node 0's store does not answer in time (short
+        TCP connects first: quiet and interruptible, unlike TCPStore's retries in C++)."""
         import torch.distributed as dist
 
         seconds = timeout or DEFAULT_TIMEOUT
@@ -162,15 +158,10 @@ class Rendezvous:
 def host_store(fd: int, host: str, port: int, timeout: float | None) -> Any:
     """Worker side (global rank 0): start torch's store server on the inherited socket.
 
-    Returns the store, which must stay referenced while the function runs (the
-    ``env://`` rendezvous finds the running server through torch's multi-tenant
-    cache, keyed by port only, whichever backend serves it). Returns None when this
-    torch cannot adopt a socket; rank 0's ``env://`` store then binds the port
-    itself, as plain torch does.
-
-    torch 2.4-2.7 default to the libuv backend, which refuses a listening socket
-    (``NotImplementedError``, fixed in torch 2.8); the legacy backend, which every
-    torch since 1.x has, adopts it, so that one serves the store there.
+    The store must stay referenced while the function runs (``env://`` finds it through
+    torch's multi-tenant cache, keyed by port). None: this torch cannot adopt a socket, and
+    rank 0's ``env://`` store binds the port itself. torch 2.4-2.7's default libuv backend
+    refuses a listening socket (fixed in 2.8): the legacy backend serves it there.
     """
     import torch.distributed as dist
 
@@ -200,11 +191,8 @@ _LEFT, _ALL_LEFT = "nbaccel/left", "nbaccel/all_left"
 
 
 def connect_exit_client(host: str, port: int, timeout: float | None) -> Any:
-    """Worker side (ranks other than 0): a store client for :func:`leave`, or None.
-
-    Connected at start-up, while rank 0's store is certainly up, so that leaving
-    never waits for a store that is already gone.
-    """
+    """Worker side (ranks other than 0): a store client for :func:`leave`, or None;
+    connected at start-up, while rank 0's store is certainly up."""
     import torch.distributed as dist
 
     try:
@@ -222,16 +210,11 @@ def _count(store: Any, key: str, done_key: str, total: int) -> None:
 def leave(store: Any, *, is_host: bool, world_size: int) -> bool:
     """Exit barrier on the launcher's store, run before a worker tears its group down.
 
-    A rank that destroyed its process group (and rank 0, its store) while a slower
-    peer was still joining made that peer fail with "connection closed" or "got 0
-    bytes". So every rank first waits until all have finished (phase 1); then rank 0,
-    which hosts the store, waits until all others have stopped using it (phase 2).
-    Each wait is bounded by :data:`EXIT_GRACE`.
-
-    Returns:
-        True when this rank saw every rank arrive (and, on rank 0, leave): no peer will
-        use this process's group or store again, so the process may exit without
-        tearing them down. True for a single process, False without a store.
+    A rank tearing down while a slower peer still joined made that peer fail ("connection
+    closed"). So every rank waits until all have finished; then rank 0, the store's host,
+    until all others left it (each wait bounded by :data:`EXIT_GRACE`). True when no peer
+    will use this process's group or store again (also for one process): it may exit
+    without tearing them down.
     """
     if world_size < 2:
         return True
@@ -297,12 +280,9 @@ def elastic_meet(
     port: int | None,
     timeout: float | None,
 ) -> tuple[int, str, int]:
-    """Meet the other machines through torch elastic's c10d rendezvous at ``endpoint``.
-
-    Returns ``(node_rank, master_addr, master_port)``: this machine's number, given by the
-    rendezvous, and where node 0 hosts the launch's store (its address as seen towards
-    ``endpoint``; ``port``, else a free one).
-    """
+    """Meet the other machines through torch elastic's c10d rendezvous at ``endpoint``:
+    ``(node_rank, master_addr, master_port)``, this machine's number and where node 0 hosts
+    the launch's store (its address towards ``endpoint``; ``port``, else a free one)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 

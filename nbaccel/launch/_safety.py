@@ -40,11 +40,8 @@ def check_no_state_in_kernel() -> None:
 
 
 def check_gpus_per_process(cfg: LaunchConfig, nproc: int) -> None:
-    """More processes than GPUs would put two NCCL ranks on one GPU: refuse before starting.
-
-    Counted without initialising CUDA (NVML). Only for launches that will use the GPUs:
-    ``compute_device='cpu'`` runs gloo on the CPU, where any number of processes works.
-    """
+    """More processes than GPUs would put two NCCL ranks on one GPU: refuse before starting
+    (counted with NVML, not CUDA; never for ``compute_device='cpu'``)."""
     if nproc < 2 or cfg.compute_device == "cpu":
         return
     gpus = environment.gpu_count()

@@ -76,12 +76,8 @@ def start_group(
     output: Any = None,
 ) -> Supervisor:
     """Reserve the rendezvous, start one worker per local rank, return their supervisor.
-
-    ``round_`` is the restart attempt: multi-node agreement keys carry it, so that a
-    restarted node never meets the previous attempt's keys (see ``_agreement``).
-    ``first_job`` reaches forked workers through the fork and spawned ones as their
-    first message.
-    """
+    ``round_``: the restart attempt (agreement keys carry it); ``first_job`` reaches forked
+    workers through the fork, spawned ones as their first message."""
     _kept.sweep()  # kept ranks whose time is over go before new workers start
     cfg = plan.config
     ranks = plan.ranks

@@ -147,11 +147,9 @@ class Supervisor:
     def probe(
         self, ranks: Iterable[int], wait: float = 1.0, *, flight: bool = False
     ) -> dict[int, dict[str, Any]]:
-        """What each rank's main thread is doing now: ``{"stack", "waiting", ...}`` (see
-        :func:`nbaccel.launch._worker_os.main_thread_report`); answered by the worker's
-        channel thread, so also while the main thread is blocked in C++. From another
-        thread than the one running a job (a live monitor's button) it only asks: that
-        thread reads the answers."""
+        """What each rank's main thread does now (:func:`._worker_os.main_thread_report`),
+        answered also while it is blocked in C++. From another thread than the job's (a
+        monitor's button) it only asks: the job's thread reads the answers."""
         asked = [self.procs[r] for r in ranks if self.procs[r].returncode is None]
         request = next(self._ids)
         answers = self._answers[request] = {}

@@ -37,12 +37,8 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def clean(err: BaseException) -> BaseException:
     """``err`` to raise in the kernel: no chained earlier failure, and IPython shows it
-    without nbaccel's frames (the user's cell, then the error and its remote traceback).
-
-    IPython shows the frame an exception was raised in even when it is marked
-    ``__tracebackhide__``; an exception's own ``_render_traceback_`` (the hook
-    ipyparallel uses for remote errors) is what it shows instead, so that is set here.
-    """
+    without nbaccel's frames, through the exception's own ``_render_traceback_`` (as
+    ipyparallel's remote errors; ``__tracebackhide__`` still shows the raising frame)."""
     err.__traceback__ = None
     err.__suppress_context__ = True
     err.__cause__ = None

@@ -130,13 +130,9 @@ class Watchdog:
         activity: int,
         now: float | None = None,
     ) -> Hang | None:
-        """Probe when a look is due; the hang found, once per back-off step, or None.
-
-        Args:
-            busy: the job's live ranks that have not finished it.
-            finished: rank -> collective count, for the ranks that finished the job.
-            activity: events and job answers the supervisor received so far.
-        """
+        """Probe ``busy`` (live, unfinished) ranks when a look is due; the hang found, once
+        per back-off step, or None. ``finished``: rank -> collective count of the ranks done;
+        ``activity``: events and answers received so far."""
         now = time.monotonic() if now is None else now
         if self.policy.after <= 0 or not busy or now < self._next_look:
             return None

@@ -147,11 +147,8 @@ class _CPUUnpickler(pickle.Unpickler):
 
 
 def dumps(value: Any) -> tuple[str, bytes]:
-    """Pickle ``value`` for the kernel: ``("pickle", bytes)``, or ``("dill", bytes)``.
-
-    Both picklers move device tensors to the CPU first, so neither can ship a CUDA
-    tensor to the kernel.
-    """
+    """Pickle ``value`` for the kernel, device tensors moved to the CPU: ``("pickle",
+    bytes)``, or ``("dill", bytes)``."""
     buffer = io.BytesIO()
     try:
         _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)

@@ -130,11 +130,8 @@ _entered = False
 
 
 def die(code: int = 1) -> None:
-    """End this worker now, with every process it started (from any thread).
-
-    Returns only into a die() this thread is already running (SIGTERM's handler run inside
-    it): that call goes on and ends the process. Other threads wait here for it.
-    """
+    """End this worker now, with every process it started (from any thread); returns
+    only into a die() this thread already runs (SIGTERM's handler inside it)."""
     global _entered
     _dying.acquire()  # released by os._exit only
     if _entered:  # a signal handler inside this thread's own die(): let that one finish

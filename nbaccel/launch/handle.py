@@ -118,11 +118,8 @@ class LaunchHandle(Observed):
         return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> Any:
-        """Rank 0's return value (a list of every rank's with ``return_all_ranks=True``).
-
-        Raises the workers' failure (see ``notebook_launcher``) if the run failed, or
-        ``TimeoutError`` if it is still running after ``timeout`` seconds.
-        """
+        """Rank 0's return value (a list of every rank's with ``return_all_ranks=True``);
+        raises the run's failure, or ``TimeoutError`` still running after ``timeout`` s."""
         if not self.wait(timeout):
             raise TimeoutError(
                 f"the run is still going after {timeout}s; wait longer or call .stop()."
@@ -147,11 +144,8 @@ class LaunchHandle(Observed):
             self.wait(timeout)
 
     def stacks(self, ranks: list[int] | None = None) -> dict[int, str]:
-        """Where each running rank is now: its main thread's Python stack, by rank.
-
-        For a live view during a background run (the monitor's "where are the ranks?"
-        button); the workers' channel threads answer, also while a rank waits in C++.
-        """
+        """Where each running rank is now: its main thread's Python stack, by rank (the
+        monitor's "where are the ranks?" button; answered also while a rank waits in C++)."""
         wanted = list(self.ranks if ranks is None else ranks)
         supervisor = self.supervisor
         if supervisor is None or self.done():
