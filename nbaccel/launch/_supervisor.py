@@ -270,23 +270,21 @@ class Supervisor:
 
     def _failed(self, problems: list[Failure], procs: list[WorkerProcess]) -> None:
         chosen = pick_failure(problems)
-        failed = {f.rank for f in problems}
-        stuck = [p for p in procs if p.returncode is None and p.rank not in self._done]
-        stuck = [p for p in stuck if p.rank not in failed]
+        live = [p.rank for p in procs if p.returncode is None and p.rank not in self._done]
+        stuck = [r for r in live if r not in {f.rank for f in problems}]
         if chosen.secondary and stuck:
             reason = (
-                f"{chosen.summary()} (timeout={self.timeout}s) while rank(s) "
-                f"{[p.rank for p in stuck]} had not reached that point"
+                f"{chosen.summary()} (timeout={self.timeout}s) while rank(s) {stuck} had not "
+                "reached that point"
             )
             tracebacks = {f.rank: f.info.get("traceback") or f.stack for f in problems}
-            ending = self.hung([p.rank for p in stuck], reason, tracebacks)
+            ending = self.hung(stuck, reason, tracebacks)
             self._end_early([], ending.error, ending.broken)
         error = remote_exception(chosen)
         others = [f.summary() for f in problems if f is not chosen]
         if others:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
         if isinstance(error, RanksMissingError):  # who did not come, and what they do
-            live = [p.rank for p in procs if p.returncode is None and p.rank not in self._done]
             counts = {r: d.collectives for r, d in self._done.items()}
             name_missing(error, chosen.rank, counts, live, self.probe)
         dead = [f for f in problems if f.kind != "exception"]

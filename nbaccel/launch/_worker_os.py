@@ -66,12 +66,9 @@ def _stream_handlers() -> list[Any]:
     import logging
 
     targets = {id(sys.stdout), id(sys.stderr)}
-    found = []
-    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-        for handler in getattr(logger, "handlers", []):
-            if id(getattr(handler, "stream", None)) in targets:
-                found.append(handler)
-    return found
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    handlers = [h for logger in loggers for h in getattr(logger, "handlers", [])]
+    return [h for h in handlers if id(getattr(h, "stream", None)) in targets]
 
 
 def before_fork() -> None:
@@ -95,15 +92,10 @@ def reset_signals() -> None:
     with contextlib.suppress(ValueError, OSError):
         signal.set_wakeup_fd(-1)
     # plain numbers: signal.valid_signals() wraps each in an enum (~1 ms in every worker)
-    for sig in range(1, signal.NSIG):
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        try:
-            handler = signal.getsignal(sig)
-        except (ValueError, OSError):
-            continue
-        if callable(handler) and sig != signal.SIGINT:
-            signal.signal(sig, signal.SIG_DFL)
+    for sig in set(range(1, signal.NSIG)) - {signal.SIGKILL, signal.SIGSTOP, signal.SIGINT}:
+        with contextlib.suppress(ValueError, OSError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, lambda *_: die(143))
 

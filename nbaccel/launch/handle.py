@@ -120,20 +120,18 @@ class LaunchHandle(Observed):
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's return value (a list of every rank's with ``return_all_ranks=True``);
         raises the run's failure, or ``TimeoutError`` still running after ``timeout`` s."""
-        if not self.wait(timeout):
-            raise TimeoutError(
-                f"the run is still going after {timeout}s; wait longer or call .stop()."
-            )
-        assert self._outcome is not None
-        ok, value = self._outcome
-        if not ok:  # from the cell that asks: the user's error first, not our frames
-            raise clean(value)
+        error = self.exception(timeout)
+        if error is not None:  # from the cell that asks: the user's error first, not our frames
+            raise clean(error)
+        value = self._outcome[1]  # type: ignore[index]
         return [value[r] for r in self.ranks] if self._all_ranks else value[self.ranks[0]]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The failure of a finished run, or None when it succeeded."""
         if not self.wait(timeout):
-            raise TimeoutError(f"the run is still going after {timeout}s.")
+            raise TimeoutError(
+                f"the run is still going after {timeout}s; wait longer or call .stop()."
+            )
         assert self._outcome is not None
         return None if self._outcome[0] else self._outcome[1]
 
