@@ -53,9 +53,7 @@ def _parent(kernel: Any) -> dict[str, Any] | None:
     parent = (
         get_parent("shell") if callable(get_parent) else getattr(kernel, "_parent_header", None)
     )
-    if not parent or not parent.get("header"):
-        return None
-    return dict(parent)
+    return dict(parent) if parent and parent.get("header") else None
 
 
 class CellOutput:

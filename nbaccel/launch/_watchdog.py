@@ -141,9 +141,7 @@ class Watchdog:
         cpu = {r: a.get("cpu") for r, a in answers.items()}
         if self._cpu_of:  # from the OS: also for ranks that did not answer
             cpu |= {r: c for r, c in self._cpu_of(busy).items() if c is not None}
-        for rank in busy:
-            if rank in answers:
-                self._counts[rank] = answers[rank].get("collectives")
+        self._counts |= {r: answers[r].get("collectives") for r in busy if r in answers}
         counts = {r: self._counts.get(r) for r in busy} | dict(finished)
         signature = (activity, tuple(sorted(busy)), tuple(sorted(counts.items())))
         if signature != self._seen:

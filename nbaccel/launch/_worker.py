@@ -191,7 +191,6 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: Job) -> int:
         payload: Any = _jobs.ship(value, job.kind) if worker.rank in job.want else ("none", b"")
         ok = True
     except BaseException as exc:  # every failure is reported; a pool's loop goes on
-        _busy = False
         ok, payload = False, error_info(exc, skip=(__file__, _jobs.__file__))
         _postmortem.keep(exc, skip=(__file__, _jobs.__file__))  # for nbaccel.debug()
         if isinstance(exc, SystemExit) and isinstance(exc.code, int):
