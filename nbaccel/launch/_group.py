@@ -17,6 +17,7 @@ import selectors
 import signal
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from ._messages import Exit
 from ._output import LineForwarder
@@ -130,20 +131,17 @@ class Group:
             while time.monotonic() < deadline and any(p.poll() is None for p in leaving):
                 self.pump(0.05)
         finally:  # also when interrupted while waiting: nothing may stay behind
-            self.terminate(spare)
+            self.terminate(spare, children)
             if not spare:
                 self.close()
-            for child in children:
-                with contextlib.suppress(Exception):
-                    child.kill()
 
-    def terminate(self, spare: Iterable[int] = ()) -> None:
+    def terminate(self, spare: Iterable[int] = (), children: Iterable[Any] = ()) -> None:
         """SIGTERM every live worker but ``spare`` (it ends its own children), SIGKILL
-        after 1 s; reap."""
+        after 1 s; reap; then SIGKILL what is left of their (and ``children``'s) processes."""
         if os.getpid() != self.owner:
             return
         alive = [p for p in self.procs.values() if p.poll() is None and p.rank not in spare]
-        descendants = [d for p in alive for d in p.descendants()]
+        descendants = [*children, *(d for p in alive for d in p.descendants())]
         for proc in alive:
             proc.killed_by_us = True
             proc.send_signal(signal.SIGTERM)

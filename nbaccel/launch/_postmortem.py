@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import pdb
 import queue
 import signal
@@ -56,24 +57,14 @@ def kept() -> BaseException | None:
     return _kept[0] if _kept else None
 
 
-class _Out:
-    """pdb's stdout: text collected until pdb asks for a line (or the session ends)."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.parts.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        """Sent with the next prompt: one message per command."""
-
-    def isatty(self) -> bool:
-        return False
+class _Out(io.StringIO):
+    """pdb's stdout: text collected until pdb asks for a line (or the session ends), sent
+    with the prompt: one message per command."""
 
     def take(self) -> str:
-        text, self.parts[:] = "".join(self.parts), []
+        text = self.getvalue()
+        self.seek(0)
+        self.truncate()
         return text
 
 
