@@ -57,8 +57,7 @@ def _run(worker: Worker, payload: bytes, sources: dict | None = None) -> Any:
     import dill
 
     linecache.cache.update(sources or {})  # notebook cells, for remote tracebacks
-    function, args, kwargs = dill.loads(payload)
-    return function(*args, **kwargs)
+    return _call(worker, *dill.loads(payload))
 
 
 def _exec(worker: Worker, source: str, filename: str, names: bytes, sources: dict) -> Any:

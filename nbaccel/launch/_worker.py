@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import linecache
 import os
 import queue
@@ -114,22 +115,19 @@ def _setup(spec: WorkerSpec, channel: Channel) -> None:
     events.install_sink(lambda kind, data: channel.send(Event(kind, data, time.time())))
     with contextlib.suppress(Exception):  # never fail a launch over a progress bar
         progress.use_text_bars_in_worker()  # tqdm.auto bars: text on rank 0, into the cell
-    os.register_at_fork(after_in_child=_forget_channel)
+    os.register_at_fork(after_in_child=functools.partial(_forget_channel, channel.fileno()))
     state = sys.modules.get("nbaccel.runtime.state")
     if state is not None:
         state.reset_state()  # never the kernel's inherited process state
     threading.Thread(target=_read, args=(channel, spec.rank), daemon=True).start()
 
 
-def _forget_channel() -> None:
+def _forget_channel(fd: int) -> None:
     """In the worker's own children (DataLoader workers): the channel is not theirs."""
     events.install_sink(None)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(OSError):
-        os.close(_fds["channel"])
-
-
-_fds: dict[str, int] = {}
+        os.close(fd)
 
 
 def _read(channel: Channel, rank: int) -> None:
@@ -300,7 +298,6 @@ def fork_main(spec: WorkerSpec, sock: socket.socket, job: Job | None) -> None:
         import atexit
 
         atexit._clear()  # the kernel's exit handlers are not ours to run
-        _fds["channel"] = sock.fileno()
         channel = Channel(sock)
         _setup(spec, channel)
         code = serve(spec, channel, job, forked=True)
@@ -321,7 +318,6 @@ def spawn_main(fd: int) -> None:
     spec = first.spec
     sys.path[:] = first.sys_path
     linecache.cache.update(first.sources)  # notebook cells have no file on disk
-    _fds["channel"] = fd
     _setup(spec, channel)
     _finish(serve(spec, channel, None, forked=False))
 
