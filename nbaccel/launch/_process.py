@@ -249,7 +249,8 @@ def _fork(spec: WorkerSpec, mine: dict[str, int], job: Job | None) -> int:
 @contextlib.contextmanager
 def _interrupts_deferred() -> Iterator[None]:
     """Hold a notebook interrupt (SIGINT) back until the block ends: one raised as
-    ``os.fork()`` returns would lose the pid, and the worker would live on unsupervised.
+    ``os.fork()`` returns would lose the pid, and the worker would live on unsupervised;
+    inside, SIGINT is only recorded, then raised where the cleanup knows every worker.
     (``pthread_sigmask`` would not do: the OS hands the signal to another thread, and
     Python still raises in this one.)"""
     if (

@@ -171,17 +171,17 @@ def warn_oversubscribed(config: Any, processes: int, *, stacklevel: int) -> None
 def show_in_cell(cell: Any, err: BaseException, title: str) -> None:
     """Show a background run's failure in its launching cell (``cell``: a ``CellOutput``)
     as an ``error`` output headed by ``title``, formatted as IPython formats it; never raises."""
-    shown = clean(err)
-    lines: list[str] = []
     with contextlib.suppress(Exception):
-        from IPython import get_ipython
+        shown, lines = clean(err), list[str]()
+        with contextlib.suppress(Exception):
+            from IPython import get_ipython
 
-        lines = list(get_ipython().InteractiveTB.structured_traceback(type(shown), shown, None))
-    lines = lines or traceback.format_exception(type(shown), shown, None)
-    content = {"ename": type(shown).__name__, "evalue": str(shown)}
-    with contextlib.suppress(Exception):
+            lines = get_ipython().InteractiveTB.structured_traceback(type(shown), shown, None)
+        lines = list(lines) or traceback.format_exception(type(shown), shown, None)
+        content: dict[str, Any] = {"ename": type(shown).__name__, "evalue": str(shown)}
+        content["traceback"] = [title, *_with_notes(lines, shown)]
         cell.flush()  # after the run's last lines
-        cell.send("error", {**content, "traceback": [title, *_with_notes(lines, shown)]})
+        cell.send("error", content)
 
 
 __all__ = [

@@ -76,11 +76,9 @@ class WorkerSpec:
         )  # fmt: skip
 
 
-#: torch's NCCL watchdog by default ends the whole process when a collective times out
-#: (the cell would see a worker killed by SIGABRT, none of its error). Here it aborts the
-#: communicators only, so the error reaches the training function and the cell (a
-#: RanksMissingError naming the ranks, or torch's DistBackendError). The user's own
-#: setting wins. (Read when an NCCL process group forms; no effect on gloo or XLA.)
+#: On a collective's timeout torch's NCCL watchdog ends the process (SIGABRT, no error in
+#: the cell); aborting the communicators only lets the error reach the function and the cell.
+#: The user's own setting wins; no effect on gloo or XLA.
 NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 _inbox: queue.Queue[Any] = queue.Queue()

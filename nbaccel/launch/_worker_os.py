@@ -110,13 +110,11 @@ def die_with_parent(parent_pid: int) -> None:
         die(1)
 
 
-# die() runs once per process. It is entered from the channel's reader thread and from
-# SIGTERM's handler, and SIGTERM can come more than once: Linux sends the parent-death
-# signal again each time the worker is handed to another thread of the dying supervisor.
-# A second entry must never reach os._exit while the first one is still ending the
-# children: a handler nested in the main thread's own die() found ``psutil`` half imported,
-# failed, and exited, leaving the children to init. The lock is reentrant so that such a
-# nested call gets in (and returns); any other thread waits for the first one's os._exit.
+# die() runs once per process, entered from the channel's reader and from SIGTERM's handler
+# (Linux resends the parent-death signal as the dying supervisor's threads hand the worker
+# on). A second entry must not reach os._exit while the first still ends the children (a
+# nested one found psutil half imported and left them to init): the reentrant lock lets a
+# nested call in (it returns); other threads wait for the first one's os._exit.
 _dying = threading.RLock()
 _entered = False
 
