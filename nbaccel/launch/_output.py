@@ -149,9 +149,8 @@ class LineForwarder:
                 self._emit(rank, stream, _visible(line), "\n", "\r" in line)
             if "\r" in rest:  # progress bars redraw the line with "\r": show them live
                 done, rest = rest.rsplit("\r", 1)
-                for piece in done.split("\r"):
-                    if piece:
-                        self._emit(rank, stream, piece, "\r")
+                for piece in filter(None, done.split("\r")):
+                    self._emit(rank, stream, piece, "\r")
             while len(rest) > MAX_LINE:  # no newline in sight: memory stays bounded
                 self._emit(rank, stream, rest[:MAX_LINE], "\n")
                 rest = rest[MAX_LINE:]
@@ -176,8 +175,7 @@ class LineForwarder:
                 for line in text.rstrip("\n").split("\n"):
                     self._emit(rank, "stderr", line, "\n")
                 return
-            target = self._streams.get("stderr")
-            if target is not None:
+            if (target := self._streams.get("stderr")) is not None:
                 with contextlib.suppress(Exception):
                     target.write(text if text.endswith("\n") else text + "\n")
                     target.flush()
@@ -194,11 +192,9 @@ class LineForwarder:
             # through the kernel's IO thread (~1 ms), once per rank and stream otherwise
             dirty = stream in self._unflushed
             self._unflushed.discard(stream)
-        if self._callback is None and dirty:
-            target = self._streams.get(stream)
-            if target is not None:
-                with contextlib.suppress(Exception):
-                    target.flush()
+        if self._callback is None and dirty and (target := self._streams.get(stream)) is not None:
+            with contextlib.suppress(Exception):
+                target.flush()
 
 
 __all__ = ["DEFAULT_PREFIX", "LineCallback", "LineForwarder", "format_prefix"]
