@@ -50,14 +50,11 @@ def node_facts(spec: Any) -> dict[str, str]:
 def compare(views: dict[int, dict[str, str]]) -> list[str]:
     """The facts on which the nodes differ, each naming every node's value."""
     problems = []
-    names = sorted({name for view in views.values() for name in view})
-    for name in names:
+    for name in sorted({name for view in views.values() for name in view}):
         values = {node: view.get(name, "?") for node, view in sorted(views.items())}
         if len(set(values.values())) > 1:
-            problems.append(
-                f"{name}: "
-                + ", ".join(f"node {node} has {value}" for node, value in values.items())
-            )
+            said = ", ".join(f"node {node} has {value}" for node, value in values.items())
+            problems.append(f"{name}: {said}")
     return problems
 
 
@@ -84,8 +81,7 @@ def agree(store: Any, spec: Any) -> None:
             "nodes' output for the failure that made them stop."
         ) from None
     views = {node: json.loads(store.get(key)) for node, key in enumerate(keys)}
-    problems = compare(views)
-    if problems:
+    if problems := compare(views):
         fixes = "; ".join(_FIXES[p.split(":")[0]] for p in problems if p.split(":")[0] in _FIXES)
         raise LaunchError(
             f"the {num_nodes} nodes of this launch disagree (seen on node {spec.node_rank}, "

@@ -86,8 +86,7 @@ class CellOutput:
             return False
         self.flush()
         self.parent = other.parent
-        listener = self._listener
-        if listener is not None:  # a live monitor shows the run: it follows too
+        if (listener := self._listener) is not None:  # a live monitor shows the run: it follows too
             listener("moved", "", "")
         return True
 
@@ -136,8 +135,7 @@ class CellOutput:
         """Queue stream text (sent within :data:`FLUSH_S`) or hand it to the listener."""
         if not text:
             return
-        listener = self._listener
-        if listener is not None:
+        if (listener := self._listener) is not None:
             listener("line", name, text)
             return
         with self._lock:
@@ -159,14 +157,12 @@ class CellOutput:
 
     def redraw(self, name: str, rank: int, text: str, done: bool) -> None:
         """Show a progress bar's new state in place (``done``: its last one)."""
-        listener = self._listener
-        if listener is not None:
+        if (listener := self._listener) is not None:
             listener("redraw-end" if done else "redraw", name, text)
             return
         with self._lock:
             key = (name, rank)
-            display_id = self._bars.get(key)
-            if display_id is None:
+            if (display_id := self._bars.get(key)) is None:
                 display_id = self._bars[key] = uuid.uuid4().hex
                 self.display({"text/plain": text}, display_id=display_id)
             else:

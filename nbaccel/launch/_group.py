@@ -58,8 +58,7 @@ class Group:
             proc, name = key.data
             if name == "channel":
                 assert proc.channel is not None
-                messages = proc.channel.receive()
-                if messages is None:
+                if (messages := proc.channel.receive()) is None:
                     self._close(key.fd, proc, name)
                 for message in messages or ():
                     self.on_message(proc, message)

@@ -146,8 +146,7 @@ class KeepFailed(Hook):
 
 def _taken(group: Supervisor) -> FailedJob | None:
     """The snapshot of ``group``'s failed job (taken once), if it keeps failed ranks."""
-    hook = group.hook(KeepFailed)
-    if hook is None:
+    if (hook := group.hook(KeepFailed)) is None:
         return None
     job, hook.job = hook.job, None
     return job
@@ -199,8 +198,7 @@ def make_room() -> list[str]:
 def after_launch(group: Supervisor, error: BaseException, timeout: float | None) -> bool:
     """A launch failed for good (no restart follows). Remember it for ``nbaccel.debug()``;
     True when the kernel keeps ``group`` (its failed ranks linger), which then ends it."""
-    job = _taken(group)
-    if job is None:
+    if (job := _taken(group)) is None:
         rank = getattr(error, "rank", None)
         if isinstance(rank, int) and not isinstance(error, KeyboardInterrupt):
             why = (
@@ -223,8 +221,7 @@ def after_pool_call(
     """A pool call failed: remember its snapshot. When the pool replaces its workers
     (``broken``), return the failed ranks it must leave alive for the kernel to hold (not
     rank 0 when it restarts on the same port: its store listens there)."""
-    job = _taken(group)
-    if job is None:
+    if (job := _taken(group)) is None:
         return set()
     job.owner, job.group = id(owner), group  # its next call, restart or close: forget()
     remember(job)

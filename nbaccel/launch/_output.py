@@ -115,8 +115,7 @@ class LineForwarder:
             with contextlib.suppress(Exception):  # a broken display must not break the run
                 self._callback(rank, stream, text)
             return
-        target = self._streams.get(stream)
-        if target is None:
+        if (target := self._streams.get(stream)) is None:
             return
         redraw = getattr(target, "redraw", None)  # a cell stream draws progress bars in place
         if redraw is not None and (redrawn or end == "\r" or (rank, stream) in self._redrawing):

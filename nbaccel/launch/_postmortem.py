@@ -101,8 +101,7 @@ class _In:
 
 def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
     """One pdb post-mortem session on the kept failure, driven over ``channel``."""
-    exc = kept()
-    if exc is None:
+    if (exc := kept()) is None:
         channel.send(PdbOutput(sid, "none", "this worker holds no failed job's traceback"))
         return
     out = _Out()

@@ -88,8 +88,7 @@ class WorkerProcess:
     def reap(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for the exit; if it has not come, a daemon thread
         waits for it, so the kernel never keeps a zombie of a worker it let go."""
-        code = self.wait(timeout)
-        if code is None:
+        if (code := self.wait(timeout)) is None:
             threading.Thread(
                 target=self._reap_when_exited, name=f"nbaccel-reap-{self.pid}", daemon=True
             ).start()

@@ -126,8 +126,7 @@ def fork_safe_threads(threads: int | None) -> int | None:
     inherited = os.environ.get("OMP_NUM_THREADS", "").strip()  # threads=None: the user's
     if (threads if threads is not None else inherited) in (1, "1"):
         return threads  # single-threaded workers never touch the pool
-    stuck = forksafe.unreleasable_openmp_runtimes()
-    if not stuck:
+    if not (stuck := forksafe.unreleasable_openmp_runtimes()):
         return threads
     warnings.warn(
         f"this torch's OpenMP runtime ({os.path.basename(stuck[0])}, older than OpenMP 5.0; "

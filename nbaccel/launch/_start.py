@@ -124,8 +124,7 @@ def _one_rank_env(plan: LaunchPlan) -> dict[str, str]:
     builds its own process group whenever LOCAL_RANK is set (transformers' Trainer through
     Accelerate's state, on CPU and GPU) then finds them (issue 32: it failed with
     "MASTER_ADDR expected, but not set"). nbaccel's runtime forms no group for one rank."""
-    port = plan.config.master_port
-    if port is None:
+    if (port := plan.config.master_port) is None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])

@@ -203,8 +203,7 @@ class Supervisor:
                 if stop.is_set():
                     self._end_early(procs, Stopped("the run was stopped with stop()"))
                 busy = [p for p in procs if p.rank not in self._done]
-                problems = self.failures(procs)
-                if problems:
+                if problems := self.failures(procs):
                     first_problem = first_problem or now
                     waiting = [p for p in busy if p.returncode is None]
                     if waiting and now - first_problem < self.GRACE:
@@ -359,8 +358,7 @@ class Supervisor:
         while len(self.ready) < len(self.procs):
             self.pump(0.05)
             self.workers.poll()
-            problems = self.failures([])
-            if problems:
+            if problems := self.failures([]):
                 raise remote_exception(pick_failure(problems))
             if time.monotonic() > deadline:
                 missing = sorted(set(self.procs) - self.ready)

@@ -129,8 +129,7 @@ def trim_stack(stack: str) -> str:
     dropped = kept = 0
     skipping = False
     for line in stack.splitlines():
-        match = _FRAME.match(line)
-        if match is not None:
+        if (match := _FRAME.match(line)) is not None:
             skipping = _internal(match.group(1))
             dropped += skipping
             kept += not skipping

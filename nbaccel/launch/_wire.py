@@ -86,8 +86,7 @@ class Channel:
     def next(self) -> Any | None:
         """The next message, waiting for it; None when the other end is gone."""
         while not self._pending:
-            got = self.receive()
-            if got is None:
+            if (got := self.receive()) is None:
                 return None
             self._pending += got
         return self._pending.pop(0)

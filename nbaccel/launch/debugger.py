@@ -69,16 +69,14 @@ def _debug(rank: int | None, commands: Sequence[str] | None) -> None:
         isinstance(commands, str) or not all(isinstance(c, str) for c in commands)
     ):
         raise TypeError(f"commands={commands!r} must be a list of pdb commands (strs).")
-    job = _kept.last()
-    if job is None:
+    if (job := _kept.last()) is None:
         raise LaunchError(
             "nothing to debug: no job has failed on workers in this kernel. When a pool call "
             "or a notebook_launcher(..., debug=True) run fails, nbaccel.debug() opens pdb on "
             "the failed rank."
         )
     target = job.first if rank is None else rank
-    why = job.unavailable(target)
-    if why is not None:
+    if (why := job.unavailable(target)) is not None:
         raise LaunchError(why)
     if not job.lock.acquire(blocking=False):
         raise LaunchError(f"a debugging session on rank {target} is already open.")
