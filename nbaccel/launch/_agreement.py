@@ -1,12 +1,8 @@
 """Multi-node agreement: before any training, the nodes check they launched the same job.
 
-Each node computes its own world size (``num_processes=None`` counts its GPUs),
-runs its own nbaccel and torch, and picks its own start method. If they differ,
-ranks collide and the job hangs until the timeout. So every worker, before the
-user's code, publishes its node's view in the launch's rendezvous store
-(torch's TCPStore, hosted by global rank 0) under a key of the current *round*
-(the restart attempt), waits for every node's view of the same round, and
-raises on every node, naming both values, when they differ.
+Nodes that differ in world size, nbaccel, torch or start method collide and hang until the
+timeout. So each worker publishes its node's view in the rendezvous store under the
+current restart round, waits for every node's, and raises naming both values on a mismatch.
 
 Example:
     >>> compare({0: {"world_size": "4"}, 1: {"world_size": "2"}})
@@ -21,9 +17,9 @@ import os
 from typing import Any
 
 from ..errors import LaunchError
+from ._rendezvous import DEFAULT_TIMEOUT
 
 _PREFIX = "nbaccel/agree"
-DEFAULT_TIMEOUT = 300.0
 
 _FIXES = {
     "world_size": "pass the same num_processes on every node (num_processes=None counts "
@@ -54,26 +50,18 @@ def node_facts(spec: Any) -> dict[str, str]:
 def compare(views: dict[int, dict[str, str]]) -> list[str]:
     """The facts on which the nodes differ, each naming every node's value."""
     problems = []
-    names = sorted({name for view in views.values() for name in view})
-    for name in names:
+    for name in sorted({name for view in views.values() for name in view}):
         values = {node: view.get(name, "?") for node, view in sorted(views.items())}
         if len(set(values.values())) > 1:
-            problems.append(
-                f"{name}: "
-                + ", ".join(f"node {node} has {value}" for node, value in values.items())
-            )
+            said = ", ".join(f"node {node} has {value}" for node, value in values.items())
+            problems.append(f"{name}: {said}")
     return problems
 
 
 def agree(store: Any, spec: Any) -> None:
-    """Publish this node's facts for the current round, wait for all nodes, compare.
-
-    Only for multi-node launches; a no-op when ``store`` is None or there is one node.
-
-    Raises:
-        LaunchError: the nodes differ (every difference, with every node's value, and
-            the fix), or not every node reached this round within the timeout.
-    """
+    """Publish this node's facts for the current round, wait for all nodes, compare
+    (a no-op without a store or with one node); LaunchError naming each difference and
+    its fix, or the nodes that did not come within the timeout."""
     num_nodes = spec.config.num_nodes
     if store is None or num_nodes < 2:
         return
@@ -93,8 +81,7 @@ def agree(store: Any, spec: Any) -> None:
             "nodes' output for the failure that made them stop."
         ) from None
     views = {node: json.loads(store.get(key)) for node, key in enumerate(keys)}
-    problems = compare(views)
-    if problems:
+    if problems := compare(views):
         fixes = "; ".join(_FIXES[p.split(":")[0]] for p in problems if p.split(":")[0] in _FIXES)
         raise LaunchError(
             f"the {num_nodes} nodes of this launch disagree (seen on node {spec.node_rank}, "

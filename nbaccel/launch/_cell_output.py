@@ -1,22 +1,14 @@
 """Keep a run's output in the notebook cell that started it, whatever cell runs later.
 
-ipykernel sends ``sys.stdout`` writes with the parent header of the request it is
-executing *now* (ipykernel 7: a per-thread value falling back to the global one, which
-is the current cell's; 6.x: the global one), so the output of a background run moved
-into whichever cell ran next. Front ends route output by its parent header, and keep
-routing late messages of a finished cell to that cell (JupyterLab, Notebook 7, VS Code,
-Colab). So :meth:`CellOutput.here` captures the launching request's parent header, and
-everything the run shows later is sent on the kernel's IOPub socket with that parent:
-
-* ``stream`` messages (the workers' lines, through :meth:`CellOutput.streams`, two
-  file-like objects the line forwarder writes to), batched every :data:`FLUSH_S`;
-* a carriage-return redraw (a worker's text progress bar) is not a stream line: it is a
-  ``display_data`` output updated in place (``update_display_data``), one per bar;
-* any other display (the live monitor's final chart) with :meth:`CellOutput.display`.
-
-A listener (:meth:`CellOutput.set_listener`, used by the live monitor) takes the lines
-and redraws instead of the cell. ``kernel.iopub_socket`` is ipykernel's thread-safe
-background socket (every send is queued to its IO thread), in ipykernel 6 and 7 alike.
+ipykernel sends ``sys.stdout`` writes with the parent header of the request running *now*,
+so a background run's output moved into whichever cell ran next; front ends route output by
+its parent header, also for a finished cell. :meth:`CellOutput.here` captures the launching
+request's header, and everything the run shows later goes on the kernel's IOPub socket
+(thread-safe in ipykernel 6 and 7) with it: ``stream`` messages batched every
+:data:`FLUSH_S` (:meth:`CellOutput.streams`), a carriage-return redraw as a
+``display_data`` updated in place (one per bar), other displays with
+:meth:`CellOutput.display`. A listener (:meth:`CellOutput.set_listener`, the live monitor)
+may take the lines instead of the cell.
 
 Example:
     >>> CellOutput.here() is None  # not in a notebook kernel: nothing to capture
@@ -61,18 +53,12 @@ def _parent(kernel: Any) -> dict[str, Any] | None:
     parent = (
         get_parent("shell") if callable(get_parent) else getattr(kernel, "_parent_header", None)
     )
-    if not parent or not parent.get("header"):
-        return None
-    return dict(parent)
+    return dict(parent) if parent and parent.get("header") else None
 
 
 class CellOutput:
-    """Where one run's output goes: the cell that started it (see the module docstring).
-
-    Args:
-        kernel: the ipykernel kernel (its ``session`` and ``iopub_socket`` are used).
-        parent: the launching request's message (its header becomes the parent header).
-    """
+    """Where one run's output goes: the cell that started it (``parent``: its request,
+    whose header the output carries), sent with ipykernel ``kernel``'s session."""
 
     def __init__(self, kernel: Any, parent: dict[str, Any]) -> None:
         self._session = kernel.session
@@ -102,8 +88,7 @@ class CellOutput:
             return False
         self.flush()
         self.parent = other.parent
-        listener = self._listener
-        if listener is not None:  # a live monitor shows the run: it follows too
+        if (listener := self._listener) is not None:  # a live monitor shows the run: it follows too
             listener("moved", "", "")
         return True
 
@@ -152,8 +137,7 @@ class CellOutput:
         """Queue stream text (sent within :data:`FLUSH_S`) or hand it to the listener."""
         if not text:
             return
-        listener = self._listener
-        if listener is not None:
+        if (listener := self._listener) is not None:
             listener("line", name, text)
             return
         with self._lock:
@@ -175,8 +159,7 @@ class CellOutput:
 
     def redraw(self, name: str, rank: int, text: str, done: bool) -> None:
         """Show a progress bar's new state in place (``done``: its last one)."""
-        listener = self._listener
-        if listener is not None:
+        if (listener := self._listener) is not None:
             listener("redraw-end" if done else "redraw", name, text)
             return
         with self._lock:
@@ -185,8 +168,7 @@ class CellOutput:
                 text = ""  # a monitor elsewhere draws this bar (watch(pool)): blank here
                 if key not in self._bars:
                     return
-            display_id = self._bars.get(key)
-            if display_id is None:
+            if (display_id := self._bars.get(key)) is None:
                 display_id = self._bars[key] = uuid.uuid4().hex
                 self.display({"text/plain": text}, display_id=display_id)
             else:
@@ -205,11 +187,8 @@ class CellOutput:
 
 
 class CellStream:
-    """A file-like stream into a :class:`CellOutput` (what the line forwarder writes to).
-
-    Besides ``write``/``flush`` it has ``redraw(rank, text, done)``: the line forwarder
-    hands carriage-return redraws to it instead of writing them as lines.
-    """
+    """A file-like stream into a :class:`CellOutput` for the line forwarder, which hands
+    it carriage-return redraws through ``redraw(rank, text, done)``."""
 
     def __init__(self, cell: CellOutput, name: str) -> None:
         self.cell, self.name = cell, name

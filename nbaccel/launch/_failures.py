@@ -1,16 +1,10 @@
 """Turn what went wrong in the workers into one exception in the kernel.
 
-Three jobs:
-
-* classify each worker failure as *real* (the user's exception, a death by
-  signal, an unexpected exit) or *secondary* (a healthy rank noticing that a
-  peer vanished: "Connection closed by peer", a collective timing out), so the
-  kernel reports the first real failure;
-* re-create the remote exception's type where possible: the raised object is an
-  instance of a dynamic subclass of both the original type and
-  :class:`~nbaccel.errors.WorkerError`, so ``except ValueError`` keeps working
-  and ``err.rank``/``err.remote_traceback`` are there too;
-* cut a fatal error's stack (faulthandler's dump on stderr) to the user's frames.
+Each failure is *real* (the user's exception, a death by signal, an unexpected exit) or
+*secondary* (a healthy rank noticing a vanished peer); the first real one is raised, as an
+instance of a dynamic subclass of both the remote type and
+:class:`~nbaccel.errors.WorkerError` (``except ValueError`` works, ``err.rank`` is there).
+A fatal error's stack is cut to the user's frames.
 
 Example:
     >>> info = {"type_module": "builtins", "type_qualname": "ValueError",
@@ -22,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -194,12 +189,9 @@ def _remote_exception(failure: Failure) -> WorkerError:
 def _copy_attributes(err: BaseException, info: dict[str, Any]) -> None:
     """Carry the remote exception's own attributes (e.g. ``err.code``) over, if any."""
     for name, data in (info.get("attributes") or {}).items():
-        if hasattr(WorkerError, name) or name in ("rank", "pid", "exc_type", "message"):
-            continue
-        try:
-            setattr(err, name, loads(*data))
-        except Exception:
-            continue
+        if not hasattr(WorkerError, name) and name not in ("rank", "pid", "exc_type", "message"):
+            with contextlib.suppress(Exception):
+                setattr(err, name, loads(*data))
 
 
 def trim_stack(text: str) -> str:
@@ -227,20 +219,6 @@ def add_note(err: BaseException, note: str) -> None:
         err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
 
 
-def behind(rank: int, counts: dict[int, int | None]) -> list[int]:
-    """The ranks that had issued fewer collectives than ``rank`` when it failed in one:
-    they never called it (``counts``: each rank's count of collectives, as reported).
-
-    Example:
-        >>> behind(0, {0: 5, 1: 4, 2: 5, 3: None})
-        [1]
-    """
-    mine = counts.get(rank)
-    if mine is None:
-        return []
-    return sorted(r for r, count in counts.items() if count is not None and count < mine)
-
-
 def name_missing(
     error: RanksMissingError,
     rank: int,
@@ -248,46 +226,33 @@ def name_missing(
     live: list[int],
     probe: Callable[[list[int]], dict[int, dict[str, Any]]],
 ) -> None:
-    """Name the ranks that did not come to the collective ``rank`` failed in, and add
-    what they do as a note. ``done``: the collective counts of the ranks that answered
-    the job; ``live``: the others still running, asked with ``probe``. A barrier's error
-    names them already; for gather, reduce, broadcast... they are the ranks behind."""
+    """Name the ranks that did not come to the collective ``rank`` failed in, and note what
+    each does (its stack, or that it finished or is gone). ``done``: the collective counts
+    of the ranks that answered the job; ``live``: the others, asked with ``probe``. A
+    barrier's error names them already; for gather, reduce, broadcast... they are the ranks
+    that had issued fewer collectives than ``rank``: they never called it."""
     answers = probe(live) if live else {}
     if not error.missing:
         counts = done | {r: a.get("collectives") for r, a in answers.items()}
-        error.missing = behind(rank, counts)
+        if (mine := counts.get(rank)) is not None:
+            error.missing = sorted(r for r, n in counts.items() if n is not None and n < mine)
     if error.missing:
-        stacks = {r: answers[r]["stack"] for r in error.missing if r in answers}
-        add_note(error, whereabouts(error.missing, stacks, set(done)))
-
-
-def whereabouts(ranks: list[int], stacks: dict[int, str], finished: set[int]) -> str:
-    """What the ranks that did not come to a collective were doing (a ``RanksMissingError``'s
-    note): each one's stack as probed, or that it had finished the job or was gone.
-
-    Example:
-        >>> print(whereabouts([1], {}, {1}))
-        Rank(s) [1] did not come. What the rank(s) that did not come are doing:
-        --- rank 1: finished the job
-    """
-    lines = [f"Rank(s) {ranks} did not come. What the rank(s) that did not come are doing:"]
-    for rank in ranks:
-        if rank in stacks:
-            lines.append(f"--- rank {rank}:\n{stacks[rank].rstrip()}")
-        else:
-            state = "finished the job" if rank in finished else "no longer running"
-            lines.append(f"--- rank {rank}: {state}")
-    return "\n".join(lines)
+        lines = [
+            f"Rank(s) {error.missing} did not come. What the rank(s) that did not come are doing:"
+        ]
+        for r in error.missing:
+            state = "finished the job" if r in done else "no longer running"
+            where = f"\n{answers[r]['stack'].rstrip()}" if r in answers else f" {state}"
+            lines.append(f"--- rank {r}:{where}")
+        add_note(error, "\n".join(lines))
 
 
 __all__ = [
     "Failure",
     "add_note",
-    "behind",
     "name_missing",
     "pick_failure",
     "remote_exception",
     "signal_name",
     "trim_stack",
-    "whereabouts",
 ]

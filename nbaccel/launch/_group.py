@@ -1,10 +1,8 @@
 """The kernel's ends of one group of worker processes: read them, end them.
 
-One ``selectors`` loop over every worker's stdout/stderr pipes and channel: output lines
-go to the :class:`~nbaccel.launch._output.LineForwarder` (a tail of stderr is kept for a
-fatal error's stack), channel messages to ``on_message`` (the supervisor, which holds a
-group and decides; the group only reads and ends). Ending: ask to leave, SIGTERM (a
-worker ends its own children), SIGKILL, reap, close.
+One ``selectors`` loop over every worker's pipes and channel: lines go to the
+:class:`~._output.LineForwarder` (a tail of stderr is kept for a fatal error's stack),
+messages to the supervisor. Ending: ask to leave, SIGTERM, SIGKILL, reap, close.
 
 Example:
     >>> Group.DRAIN
@@ -19,6 +17,7 @@ import selectors
 import signal
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from ._messages import Exit
 from ._output import LineForwarder
@@ -59,8 +58,7 @@ class Group:
             proc, name = key.data
             if name == "channel":
                 assert proc.channel is not None
-                messages = proc.channel.receive()
-                if messages is None:
+                if (messages := proc.channel.receive()) is None:
                     self._close(key.fd, proc, name)
                 for message in messages or ():
                     self.on_message(proc, message)
@@ -132,20 +130,17 @@ class Group:
             while time.monotonic() < deadline and any(p.poll() is None for p in leaving):
                 self.pump(0.05)
         finally:  # also when interrupted while waiting: nothing may stay behind
-            self.terminate(spare)
+            self.terminate(spare, children)
             if not spare:
                 self.close()
-            for child in children:
-                with contextlib.suppress(Exception):
-                    child.kill()
 
-    def terminate(self, spare: Iterable[int] = ()) -> None:
+    def terminate(self, spare: Iterable[int] = (), children: Iterable[Any] = ()) -> None:
         """SIGTERM every live worker but ``spare`` (it ends its own children), SIGKILL
-        after 1 s; reap."""
+        after 1 s; reap; then SIGKILL what is left of their (and ``children``'s) processes."""
         if os.getpid() != self.owner:
             return
         alive = [p for p in self.procs.values() if p.poll() is None and p.rank not in spare]
-        descendants = [d for p in alive for d in p.descendants()]
+        descendants = [*children, *(d for p in alive for d in p.descendants())]
         for proc in alive:
             proc.killed_by_us = True
             proc.send_signal(signal.SIGTERM)

@@ -1,13 +1,9 @@
 """The kernel's stop (interrupt) button, pressed while no cell runs, stops background runs.
 
-A background run's workers are not the kernel's cell: the interrupt button interrupts the
-cell running *now* (a blocking launch's workers with it) and nothing else. Pressed while
-no cell runs, ipykernel ignores it (SIGINT is ``SIG_IGN`` between requests); so while a
-background run of this kernel is alive, nbaccel takes that idle-time handler -- the one
-ipykernel restores after each request (``kernel.saved_sigint_handler``, in ipykernel 6
-and 7) -- and the button then stops the background runs, saying so in their cells. While a
-cell runs, ipykernel's own handler is in place and the button interrupts that cell, as
-always.
+While a cell runs, the button interrupts that cell, as always. Between requests ipykernel
+ignores SIGINT; while a background run of this kernel is alive, nbaccel takes that
+idle-time handler (``kernel.saved_sigint_handler``, ipykernel 6 and 7), and the button then
+stops the background runs, saying so in their cells.
 
 Example:
     >>> arm(lambda: 0)  # outside a kernel: nothing to do

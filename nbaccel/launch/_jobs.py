@@ -1,13 +1,9 @@
 """What a worker can be asked to do: the table of job kinds, and its namespace.
 
-* ``call``: ``fn(*args, **kwargs)`` with the objects themselves (a forked worker's first
-  job, inherited through the fork: nothing is pickled, anything may be passed);
-* ``run``: the same, shipped with dill (spawned workers, and every pool call: a function
-  edited in the notebook after the pool started runs in its new form);
-* ``exec``: a ``%%distributed`` cell in the worker's namespace, with the kernel's names it
-  uses; the value of a final expression comes back;
-* ``push`` / ``pull`` / ``names``: set, read, list names of that namespace;
-* ``script``: a Python file or module as ``__main__`` (``nbaccel launch``).
+``call`` (the objects themselves, inherited through a fork), ``run`` (the same with dill:
+spawned workers and pool calls), ``exec`` (a ``%%distributed`` cell, with the kernel's
+names it uses; a final expression's value comes back), ``push``/``pull``/``names`` (the
+namespace), ``script`` (a file or module as ``__main__``, ``nbaccel launch``).
 
 Example:
     >>> worker = Worker(rank=0)
@@ -61,8 +57,7 @@ def _run(worker: Worker, payload: bytes, sources: dict | None = None) -> Any:
     import dill
 
     linecache.cache.update(sources or {})  # notebook cells, for remote tracebacks
-    function, args, kwargs = dill.loads(payload)
-    return function(*args, **kwargs)
+    return _call(worker, *dill.loads(payload))
 
 
 def _exec(worker: Worker, source: str, filename: str, names: bytes, sources: dict) -> Any:
@@ -95,9 +90,8 @@ def _exec(worker: Worker, source: str, filename: str, names: bytes, sources: dic
 
 
 def _mentions(code: Any, name: str) -> bool:
-    if name in code.co_names:
-        return True
-    return any(_mentions(c, name) for c in code.co_consts if hasattr(c, "co_names"))
+    nested = (c for c in code.co_consts if hasattr(c, "co_names"))
+    return name in code.co_names or any(_mentions(c, name) for c in nested)
 
 
 def _push(worker: Worker, payload: bytes) -> None:

@@ -1,21 +1,12 @@
 """Kernel side of post-mortem debugging: which failed job's ranks can still be debugged.
 
-The :class:`KeepFailed` hook, plugged into the supervisor of workers that keep their
-traceback (a pool's, always; ``notebook_launcher(..., debug=True)``'s), takes a
-:class:`FailedJob` snapshot when a job fails: the failed ranks, and where each other rank
-was at that moment (its stack, asked over its channel before it is interrupted or
-terminated); a one-shot group leaves its failed ranks running. :func:`after_launch` and
-:func:`after_pool_call` hand it to :func:`remember` with the group while one can still
-serve a session, and say when it is gone (the pool's next call or close; a launch's
-lingering rank leaving). When
-only the kernel's debugging holds a failed rank (a debug=True launch, or a pool that
-replaced its workers), this module owns it as the pool owns its workers: no thread
-watches it; it is ended after its session, when the pool moves on, and otherwise when
-the kernel next touches its workers (:func:`sweep`: a launch, a pool call,
-``nbaccel.debug()``) once its ranks left or overstayed ``debug_timeout``; the one exit
-hook (:mod:`._lifetimes`) ends whatever is left. A lingering rank leaves by itself at
-``debug_timeout`` (the worker's own clock), so until that touch it is at most a zombie.
-The last failure in this kernel is what :func:`nbaccel.debug` opens.
+:class:`KeepFailed`, the supervisor's hook, takes a :class:`FailedJob` snapshot as a job
+fails (the failed ranks, and every other rank's stack); :func:`after_launch` and
+:func:`after_pool_call` :func:`remember` it, the last one being what :func:`nbaccel.debug`
+opens. Failed ranks only the kernel's debugging holds (a debug=True launch, a pool that
+replaced its workers) are owned here without a thread: ended after their session, when the
+pool moves on, or when the kernel next touches its workers (:func:`sweep`) once they left
+or overstayed ``debug_timeout``; the exit hook (:mod:`._lifetimes`) ends the rest.
 
 Example:
     >>> last() is None or isinstance(last(), FailedJob)
@@ -155,8 +146,7 @@ class KeepFailed(Hook):
 
 def _taken(group: Supervisor) -> FailedJob | None:
     """The snapshot of ``group``'s failed job (taken once), if it keeps failed ranks."""
-    hook = group.hook(KeepFailed)
-    if hook is None:
+    if (hook := group.hook(KeepFailed)) is None:
         return None
     job, hook.job = hook.job, None
     return job
@@ -208,8 +198,7 @@ def make_room() -> list[str]:
 def after_launch(group: Supervisor, error: BaseException, timeout: float | None) -> bool:
     """A launch failed for good (no restart follows). Remember it for ``nbaccel.debug()``;
     True when the kernel keeps ``group`` (its failed ranks linger), which then ends it."""
-    job = _taken(group)
-    if job is None:
+    if (job := _taken(group)) is None:
         rank = getattr(error, "rank", None)
         if isinstance(rank, int) and not isinstance(error, KeyboardInterrupt):
             why = (
@@ -229,13 +218,10 @@ def after_launch(group: Supervisor, error: BaseException, timeout: float | None)
 def after_pool_call(
     owner: object, group: Supervisor, *, broken: bool, port_fixed: bool
 ) -> set[int]:
-    """A pool call failed: remember its snapshot (if the supervisor took one). When the
-    pool replaces its workers (``broken``), return the failed ranks it must leave alive:
-    the kernel holds them (until the pool's next call or close, their session's end, or
-    ``DEBUG_TIMEOUT``). Not global rank 0 when the pool restarts on the same port: its
-    rendezvous store listens there."""
-    job = _taken(group)
-    if job is None:
+    """A pool call failed: remember its snapshot. When the pool replaces its workers
+    (``broken``), return the failed ranks it must leave alive for the kernel to hold (not
+    rank 0 when it restarts on the same port: its store listens there)."""
+    if (job := _taken(group)) is None:
         return set()
     job.owner, job.group = id(owner), group  # its next call, restart or close: forget()
     remember(job)

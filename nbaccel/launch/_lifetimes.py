@@ -1,12 +1,8 @@
 """The one owner of the worker lifetimes a kernel holds: one exit hook ends them all.
 
-Background runs (:class:`~nbaccel.launch.handle.LaunchHandle`), warm pools
-(:class:`~nbaccel.launch.pool.WorkerPool`) and failed ranks kept for ``nbaccel.debug()``
-(:mod:`~nbaccel.launch._kept`) each register how to end every live one of their kind.
-When the kernel's interpreter exits, the one ``atexit`` hook (registered with the first
-kind) runs them in :data:`ORDER` — background runs stop first (they hold pools' and
-groups' workers), then pools close, then kept ranks go — so no worker outlives the
-kernel, whatever the order in which they were started.
+Background runs, warm pools and ranks kept for ``nbaccel.debug()`` each register how to end
+every live one of their kind; the one ``atexit`` hook ends them in :data:`ORDER` (runs hold
+pools' workers, so they stop first), whatever order they started in.
 
 Example:
     >>> register("pool", lambda: None)

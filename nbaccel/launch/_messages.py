@@ -1,13 +1,10 @@
 """What the kernel and a worker say to each other: one small frozen dataclass per message.
 
-The channel (:mod:`~nbaccel.launch._wire`) frames and pickles them; each side acts on a
-message by its type (``match``/``isinstance``), never by position in a tuple. A side
-that gets a type it does not act on ignores it.
-
-Kernel to worker: :class:`Setup` (a spawned worker's first frame), :class:`Job`,
-:class:`Probe`, :class:`Debug`, :class:`PdbLine`, :class:`Exit`. Worker to kernel:
-:class:`Hello`, :class:`Ready`, :class:`Event`, :class:`Imported`, :class:`Done`,
-:class:`Fatal`, :class:`ProbeAnswer`, :class:`PdbOutput`.
+Each side acts on a message by its type and ignores a type it does not act on. Kernel to
+worker: :class:`Setup` (a spawned worker's first frame), :class:`Job`, :class:`Probe`,
+:class:`Debug`, :class:`PdbLine`, :class:`Exit`. Worker to kernel: :class:`Hello`,
+:class:`Ready`, :class:`Event`, :class:`Imported`, :class:`Done`, :class:`Fatal`,
+:class:`ProbeAnswer`, :class:`PdbOutput`.
 
 Example:
     >>> Job(1, "call", {0}, (print, (), {})).kind

@@ -1,15 +1,10 @@
 """Forward the workers' stdout/stderr into the launching cell, one whole line at a time.
 
-The kernel reads each worker's fd 1/2 from a pipe and hands the bytes to a
-:class:`LineForwarder`, which cuts them into lines and writes every line with a
-single ``write`` call, so lines of different ranks never interleave mid-line.
-Carriage-return updates (text progress bars) are forwarded as they arrive.
-
-Prefixing: when more than one process can print, every line gets the prefix
-(default ``"[rank{rank}] "``); a single worker's output is left as it is.
-``log_line_prefix_template=""`` disables prefixes. Templates use ``str.format``
-fields ``{rank}``, ``{local_rank}``, ``{node_rank}``, ``{world_size}`` or
-torchrun-style ``${rank}``/``${local_rank}``/``${role_name}``.
+:class:`LineForwarder` cuts each worker's bytes into lines and writes every line with one
+``write`` call, so ranks never interleave mid-line; carriage-return updates (progress bars)
+pass as they arrive. When more than one process can print, lines get a prefix (default
+``"[rank{rank}] "``, ``""`` disables it; ``str.format`` fields ``{rank}``, ``{local_rank}``,
+``{node_rank}``, ``{world_size}`` or torchrun's ``${rank}``/``${local_rank}``/``${role_name}``).
 
 Example:
     >>> import io
@@ -52,13 +47,8 @@ def format_prefix(
         >>> format_prefix("[${role_name}${rank}]: ", 3)
         '[default3]: '
     """
-    fields = {
-        "rank": rank,
-        "local_rank": local_rank,
-        "node_rank": node_rank,
-        "world_size": world_size,
-        "role_name": "default",
-    }
+    fields: dict[str, object] = {"rank": rank, "local_rank": local_rank, "node_rank": node_rank}
+    fields.update(world_size=world_size, role_name="default")
     if "$" in template:
         return string.Template(template).safe_substitute(fields)
     try:
@@ -75,11 +65,8 @@ _CXX_STACK_LINE = re.compile(r"^(?:frame #\d+: .*|<omitting python frames>|\s*)$
 
 
 def _visible(line: str) -> str:
-    """What a terminal shows of a finished line: the text after its last carriage return.
-
-    A progress bar's final redraw is ``"\\r100%|...|\\n"``; writing the prefix before that
-    ``"\\r"`` would let the redraw overwrite it, so the overwritten parts are dropped here.
-    """
+    """What a terminal shows of a finished line: the text after its last carriage return
+    (a bar's last redraw, ``"\\r100%|...|\\n"``, would overwrite the prefix)."""
     if "\r" not in line:
         return line
     pieces = [piece for piece in line.split("\r") if piece]
@@ -87,17 +74,10 @@ def _visible(line: str) -> str:
 
 
 class LineForwarder:
-    """Thread-safe line assembler and writer for every worker's stdout/stderr.
-
-    Args:
-        stdout: where stdout lines go (the cell's ``sys.stdout`` at launch time).
-        stderr: where stderr lines go.
-        template: prefix template; ``None`` = :data:`DEFAULT_PREFIX`.
-        callback: instead of writing to streams, call ``callback(rank, stream, line)``.
-        rank_info: global rank -> (local_rank, node_rank, world_size) for templates.
-        num_processes: how many processes print through this forwarder; one alone
-            gets no prefix.
-    """
+    """Thread-safe line assembler and writer for every worker's stdout/stderr: lines go to
+    ``stdout``/``stderr`` or ``callback(rank, stream, line)``, prefixed by ``template``
+    (None: :data:`DEFAULT_PREFIX`; none for ``num_processes=1``) filled from ``rank_info``
+    (global rank -> local_rank, node_rank, world_size)."""
 
     def __init__(
         self,
@@ -110,9 +90,9 @@ class LineForwarder:
         num_processes: int = 1,
     ) -> None:
         self._streams = {"stdout": stdout, "stderr": stderr}
-        self._template = DEFAULT_PREFIX if template is None else template
-        if num_processes < 2:
-            self._template = ""
+        self._template = (
+            "" if num_processes < 2 else DEFAULT_PREFIX if template is None else template
+        )
         self._callback = callback
         self._rank_info = rank_info or {}
         self._buffers: dict[tuple[int, str], str] = {}
@@ -125,13 +105,9 @@ class LineForwarder:
     def _prefix(self, rank: int) -> str:
         if not self._template:
             return ""
-        local_rank, node_rank, world_size = self._rank_info.get(rank, (rank, 0, 1))
+        local, node, world = self._rank_info.get(rank, (rank, 0, 1))
         return format_prefix(
-            self._template,
-            rank,
-            local_rank=local_rank,
-            node_rank=node_rank,
-            world_size=world_size,
+            self._template, rank, local_rank=local, node_rank=node, world_size=world
         )
 
     def _emit(self, rank: int, stream: str, text: str, end: str, redrawn: bool = False) -> None:
@@ -139,8 +115,7 @@ class LineForwarder:
             with contextlib.suppress(Exception):  # a broken display must not break the run
                 self._callback(rank, stream, text)
             return
-        target = self._streams.get(stream)
-        if target is None:
+        if (target := self._streams.get(stream)) is None:
             return
         redraw = getattr(target, "redraw", None)  # a cell stream draws progress bars in place
         if redraw is not None and (redrawn or end == "\r" or (rank, stream) in self._redrawing):
@@ -151,14 +126,12 @@ class LineForwarder:
             with contextlib.suppress(Exception):
                 redraw(rank, f"{self._prefix(rank)}{text}", end != "\r")
             return
-        try:
+        with contextlib.suppress(Exception):
             target.write(f"{self._prefix(rank)}{text}{end}")
             self._unflushed.add(stream)
             if end == "\r":
                 target.flush()
                 self._unflushed.discard(stream)
-        except Exception:
-            pass
 
     def feed(self, rank: int, stream: str, data: bytes) -> None:
         """Add raw bytes read from ``rank``'s ``stream`` ("stdout" or "stderr")."""
@@ -175,9 +148,8 @@ class LineForwarder:
                 self._emit(rank, stream, _visible(line), "\n", "\r" in line)
             if "\r" in rest:  # progress bars redraw the line with "\r": show them live
                 done, rest = rest.rsplit("\r", 1)
-                for piece in done.split("\r"):
-                    if piece:
-                        self._emit(rank, stream, piece, "\r")
+                for piece in filter(None, done.split("\r")):
+                    self._emit(rank, stream, piece, "\r")
             while len(rest) > MAX_LINE:  # no newline in sight: memory stays bounded
                 self._emit(rank, stream, rest[:MAX_LINE], "\n")
                 rest = rest[MAX_LINE:]
@@ -202,8 +174,7 @@ class LineForwarder:
                 for line in text.rstrip("\n").split("\n"):
                     self._emit(rank, "stderr", line, "\n")
                 return
-            target = self._streams.get("stderr")
-            if target is not None:
+            if (target := self._streams.get("stderr")) is not None:
                 with contextlib.suppress(Exception):
                     target.write(text if text.endswith("\n") else text + "\n")
                     target.flush()
@@ -220,11 +191,9 @@ class LineForwarder:
             # through the kernel's IO thread (~1 ms), once per rank and stream otherwise
             dirty = stream in self._unflushed
             self._unflushed.discard(stream)
-        if self._callback is None and dirty:
-            target = self._streams.get(stream)
-            if target is not None:
-                with contextlib.suppress(Exception):
-                    target.flush()
+        if self._callback is None and dirty and (target := self._streams.get(stream)) is not None:
+            with contextlib.suppress(Exception):
+                target.flush()
 
 
 __all__ = ["DEFAULT_PREFIX", "LineCallback", "LineForwarder", "format_prefix"]

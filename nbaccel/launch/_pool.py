@@ -67,8 +67,7 @@ class PoolWorkers(Observed):
         pool = weakref.ref(self)  # the workers must not keep an unreferenced pool alive
 
         def on_event(rank: int, kind: str, data: dict) -> None:
-            owner = pool()
-            if owner is not None:
+            if (owner := pool()) is not None:
                 owner._event(rank, kind, data)
 
         group = start_group(self._plan, on_event=on_event, round_=self.restarts, persistent=True)
@@ -112,8 +111,7 @@ class PoolWorkers(Observed):
         if self._group is None:
             self._start()
             return
-        dead = self._group.dead()
-        if dead is not None:
+        if (dead := self._group.dead()) is not None:
             self._replace(f"{dead.summary()} while the pool was idle")
 
     # ------------------------------------------------------------------ internals
@@ -239,8 +237,7 @@ class PoolWorkers(Observed):
             assert group is not None
             group.workers.forwarder = forwarder(self._plan, self.ranks, output)
             handle.supervisor = group
-            watch = group.hook(HangWatch)
-            if watch is not None:
+            if (watch := group.hook(HangWatch)) is not None:
                 watch.policy = hang
             job = group.new_job()
             for rank in handle.ranks:

@@ -1,21 +1,12 @@
 """Worker side of post-mortem debugging: keep a failed job's traceback, serve pdb on it.
 
-When a job raises, the worker keeps the exception (its traceback holds every frame and
-their locals) until the next job, or until it leaves. A ``Debug(sid)`` message opens
-stdlib :class:`pdb.Pdb`'s post-mortem on it, in the worker's main thread, with its stdin
-and stdout (and, for the session, ``sys.stdin``/``sys.stdout``/``sys.stderr``: what
-``!print(x)`` or ``interact`` write) wired to the channel:
-
-* whatever pdb wrote is sent when it waits for a line, as ``PdbOutput(sid, "ask", text,
-  prompt)`` (``prompt``: what follows the last newline, e.g. ``"(Pdb) "``); the kernel
-  answers ``PdbLine(sid, line)``, the typed line with its newline (an empty string:
-  end of input, pdb quits);
-* when pdb returns (``q``, ``c``, end of input) the rest goes as ``PdbOutput(sid, "end",
-  text)``; with nothing kept, ``PdbOutput(sid, "none", why)``.
-
-After its failed job, a one-shot worker of ``notebook_launcher(..., debug=True)`` waits
-(:func:`linger`) up to ``debug_timeout`` seconds for a debugger, serves one session, then
-leaves as it would have.
+A failed job's exception (its frames and their locals) is kept until the next job or the
+worker leaves. ``Debug(sid)`` opens :class:`pdb.Pdb`'s post-mortem on it in the main thread,
+its streams (and ``sys.stdin``/``stdout``/``stderr``) wired to the channel: pdb's output
+goes as ``PdbOutput(sid, "ask", text, prompt)`` when it waits for a line, the kernel answers
+``PdbLine(sid, line)`` ("": end of input); on return the rest goes as ``PdbOutput(sid,
+"end", text)``, with nothing kept ``PdbOutput(sid, "none", why)``. A failed one-shot worker
+of ``debug=True`` waits (:func:`linger`) up to ``debug_timeout`` seconds for one session.
 
 Example:
     >>> keep(ValueError("x"), skip=())
@@ -29,12 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import pdb
 import queue
 import signal
 import sys
 import time
-from types import TracebackType
 from typing import Any
 
 from ._messages import Debug, Exit, PdbLine, PdbOutput
@@ -66,24 +57,14 @@ def kept() -> BaseException | None:
     return _kept[0] if _kept else None
 
 
-class _Out:
-    """pdb's stdout: text collected until pdb asks for a line (or the session ends)."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.parts.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        """Sent with the next prompt: one message per command."""
-
-    def isatty(self) -> bool:
-        return False
+class _Out(io.StringIO):
+    """pdb's stdout: text collected until pdb asks for a line (or the session ends), sent
+    with the prompt: one message per command."""
 
     def take(self) -> str:
-        text, self.parts[:] = "".join(self.parts), []
+        text = self.getvalue()
+        self.seek(0)
+        self.truncate()
         return text
 
 
@@ -120,8 +101,7 @@ class _In:
 
 def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
     """One pdb post-mortem session on the kept failure, driven over ``channel``."""
-    exc = kept()
-    if exc is None:
+    if (exc := kept()) is None:
         channel.send(PdbOutput(sid, "none", "this worker holds no failed job's traceback"))
         return
     out = _Out()
@@ -157,28 +137,21 @@ def _stdlib_pdb() -> type[pdb.Pdb]:
 def _target(exc: BaseException) -> Any:
     """What ``Pdb.interaction`` takes: the exception from 3.13 (chained exceptions can be
     walked with ``exceptions``), its traceback before."""
-    if sys.version_info >= (3, 13):
-        return exc
-    tb: TracebackType | None = exc.__traceback__
-    return tb
+    return exc if sys.version_info >= (3, 13) else exc.__traceback__
 
 
 def linger(channel: Any, inbox: queue.Queue[Any], seconds: float) -> None:
     """A failed one-shot worker: wait up to ``seconds`` for a debugger, serve its
     session, and return (the worker then leaves). ``exit`` returns at once."""
     deadline = time.monotonic() + seconds
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return
+    while (remaining := deadline - time.monotonic()) > 0:
         try:
             message = inbox.get(timeout=remaining)
         except queue.Empty:
             return
-        if isinstance(message, Exit):
-            return
         if isinstance(message, Debug):
             session(message.sid, channel, inbox)
+        if isinstance(message, (Debug, Exit)):
             return
 
 

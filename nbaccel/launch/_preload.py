@@ -1,15 +1,9 @@
 """What the kernel imports before forking, so that forked workers inherit it warm.
 
-* nbaccel's runtime (the ``Accelerator`` and its modules): tens of ms that every worker
-  of every launch would otherwise spend importing it again;
-* ``torch._dynamo``, once a worker needed it. torch imports it lazily even in a run that
-  never compiles (every optimizer constructor, ``Optimizer.step``, DDP's constructor), at
-  ~0.8 s of CPU. The rule is learned, not predicted: a forked worker that had to import
-  it says so, and the kernel imports it before every later fork, so each later launch
-  pays nothing. A first launch pays the import in its workers, exactly as a raw
-  ``torch.multiprocessing`` fork does; a launch that never trains never pays it. (Only on
-  CPU-only torch builds: on CUDA builds we cannot prove here that the import never
-  touches the CUDA driver, which would make the fork unsafe.)
+nbaccel's runtime (tens of ms each worker would repeat), and ``torch._dynamo`` once a
+worker needed it (torch imports it lazily from every optimizer and DDP, ~0.8 s of CPU):
+learned, not predicted, so a launch that never trains never pays it. Only on CPU-only
+torch builds: on CUDA builds the import might touch the driver and make the fork unsafe.
 
 Example:
     >>> learned_modules()
@@ -53,12 +47,9 @@ class Learner:
 
 
 def preload() -> None:
-    """Prepare the kernel so that forked workers inherit a warm, fork-safe runtime.
-
-    Imports nbaccel's runtime and the learned modules (CPU-only torch builds), then
-    releases the OpenMP pool: a child would otherwise hang in its first multi-threaded
-    op. None of this starts CUDA or threads; a failure is left for the worker to report.
-    """
+    """Prepare the kernel so that forked workers inherit a warm, fork-safe runtime: the
+    imports above, then the OpenMP pool released (a child would hang in its first
+    multi-threaded op). No CUDA, no threads; a failure is left for the worker to report."""
     with contextlib.suppress(Exception):
         from ..runtime import accelerator  # noqa: F401
     with contextlib.suppress(Exception):  # a cache every worker's Accelerator() reads

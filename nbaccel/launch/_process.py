@@ -1,19 +1,11 @@
 """Start worker processes: fork the kernel, or spawn fresh interpreters.
 
-Each worker gets two pipes whose write ends become its stdout and stderr, and one end
-of a socket pair: its two-way channel to the supervisor. The kernel keeps the pipes'
-read ends and the other end of each channel. Every process forked from the kernel, by
-nbaccel or by anyone else, closes the kernel's ends at once (a hook installed by the
-first launch): a worker's channel reaches its end of file exactly when the supervisor's
-process is gone.
-
-* fork: ``os.fork()`` directly, so the child closes every end that is not its own and
-  never returns into the kernel's code (:func:`nbaccel.launch._worker.fork_main`); its
-  first job (the function and its arguments) is inherited, never pickled. Before forking,
-  the kernel does once what every worker would otherwise repeat (:mod:`._preload`).
-* spawn: ``python -c "...spawn_main(fd)"`` with the pipes as fds 1/2 and the channel
-  passed; its spec, ``sys.path`` and the notebook's cell sources are the channel's first
-  frame.
+Each worker gets two pipes for stdout/stderr and one end of a socket pair, its channel to
+the supervisor. Every process forked from the kernel closes the kernel's ends at once (a
+hook the first launch installs), so a worker's channel ends exactly when the supervisor's
+process is gone. fork: ``os.fork()``, the child never returns into the kernel's code and
+inherits its first job; spawn: ``python -c "...spawn_main(fd)"``, its spec, ``sys.path``
+and the notebook's cell sources the channel's first frame.
 
 Example:
     >>> from nbaccel.launch._process import WorkerProcess
@@ -96,8 +88,7 @@ class WorkerProcess:
     def reap(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for the exit; if it has not come, a daemon thread
         waits for it, so the kernel never keeps a zombie of a worker it let go."""
-        code = self.wait(timeout)
-        if code is None:
+        if (code := self.wait(timeout)) is None:
             threading.Thread(
                 target=self._reap_when_exited, name=f"nbaccel-reap-{self.pid}", daemon=True
             ).start()
@@ -199,14 +190,20 @@ def start_processes(
             spec.close_fds = [fd for fd in children if fd not in mine.values()]
             spec.close_fds += [fd for fd in close_in_children if fd != spec.store_fd]
             with _interrupts_deferred():  # an interrupt now must not lose the pid
-                pid, popen = _start(spec, method, mine, first_job)
+                if method == "fork":
+                    pid, popen = _fork(spec, mine, first_job), None
+                else:
+                    popen = _spawn(spec, mine)
+                    pid = popen.pid
                 pipes = {"stdout": kernel["stdout"], "stderr": kernel["stderr"]}
                 procs.append(
                     WorkerProcess(spec.rank, spec.local_rank, pid, pipes, kernel["channel"], popen)
                 )
         if method != "fork":
+            sources = environment.notebook_cell_sources()  # IPython 7's cells (Colab) and 8's
             for spec, proc in zip(specs, procs, strict=True):
-                _send_setup(proc, spec)
+                with contextlib.suppress(OSError):  # died at start-up: its exit is reported
+                    proc.channel.send(Setup(spec, list(sys.path), sources))  # type: ignore[union-attr]
     except BaseException as err:
         for proc in procs:
             proc.kill()
@@ -239,13 +236,6 @@ def _ends() -> tuple[dict[str, int], dict[str, Any]]:
     return {"stdout": out_w, "stderr": err_w, "channel": worker_fd}, kernel
 
 
-def _start(spec: WorkerSpec, method: str, mine: dict[str, int], job: Job | None) -> tuple[int, Any]:
-    if method == "fork":
-        return _fork(spec, mine, job), None
-    popen = _spawn(spec, mine)
-    return popen.pid, popen
-
-
 def _fork(spec: WorkerSpec, mine: dict[str, int], job: Job | None) -> int:
     """The fork site: the child becomes the worker and never returns from here."""
     with forksafe.forking():  # Python >= 3.12's generic warning; check_fork decided instead
@@ -257,15 +247,11 @@ def _fork(spec: WorkerSpec, mine: dict[str, int], job: Job | None) -> int:
 
 @contextlib.contextmanager
 def _interrupts_deferred() -> Iterator[None]:
-    """Hold a notebook interrupt (SIGINT) back until the block ends.
-
-    An interrupt that lands while ``os.fork()`` runs raises KeyboardInterrupt as soon as
-    the call returns, before its pid is stored anywhere: that worker would live on,
-    unsupervised. Inside the block SIGINT is only recorded; after it, the kernel's own
-    handler gets the signal, where the cleanup in :func:`start_processes` knows every
-    worker. (Blocking the signal with ``pthread_sigmask`` would not do: the OS then hands
-    it to another of the kernel's threads, and Python still raises in this one.)
-    """
+    """Hold a notebook interrupt (SIGINT) back until the block ends: one raised as
+    ``os.fork()`` returns would lose the pid, and the worker would live on unsupervised;
+    inside, SIGINT is only recorded, then raised where the cleanup knows every worker.
+    (``pthread_sigmask`` would not do: the OS hands the signal to another thread, and
+    Python still raises in this one.)"""
     if (
         threading.current_thread() is not threading.main_thread()  # handlers run there only
         or signal.getsignal(signal.SIGINT) is None  # not Python's: cannot be put back
@@ -310,17 +296,6 @@ def _spawn(spec: WorkerSpec, mine: dict[str, int]) -> subprocess.Popen[bytes]:
     spec.fds = {"stdout": 1, "stderr": 2, "channel": channel}
     spec.close_fds = []
     return popen
-
-
-def _notebook_sources() -> dict[str, Any]:
-    """linecache entries without a file on disk (notebook cells), for remote tracebacks."""
-    return environment.notebook_cell_sources()  # IPython 7's cells (Colab) and 8's
-
-
-def _send_setup(proc: WorkerProcess, spec: WorkerSpec) -> None:
-    assert proc.channel is not None
-    with contextlib.suppress(OSError):  # it died at start-up: the supervisor reports its exit
-        proc.channel.send(Setup(spec, list(sys.path), _notebook_sources()))
 
 
 __all__ = ["WorkerProcess", "close_ends", "start_processes"]

@@ -1,27 +1,13 @@
 """The rendezvous of one launch: torch's own TCPStore, listening on loopback only.
 
-A plain ``TCPStore`` server (what ``init_process_group("env://")`` starts on
-rank 0) listens on *all* interfaces, whatever ``MASTER_ADDR`` says. nbaccel
-keeps torch's rendezvous but chooses the socket:
-
-1. the kernel binds the listening socket itself, to ``master_addr`` (127.0.0.1
-   on a single node; never the wildcard there). Binding first also turns a busy
-   ``use_port`` into a clear error before any worker exists;
-2. the socket is handed to global rank 0, whose bootstrap starts the server on
-   it: ``TCPStore(..., multi_tenant=True, master_listen_fd=fd)``;
-3. the kernel closes its copy. When the user's code (or the Accelerator) later
-   calls ``init_process_group`` with ``env://``, torch creates rank 0's store with
-   ``multi_tenant=True`` for the same port and so *reuses* that server instead of
-   binding a new one. User code that picks its own port or init method keeps
-   working unchanged.
-
-On other nodes the kernel checks, before starting any worker, that node 0's
-store answers within the timeout, and fails with the address and port otherwise.
-
-``rdzv_backend="c10d"`` across machines (:func:`elastic_meet`): the identical launch runs on
-every machine without a ``node_rank``; the machines first meet through
-``torch.distributed.elastic``'s c10d rendezvous at ``rdzv_endpoint``, which numbers them,
-and node 0 publishes there the address and port of the store above.
+torch's ``env://`` store listens on every interface whatever ``MASTER_ADDR`` says. So the
+kernel binds the socket itself (to ``master_addr``, 127.0.0.1 on one machine; a busy
+``use_port`` fails before any worker exists), hands it to global rank 0, whose bootstrap
+serves the store on it (``TCPStore(..., multi_tenant=True, master_listen_fd=fd)``), and
+closes its copy; the user's later ``init_process_group("env://")`` reuses that server.
+Other nodes check first that node 0's store answers. With ``rdzv_backend="c10d"``
+(:func:`elastic_meet`) the machines meet through torch elastic's rendezvous at
+``rdzv_endpoint``, which numbers them, and node 0 publishes its store's address there.
 
 Example:
     >>> from nbaccel.launch._rendezvous import Rendezvous
@@ -117,12 +103,8 @@ class Rendezvous:
         return self.addr
 
     def check_reachable(self, timeout: float | None) -> None:
-        """Other nodes: fail clearly when node 0's store does not answer in time.
-
-        A plain TCP connect is retried in short rounds (quiet, and an interrupt gets
-        through between them; a long TCPStore connect would block in C++ and log every
-        retry), then torch's own store client confirms that a store answers there.
-        """
+        """Other nodes: fail clearly when node 0's store does not answer in time (short
+        TCP connects first: quiet and interruptible, unlike TCPStore's retries in C++)."""
         import torch.distributed as dist
 
         seconds = timeout or DEFAULT_TIMEOUT
@@ -174,15 +156,10 @@ class Rendezvous:
 def host_store(fd: int, host: str, port: int, timeout: float | None) -> Any:
     """Worker side (global rank 0): start torch's store server on the inherited socket.
 
-    Returns the store, which must stay referenced while the function runs (the
-    ``env://`` rendezvous finds the running server through torch's multi-tenant
-    cache, keyed by port only, whichever backend serves it). Returns None when this
-    torch cannot adopt a socket; rank 0's ``env://`` store then binds the port
-    itself, as plain torch does.
-
-    torch 2.4-2.7 default to the libuv backend, which refuses a listening socket
-    (``NotImplementedError``, fixed in torch 2.8); the legacy backend, which every
-    torch since 1.x has, adopts it, so that one serves the store there.
+    The store must stay referenced while the function runs (``env://`` finds it through
+    torch's multi-tenant cache, keyed by port). None: this torch cannot adopt a socket, and
+    rank 0's ``env://`` store binds the port itself. torch 2.4-2.7's default libuv backend
+    refuses a listening socket (fixed in 2.8): the legacy backend serves it there.
     """
     import torch.distributed as dist
 
@@ -212,11 +189,8 @@ _LEFT, _ALL_LEFT = "nbaccel/left", "nbaccel/all_left"
 
 
 def connect_exit_client(host: str, port: int, timeout: float | None) -> Any:
-    """Worker side (ranks other than 0): a store client for :func:`leave`, or None.
-
-    Connected at start-up, while rank 0's store is certainly up, so that leaving
-    never waits for a store that is already gone.
-    """
+    """Worker side (ranks other than 0): a store client for :func:`leave`, or None;
+    connected at start-up, while rank 0's store is certainly up."""
     import torch.distributed as dist
 
     try:
@@ -234,16 +208,11 @@ def _count(store: Any, key: str, done_key: str, total: int) -> None:
 def leave(store: Any, *, is_host: bool, world_size: int) -> bool:
     """Exit barrier on the launcher's store, run before a worker tears its group down.
 
-    A rank that destroyed its process group (and rank 0, its store) while a slower
-    peer was still joining made that peer fail with "connection closed" or "got 0
-    bytes". So every rank first waits until all have finished (phase 1); then rank 0,
-    which hosts the store, waits until all others have stopped using it (phase 2).
-    Each wait is bounded by :data:`EXIT_GRACE`.
-
-    Returns:
-        True when this rank saw every rank arrive (and, on rank 0, leave): no peer will
-        use this process's group or store again, so the process may exit without
-        tearing them down. True for a single process, False without a store.
+    A rank tearing down while a slower peer still joined made that peer fail ("connection
+    closed"). So every rank waits until all have finished; then rank 0, the store's host,
+    until all others left it (each wait bounded by :data:`EXIT_GRACE`). True when no peer
+    will use this process's group or store again (also for one process): it may exit
+    without tearing them down.
     """
     if world_size < 2:
         return True
@@ -309,12 +278,9 @@ def elastic_meet(
     port: int | None,
     timeout: float | None,
 ) -> tuple[int, str, int]:
-    """Meet the other machines through torch elastic's c10d rendezvous at ``endpoint``.
-
-    Returns ``(node_rank, master_addr, master_port)``: this machine's number, given by the
-    rendezvous, and where node 0 hosts the launch's store (its address as seen towards
-    ``endpoint``; ``port``, else a free one).
-    """
+    """Meet the other machines through torch elastic's c10d rendezvous at ``endpoint``:
+    ``(node_rank, master_addr, master_port)``, this machine's number and where node 0 hosts
+    the launch's store (its address towards ``endpoint``; ``port``, else a free one)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 

@@ -1,12 +1,9 @@
 """Whether, and how, workers may start from this process: checks made before any exists.
 
-A kernel in which an ``Accelerator`` or a process group already lives, more NCCL
-processes than GPUs, an operating system without fork or POSIX process control, CUDA or
-its driver initialised before a fork, by torch or anyone else (the error names the line,
-the cell or the likely lines that did it): each is refused with what to do instead.
-``"auto"`` forks only when that is safe and spawns otherwise, saying why once; where
-the kernel's OpenMP pool cannot be released before forking (torch 2.4's libgomp), forked
-workers keep one compute thread.
+A live ``Accelerator`` or process group, more NCCL processes than GPUs, no fork or POSIX
+process control, CUDA initialised before a fork (the error names the line): each refused
+with what to do. ``"auto"`` forks only when safe; where torch 2.4's libgomp pool cannot be
+released before forking, forked workers keep one compute thread.
 
 Example:
     >>> from nbaccel.launch._safety import worker_threads
@@ -43,11 +40,8 @@ def check_no_state_in_kernel() -> None:
 
 
 def check_gpus_per_process(cfg: LaunchConfig, nproc: int) -> None:
-    """More processes than GPUs would put two NCCL ranks on one GPU: refuse before starting.
-
-    Counted without initialising CUDA (NVML). Only for launches that will use the GPUs:
-    ``compute_device='cpu'`` runs gloo on the CPU, where any number of processes works.
-    """
+    """More processes than GPUs would put two NCCL ranks on one GPU: refuse before starting
+    (counted with NVML, not CUDA; never for ``compute_device='cpu'``)."""
     if nproc < 2 or cfg.compute_device == "cpu":
         return
     gpus = environment.gpu_count()
@@ -132,8 +126,7 @@ def fork_safe_threads(threads: int | None) -> int | None:
     inherited = os.environ.get("OMP_NUM_THREADS", "").strip()  # threads=None: the user's
     if (threads if threads is not None else inherited) in (1, "1"):
         return threads  # single-threaded workers never touch the pool
-    stuck = forksafe.unreleasable_openmp_runtimes()
-    if not stuck:
+    if not (stuck := forksafe.unreleasable_openmp_runtimes()):
         return threads
     warnings.warn(
         f"this torch's OpenMP runtime ({os.path.basename(stuck[0])}, older than OpenMP 5.0; "

@@ -1,10 +1,8 @@
 """Start one group of workers for a plan: rendezvous, specs, processes, their supervisor.
 
-The same for every launch; only the arguments differ: a one-shot group (notebook_launcher,
-``nbaccel launch``) gets its job as it starts, a pool's workers wait for jobs. Everything
-started here is either handed to the returned
-:class:`~nbaccel.launch._supervisor.Supervisor` or killed and reaped before the exception
-propagates; the kernel keeps no listening socket.
+A one-shot group (notebook_launcher, ``nbaccel launch``) gets its job as it starts, a pool's
+workers wait for jobs. What is started is handed to the returned
+:class:`~._supervisor.Supervisor` or ended before the exception propagates.
 
 Example:
     >>> from nbaccel.launch._start import rank_environment
@@ -82,12 +80,8 @@ def start_group(
     output: Any = None,
 ) -> Supervisor:
     """Reserve the rendezvous, start one worker per local rank, return their supervisor.
-
-    ``round_`` is the restart attempt: multi-node agreement keys carry it, so that a
-    restarted node never meets the previous attempt's keys (see ``_agreement``).
-    ``first_job`` reaches forked workers through the fork and spawned ones as their
-    first message.
-    """
+    ``round_``: the restart attempt (agreement keys carry it); ``first_job`` reaches forked
+    workers through the fork, spawned ones as their first message."""
     _kept.sweep()  # kept ranks whose time is over go before new workers start
     cfg = plan.config
     ranks = plan.ranks
@@ -101,12 +95,8 @@ def start_group(
             rdzv.check_reachable(cfg.timeout)  # before any worker exists
         specs = _specs(plan, rdzv, round_, persistent)
         listen_fd = rdzv.listen_fd() if rdzv is not None else None
-        procs = start_processes(
-            specs,
-            plan.method,
-            first_job,
-            close_in_children=(listen_fd,) if listen_fd is not None else (),
-        )
+        fds = (listen_fd,) if listen_fd is not None else ()
+        procs = start_processes(specs, plan.method, first_job, close_in_children=fds)
     finally:
         if rdzv is not None:
             rdzv.close()  # rank 0 owns the listening socket now; the kernel keeps no copy
@@ -138,8 +128,7 @@ def _one_rank_env(plan: LaunchPlan) -> dict[str, str]:
     builds its own process group whenever LOCAL_RANK is set (transformers' Trainer through
     Accelerate's state, on CPU and GPU) then finds them (issue 32: it failed with
     "MASTER_ADDR expected, but not set"). nbaccel's runtime forms no group for one rank."""
-    port = plan.config.master_port
-    if port is None:
+    if (port := plan.config.master_port) is None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
@@ -155,39 +144,22 @@ def _specs(
     on_main = threading.current_thread() is threading.main_thread()
     shared = {**plan.env, **(rdzv.worker_env() if rdzv is not None else _one_rank_env(plan))}
     specs = []
+    local, world = len(plan.ranks), plan.world_size
     for local_rank, rank in enumerate(plan.ranks):
-        env = {
-            **shared,
-            **rank_environment(
-                rank,
-                local_rank,
-                world_size=plan.world_size,
-                local_world_size=len(plan.ranks),
-                node_rank=cfg.node_rank,
-            ),
-        }
-        spec = WorkerSpec(
-            rank,
-            local_rank,
-            plan.world_size,
-            len(plan.ranks),
-            cfg.node_rank,
-            cfg,
-            env,
-            plan.method,
-            round_,
-            plan.threads,
-            persistent,
+        env = shared | rank_environment(
+            rank, local_rank, world_size=world, local_world_size=local, node_rank=cfg.node_rank
+        )
+        specs.append(WorkerSpec(
+            rank, local_rank, world, local, cfg.node_rank, cfg, env, plan.method, round_,
+            plan.threads, persistent,
             new_session=not plan.call.block,  # background runs and pools ignore the kernel's ^C
             die_with_parent=on_main,
             parent_pid=os.getpid(),
             linger=plan.debug_timeout,  # debug=True: a failed rank waits for nbaccel.debug()
             tpu=plan.tpu,
-        )
-        specs.append(spec)
-    listen_fd = rdzv.listen_fd() if rdzv is not None else None
-    if rdzv is not None and listen_fd is not None:  # global rank 0 hosts the store on it
-        specs[0].store_fd, specs[0].store_host = listen_fd, rdzv.store_host()
+        ))  # fmt: skip
+    if rdzv is not None and (fd := rdzv.listen_fd()) is not None:  # rank 0 hosts the store
+        specs[0].store_fd, specs[0].store_host = fd, rdzv.store_host()
     return specs
 
 

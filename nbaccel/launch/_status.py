@@ -1,11 +1,8 @@
 """Per-rank live status and event listeners, shared by a launch and a warm pool.
 
-Workers publish events (``state`` changes with a pid, logged ``step``/``values``, progress);
-a :class:`RankStatus` keeps the latest per rank for ``status()`` and ``pids``, and hands
-each event to the listeners (``nbaccel.monitor.watch``, the panel). A
-:class:`~nbaccel.launch.handle.LaunchHandle` and a
-:class:`~nbaccel.launch._pool.PoolWorkers` each own one. Logged values (``log``/``system``
-events) are also kept, bounded, for a listener added late (``add_listener(replay=True)``).
+A :class:`RankStatus` keeps each rank's latest state, pid, step and values for ``status()``
+and ``pids``, hands each event to the listeners (the monitor, the panel), and keeps logged
+values, bounded, for a listener added late (``add_listener(replay=True)``).
 
 Example:
     >>> board = RankStatus([0, 1], "starting")
@@ -33,14 +30,9 @@ def _entry(state: str) -> dict[str, Any]:
 
 
 class RankStatus:
-    """Thread-safe ``rank -> {state, step, scalars, pid, last_event}`` plus listeners.
-
-    Args:
-        ranks: the ranks shown from the start.
-        state: every rank's state until its first ``state`` event.
-        renamed: states shown under another name (a pool shows a finished call as
-            ``"idle"``: its workers wait for the next one).
-    """
+    """Thread-safe ``rank -> {state, step, scalars, pid, last_event}`` plus listeners;
+    ``state`` until a rank's first ``state`` event; ``renamed``: states shown under another
+    name (a pool's finished call is ``"idle"``)."""
 
     def __init__(
         self, ranks: Iterable[int], state: str, *, renamed: Mapping[str, str] | None = None
@@ -132,11 +124,8 @@ class Observed:
 
     def add_listener(self, callback: Listener, *, replay: bool = False) -> Listener:
         """Call ``callback(rank, kind, data)`` for every event; returns ``callback``.
-
-        ``replay=True`` first calls it with the values logged so far in the current call
-        or attempt (the last 20,000 ``log``/``system`` events), so a live view opened late
-        draws them all.
-        """
+        ``replay=True``: first with the values logged so far in this call or attempt (the
+        last 20,000 ``log``/``system`` events), so a live view opened late draws them all."""
         return self._board.add_listener(callback, replay=replay)
 
     def remove_listener(self, callback: Listener) -> None:

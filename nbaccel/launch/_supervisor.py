@@ -1,29 +1,14 @@
 """The one supervisor: the kernel's side of a group of workers, for every kind of launch.
 
-Channel messages (:mod:`~nbaccel.launch._messages`) are acted on by their type.
-:meth:`Supervisor.run_job` waits for one job on some ranks and decides:
-
-* a failure (an exception, a death by signal, an unexpected exit) starts a short grace
-  period for the others' reports; then the *first real* failure is raised (secondary
-  "connection closed by peer"/timeout errors of healthy ranks count only when nothing
-  else went wrong);
-* only secondary failures while other ranks still run, or ranks still busy ``timeout``
-  seconds after a peer finished: those ranks hang; their stacks (:meth:`probe`) go into
-  a :class:`~nbaccel.errors.WorkerTimeoutError`;
-* an interrupt, ``stop()``, or a failure while others are still busy: a one-shot group is
-  terminated; a pool's busy ranks get SIGINT and ``INTERRUPT_GRACE`` to come back;
-* a :class:`~nbaccel.errors.RanksMissingError` (a collective entered by some ranks only)
-  gets a note with the stacks of the ranks that did not come, probed as it arrives.
-
-Extras plug in as :class:`Hook` objects (DESIGN.md habit 6), called on each message, on
-each turn of a job's loop (a hook may end the job), at a failure, and for the ranks a
-one-shot group leaves running: the hang watchdog and the subset check
-(:mod:`~nbaccel.launch._watchdog`), post-mortem's snapshot (:mod:`~nbaccel.launch._kept`),
-a pdb session's inbox (:mod:`~nbaccel.launch.debugger`). The workers' pipes and channels
-are read and ended by the :class:`~nbaccel.launch._group.Group` the supervisor holds.
-
-:class:`JobFailed` carries the error and, when the workers cannot go on (a rank died,
-hung, did not come back, or the ranks ran different numbers of collectives), the reason.
+:meth:`Supervisor.run_job` acts on the channel's messages (:mod:`._messages`) by type and
+waits for one job: after a first failure, ``GRACE`` for the others' reports, then the first
+*real* failure is raised (a healthy rank's "connection closed by peer" counts only when
+nothing else went wrong); ranks still busy ``timeout`` seconds after a peer finished hang
+(their stacks go into a :class:`~nbaccel.errors.WorkerTimeoutError`); on an interrupt,
+``stop()`` or a failure, a one-shot group is terminated while a pool's busy ranks get
+SIGINT and ``INTERRUPT_GRACE`` to come back. Extras plug in as :class:`Hook` objects: the
+hang watchdog and the subset check (:mod:`._watchdog`), post-mortem (:mod:`._kept`), a pdb
+session's inbox (:mod:`.debugger`). The workers' pipes belong to the :class:`._group.Group`.
 
 Example:
     >>> Supervisor.GRACE
@@ -50,6 +35,7 @@ from ._process import WorkerProcess
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
+NO_ANSWER = "(no answer: not running Python code)"
 H = TypeVar("H", bound="Hook")
 
 
@@ -161,11 +147,9 @@ class Supervisor:
     def probe(
         self, ranks: Iterable[int], wait: float = 1.0, *, flight: bool = False
     ) -> dict[int, dict[str, Any]]:
-        """What each rank's main thread is doing now: ``{"stack", "waiting", ...}`` (see
-        :func:`nbaccel.launch._worker_os.main_thread_report`); answered by the worker's
-        channel thread, so also while the main thread is blocked in C++. From another
-        thread than the one running a job (a live monitor's button) it only asks: that
-        thread reads the answers."""
+        """What each rank's main thread does now (:func:`._worker_os.main_thread_report`),
+        answered also while it is blocked in C++. From another thread than the job's (a
+        monitor's button) it only asks: the job's thread reads the answers."""
         asked = [self.procs[r] for r in ranks if self.procs[r].returncode is None]
         request = next(self._ids)
         answers = self._answers[request] = {}
@@ -182,11 +166,9 @@ class Supervisor:
         return self._answers.pop(request)
 
     def stacks(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Each rank's stack now (see :meth:`probe`)."""
         answers = self.probe(ranks)
-        return {
-            r: answers[r]["stack"] if r in answers else "(no answer: not running Python code)"
-            for r in ranks
-        }
+        return {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in ranks}
 
     # ------------------------------------------------------------------ jobs
     def new_job(self) -> int:
@@ -221,8 +203,7 @@ class Supervisor:
                 if stop.is_set():
                     self._end_early(procs, Stopped("the run was stopped with stop()"))
                 busy = [p for p in procs if p.rank not in self._done]
-                problems = self.failures(procs)
-                if problems:
+                if problems := self.failures(procs):
                     first_problem = first_problem or now
                     waiting = [p for p in busy if p.returncode is None]
                     if waiting and now - first_problem < self.GRACE:
@@ -254,14 +235,10 @@ class Supervisor:
         proc = self.procs[rank]
         return Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
 
-    def _ok(self, rank: int) -> bool:
-        """Not known to have failed this job (finished well, or not finished)."""
-        done = self._done.get(rank)
-        return done is None or done.ok
-
     def failures(self, procs: list[WorkerProcess]) -> list[Failure]:
         """The job's failed ranks, and every rank of the group that failed or died."""
-        out = [self._job_failure(p.rank) for p in procs if not self._ok(p.rank)]
+        failed = {r for r, done in self._done.items() if not done.ok}
+        out = [self._job_failure(p.rank) for p in procs if p.rank in failed]
         out += [f for r, f in self._fatal.items() if r not in {f.rank for f in out}]
         for proc in self.procs.values():
             if not self.workers.exited(proc) or proc.rank in {f.rank for f in out}:
@@ -292,23 +269,21 @@ class Supervisor:
 
     def _failed(self, problems: list[Failure], procs: list[WorkerProcess]) -> None:
         chosen = pick_failure(problems)
-        failed = {f.rank for f in problems}
-        stuck = [p for p in procs if p.returncode is None and p.rank not in self._done]
-        stuck = [p for p in stuck if p.rank not in failed]
+        live = [p.rank for p in procs if p.returncode is None and p.rank not in self._done]
+        stuck = [r for r in live if r not in {f.rank for f in problems}]
         if chosen.secondary and stuck:
             reason = (
-                f"{chosen.summary()} (timeout={self.timeout}s) while rank(s) "
-                f"{[p.rank for p in stuck]} had not reached that point"
+                f"{chosen.summary()} (timeout={self.timeout}s) while rank(s) {stuck} had not "
+                "reached that point"
             )
             tracebacks = {f.rank: f.info.get("traceback") or f.stack for f in problems}
-            ending = self.hung([p.rank for p in stuck], reason, tracebacks)
+            ending = self.hung(stuck, reason, tracebacks)
             self._end_early([], ending.error, ending.broken)
         error = remote_exception(chosen)
         others = [f.summary() for f in problems if f is not chosen]
         if others:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
         if isinstance(error, RanksMissingError):  # who did not come, and what they do
-            live = [p.rank for p in procs if p.returncode is None and p.rank not in self._done]
             counts = {r: d.collectives for r, d in self._done.items()}
             name_missing(error, chosen.rank, counts, live, self.probe)
         dead = [f for f in problems if f.kind != "exception"]
@@ -383,8 +358,7 @@ class Supervisor:
         while len(self.ready) < len(self.procs):
             self.pump(0.05)
             self.workers.poll()
-            problems = self.failures([])
-            if problems:
+            if problems := self.failures([]):
                 raise remote_exception(pick_failure(problems))
             if time.monotonic() > deadline:
                 missing = sorted(set(self.procs) - self.ready)

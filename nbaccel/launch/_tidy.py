@@ -1,19 +1,11 @@
 """How a failed run reads in the notebook: the user's error first, nbaccel's frames hidden.
 
-A worker's failure is re-created in the kernel (:mod:`nbaccel.launch._failures`) with the
-remote traceback -- the user's frames -- in its message. What the kernel itself adds is
-noise to a notebook user: the launcher's, the handle's and the supervisor's frames, and,
-when a pool handled an earlier failure, that failure again as "During handling of the
-above exception". So:
-
-* :func:`clean` is what the launch and the pool raise: the same exception object with no
-  traceback of its own and no chained context (the entry points mark their own frames
-  with IPython's ``__tracebackhide__``, so the user's cell is all that is left above it);
-* :func:`add_hint` notes how to get pdb on the failing frame (``debug=True``,
-  ``nbaccel.debug()``) on a failure that one can debug;
-* :func:`show_in_cell` puts a background run's failure into the cell that launched it as
-  an ordinary ``error`` output (the way IPython shows an exception), so a failed
-  ``block=False`` run is not silent.
+The remote traceback (the user's frames) is in the re-created error's message; the kernel's
+own frames, and an earlier failure a pool handled ("During handling of the above
+exception"), are noise. :func:`clean` strips an error's own traceback and context (the
+entry points hide their frames with IPython's ``__tracebackhide__``); :func:`add_hint`
+notes how to get pdb on the failing frame; :func:`show_in_cell` puts a background run's
+failure into its launching cell as an ordinary ``error`` output.
 
 Example:
     >>> err = clean(ValueError("boom"))
@@ -45,22 +37,14 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def clean(err: BaseException) -> BaseException:
     """``err`` to raise in the kernel: no chained earlier failure, and IPython shows it
-    without nbaccel's frames (the user's cell, then the error and its remote traceback).
-
-    IPython shows the frame an exception was raised in even when it is marked
-    ``__tracebackhide__``; an exception's own ``_render_traceback_`` (the hook
-    ipyparallel uses for remote errors) is what it shows instead, so that is set here.
-    """
+    without nbaccel's frames, through the exception's own ``_render_traceback_`` (as
+    ipyparallel's remote errors; ``__tracebackhide__`` still shows the raising frame)."""
     err.__traceback__ = None
     err.__suppress_context__ = True
     err.__cause__ = None
     with contextlib.suppress(AttributeError, TypeError):  # a type without a __dict__
         err._render_traceback_ = functools.partial(_render, err)  # type: ignore[attr-defined]
     return err
-
-
-def _ours(tb: types.TracebackType) -> bool:
-    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
 
 
 def _render(err: BaseException) -> list[str]:
@@ -70,7 +54,7 @@ def _render(err: BaseException) -> list[str]:
     kept: list[types.TracebackType] = []
     tb = err.__traceback__
     while tb is not None:
-        if not _ours(tb):
+        if not _internal(tb.tb_frame.f_code.co_filename, torch=False):
             kept.append(tb)
         tb = tb.tb_next
     rebuilt: types.TracebackType | None = None
@@ -120,10 +104,10 @@ def add_hint(err: BaseException, *, kept: bool, pool: bool = False) -> None:
     add_note(err, text)
 
 
-def _internal(path: str) -> bool:
+def _internal(path: str, *, torch: bool = True) -> bool:
     """nbaccel's own modules, and torch's (what a user's call went through to wait)."""
     path = os.path.abspath(path)
-    return path.startswith(_PACKAGE + os.sep) or f"{os.sep}torch{os.sep}" in path
+    return path.startswith(_PACKAGE + os.sep) or (torch and f"{os.sep}torch{os.sep}" in path)
 
 
 def trim_stack(stack: str) -> str:
@@ -145,8 +129,7 @@ def trim_stack(stack: str) -> str:
     dropped = kept = 0
     skipping = False
     for line in stack.splitlines():
-        match = _FRAME.match(line)
-        if match is not None:
+        if (match := _FRAME.match(line)) is not None:
             skipping = _internal(match.group(1))
             dropped += skipping
             kept += not skipping
@@ -184,30 +167,18 @@ def warn_oversubscribed(config: Any, processes: int, *, stacklevel: int) -> None
             warnings.warn(f"nbaccel: {advice}", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
-def _error_content(err: BaseException, title: str) -> dict[str, Any]:
-    """An ``error`` message's content, formatted as IPython formats an exception."""
-    shown = clean(err)
-    lines: list[str] = []
-    with contextlib.suppress(Exception):
-        from IPython import get_ipython
-
-        shell = get_ipython()
-        if shell is not None:
-            lines = list(shell.InteractiveTB.structured_traceback(type(shown), shown, None))
-    if not lines:
-        lines = traceback.format_exception(type(shown), shown, None)
-    return {
-        "ename": type(shown).__name__,
-        "evalue": str(shown),
-        "traceback": [title, *_with_notes(lines, shown)],
-    }
-
-
 def show_in_cell(cell: Any, err: BaseException, title: str) -> None:
     """Show a background run's failure in its launching cell (``cell``: a ``CellOutput``)
-    as an ``error`` output headed by ``title``; never raises."""
+    as an ``error`` output headed by ``title``, formatted as IPython formats it; never raises."""
     with contextlib.suppress(Exception):
-        content = _error_content(err, title)
+        shown, lines = clean(err), list[str]()
+        with contextlib.suppress(Exception):
+            from IPython import get_ipython
+
+            lines = get_ipython().InteractiveTB.structured_traceback(type(shown), shown, None)
+        lines = list(lines) or traceback.format_exception(type(shown), shown, None)
+        content: dict[str, Any] = {"ename": type(shown).__name__, "evalue": str(shown)}
+        content["traceback"] = [title, *_with_notes(lines, shown)]
         cell.flush()  # after the run's last lines
         cell.send("error", content)
 

@@ -1,43 +1,24 @@
 """The hang watchdog: a job whose ranks wait on each other without progress is reported.
 
-It plugs into the supervisor as a hook (:class:`HangWatch`, one :class:`Watchdog` per
-job), with :class:`SubsetCheck` (a job on some ranks whose rank calls a collective that
-needs the others). The supervisor asks :meth:`Watchdog.look` on every turn of its loop; every
-``look_every`` seconds (``hang_after / 8``, between 0.25 and 15 s) it probes the job's
-busy ranks (the worker's channel thread answers, also while the main thread is blocked in
-C++: its Python stack, the torch.distributed call it is in, its collective count).
+:class:`HangWatch` plugs it into the supervisor (one :class:`Watchdog` per job); every
+``look_every`` seconds (``hang_after / 8``, 0.25 to 15 s) it probes the busy ranks (their
+stack, the torch.distributed call they are in, their collective count).
 
-**Progress**, precisely: between two looks, at least one of
+**Progress** between two looks: a rank's count of collectives on the default group changed,
+a rank published an event (``Accelerator.log``, a step, a tqdm redraw), or one finished.
 
-* a rank's count of collectives on the default process group changed (torch's sequence
-  number; it advances when a rank issues a collective, DDP's gradient all-reduces included);
-* a rank published an event (``Accelerator.log``, a step, a redraw of an ``nbaccel.tqdm``
-  or ``tqdm.auto`` bar, anything sent through :func:`nbaccel.tracking.events.publish`)
-  or finished its part of the job.
+**Hung**: no progress for ``hang_after`` seconds while a busy rank waits on a peer (it is in
+a torch.distributed call, or issued more collectives than another), or while every busy rank
+sits idle inside a C++ call of torch's with equal counts (a collective called differently on
+different ranks). A long computation without collectives is not hung. The report adds each
+rank's last collective from torch's flight recorder and names one called differently.
+**Waiting, not stuck**: a rank outside torch.distributed whose CPU time advanced by
+``BUSY_SHARE`` of the still time is working; the others "wait for rank N, which is busy in
+<frame>", and nothing is ended whatever ``on_hang`` says.
 
-**Hung**: no progress for ``hang_after`` seconds while at least one busy rank waits on a
-peer: it is inside a torch.distributed call, or it issued more collectives than another
-rank of the job (DDP's backward and NCCL's asynchronous collectives wait in C++, where no
-Python frame shows it); or every busy rank sits idle (no CPU time used) inside a C++ call
-of torch's (autograd's backward, a synchronisation) with the same count of collectives:
-a collective that cannot complete (called with different shapes or different calls on
-different ranks). A job that computes without collectives for a long time is not hung.
-The report gives each rank's last collective from torch's flight recorder (its number,
-call and sizes; torch 2.13 records gloo's by default) and names a collective
-that the ranks called differently.
-
-**Waiting, not stuck**: if, at such a moment, a rank outside any torch.distributed call
-is *working* (its CPU time, with its children's, advanced by at least ``BUSY_SHARE`` of
-the time since the last progress was seen: rank 0 evaluating, saving or preparing data alone while
-the others wait in ``wait_for_everyone``), the report says "rank(s) ... wait for rank N,
-which is busy in <frame>" and nothing is ended, whatever ``on_hang`` says.
-
-Then, with ``on_hang="report"`` (the default), the report is written once where the job's
-output goes (the launching cell's stderr, the ``output=`` of the call, or the terminal of
-``nbaccel launch``), and every stuck rank publishes a ``"hang"`` event (handle listeners, the
-monitor); the job keeps running. If nothing moves it is reported again after 2, 4, 8, ...
-times ``hang_after`` more; any progress starts over. ``on_hang="raise"`` ends the job with
-the same facts as a :class:`~nbaccel.errors.WorkerTimeoutError` (the supervisor's ``_hang``).
+``on_hang="report"`` writes the report where the job's output goes and publishes a ``"hang"``
+event per stuck rank; it comes again after 2, 4, 8, ... times ``hang_after``. ``"raise"``
+ends the job with a :class:`~nbaccel.errors.WorkerTimeoutError`.
 
 Example:
     >>> policy = HangPolicy(after=300.0)
@@ -55,10 +36,10 @@ from typing import Any
 from ..config import LaunchConfig
 from ..errors import LaunchError, WorkerTimeoutError
 from ._messages import Done, Event
-from ._supervisor import Hook, JobFailed, Supervisor
+from ._supervisor import NO_ANSWER, Hook, JobFailed, Supervisor
 
 DEFAULT_HANG_AFTER: float = LaunchConfig.hang_after  # the field's default (why: see there)
-NO_ANSWER = "(no answer: not running Python code)"
+
 #: The share of one CPU a rank must use between two looks to count as working.
 BUSY_SHARE = 0.05
 
@@ -147,13 +128,9 @@ class Watchdog:
         activity: int,
         now: float | None = None,
     ) -> Hang | None:
-        """Probe when a look is due; the hang found, once per back-off step, or None.
-
-        Args:
-            busy: the job's live ranks that have not finished it.
-            finished: rank -> collective count, for the ranks that finished the job.
-            activity: events and job answers the supervisor received so far.
-        """
+        """Probe ``busy`` (live, unfinished) ranks when a look is due; the hang found, once
+        per back-off step, or None. ``finished``: rank -> collective count of the ranks done;
+        ``activity``: events and answers received so far."""
         now = time.monotonic() if now is None else now
         if self.policy.after <= 0 or not busy or now < self._next_look:
             return None
@@ -162,9 +139,7 @@ class Watchdog:
         cpu = {r: a.get("cpu") for r, a in answers.items()}
         if self._cpu_of:  # from the OS: also for ranks that did not answer
             cpu |= {r: c for r, c in self._cpu_of(busy).items() if c is not None}
-        for rank in busy:
-            if rank in answers:
-                self._counts[rank] = answers[rank].get("collectives")
+        self._counts |= {r: answers[r].get("collectives") for r in busy if r in answers}
         counts = {r: self._counts.get(r) for r in busy} | dict(finished)
         signature = (activity, tuple(sorted(busy)), tuple(sorted(counts.items())))
         if signature != self._seen:

@@ -1,14 +1,9 @@
 """The channel between the kernel and one worker: frames both ways, CPU-only pickling.
 
-Each worker has exactly one two-way channel, one end of a Unix socket pair: the kernel
-sends jobs, questions and "exit" on it; the worker answers with hello, events, each
-job's outcome and the answers (the messages: :mod:`~nbaccel.launch._messages`, one
-frozen dataclass each). A frame is an 8-byte big-endian length and a pickle.
-Values are pickled with :func:`dumps`, which moves every tensor to the CPU first (the
-kernel must never initialise CUDA) and uses plain pickle bytes rather than torch's
-shared-memory reducers; dill is the fallback for what plain pickle cannot handle
-(lambdas, classes defined in a notebook). A side that gets a message type it does not
-act on ignores it (the worker answers a job of an unknown kind with an error).
+One end of a Unix socket pair per worker carries the :mod:`._messages`; a frame is an
+8-byte big-endian length and a pickle. :func:`dumps` moves every tensor to the CPU first
+(the kernel never initialises CUDA) and avoids torch's shared-memory reducers; dill is the
+fallback for lambdas and notebook classes.
 
 Example:
     >>> import pickle, socket
@@ -21,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import socket
@@ -56,10 +52,8 @@ class FrameReader:
                 break
             body = bytes(self._buffer[HEADER.size : HEADER.size + size])
             del self._buffer[: HEADER.size + size]
-            try:
+            with contextlib.suppress(Exception):
                 out.append(_CPUUnpickler(io.BytesIO(body)).load())
-            except Exception:
-                continue
         return out
 
 
@@ -92,8 +86,7 @@ class Channel:
     def next(self) -> Any | None:
         """The next message, waiting for it; None when the other end is gone."""
         while not self._pending:
-            got = self.receive()
-            if got is None:
+            if (got := self.receive()) is None:
                 return None
             self._pending += got
         return self._pending.pop(0)
@@ -153,11 +146,8 @@ class _CPUUnpickler(pickle.Unpickler):
 
 
 def dumps(value: Any) -> tuple[str, bytes]:
-    """Pickle ``value`` for the kernel: ``("pickle", bytes)``, or ``("dill", bytes)``.
-
-    Both picklers move device tensors to the CPU first, so neither can ship a CUDA
-    tensor to the kernel.
-    """
+    """Pickle ``value`` for the kernel, device tensors moved to the CPU: ``("pickle",
+    bytes)``, or ``("dill", bytes)``."""
     buffer = io.BytesIO()
     try:
         _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)

@@ -1,24 +1,13 @@
 """One worker's life: set up, join the rendezvous, run jobs until told to stop.
 
-Every launch starts its workers the same way, by forking the kernel (:func:`fork_main`)
-or as fresh interpreters (:func:`spawn_main`, whose spec arrives as the channel's first
-frame). Then:
-
-1. set-up: output onto the supervisor's pipes, signals, faulthandler (fatal errors on
-   stderr), the typed :class:`~nbaccel.config.LaunchConfig` and rank facts installed as
-   the process's state (the runtime reads them, never environment text), the events sink,
-   a thread that reads the channel (it answers "what are you doing?" at once, and ends the
-   worker when the channel ends: the supervisor is gone);
-2. the rendezvous store (global rank 0 hosts it on the socket the kernel reserved) and,
-   across nodes, the agreement check; then "ready";
-3. the loop: a job comes in (``run``/``call`` a function, ``exec`` a cell, ``push``/
-   ``pull``/``names``, ``script``), runs, and its outcome goes back as one ``Done``
-   message (value or error, and the collective count that reveals ranks out of step).
-   A one-shot worker (notebook_launcher, nbaccel launch) leaves after its job; a pool
-   worker waits for the next one. Job kinds are a table (:data:`JOBS`): a new kind is a
-   new entry;
-4. leaving: the exit barrier, then the process group torn down (or, once every rank has
-   left, skipped), and ``os._exit``.
+A worker is forked from the kernel (:func:`fork_main`) or spawned (:func:`spawn_main`, its
+spec the channel's first frame). It sets up (output onto the supervisor's pipes, signals,
+faulthandler, the typed :class:`~nbaccel.config.LaunchConfig` and rank facts as process
+state, the events sink, a channel reader that answers probes at once and ends the worker
+with the channel); meets the others (rank 0 hosts the store on the kernel's socket; across
+nodes, the agreement check) and says "ready"; runs jobs from the table :data:`JOBS`, each
+answered by one ``Done`` (value or error, and its collective count); a one-shot worker
+leaves after its job. Leaving: the exit barrier, the group torn down, ``os._exit``.
 
 Example:
     >>> from nbaccel.launch._worker import JOBS
@@ -30,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import linecache
 import os
 import queue
@@ -80,24 +70,15 @@ class WorkerSpec:
     def facts(self) -> EnvironmentSnapshot:
         cfg = self.config
         return EnvironmentSnapshot(
-            self.rank,
-            self.world_size,
-            self.local_rank,
-            self.local_world_size,
-            self.node_rank,
-            self.env.get("MASTER_ADDR"),
-            self.env.get("MASTER_PORT"),
-            use_cpu=cfg.compute_device == "cpu",
-            timeout=cfg.timeout,
-            debug=cfg.debug,
-        )
+            self.rank, self.world_size, self.local_rank, self.local_world_size, self.node_rank,
+            self.env.get("MASTER_ADDR"), self.env.get("MASTER_PORT"),
+            use_cpu=cfg.compute_device == "cpu", timeout=cfg.timeout, debug=cfg.debug,
+        )  # fmt: skip
 
 
-#: torch's NCCL watchdog by default ends the whole process when a collective times out
-#: (the cell would see a worker killed by SIGABRT, none of its error). Here it aborts the
-#: communicators only, so the error reaches the training function and the cell (a
-#: RanksMissingError naming the ranks, or torch's DistBackendError). The user's own
-#: setting wins. (Read when an NCCL process group forms; no effect on gloo or XLA.)
+#: On a collective's timeout torch's NCCL watchdog ends the process (SIGABRT, no error in
+#: the cell); aborting the communicators only lets the error reach the function and the cell.
+#: The user's own setting wins; no effect on gloo or XLA.
 NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 _inbox: queue.Queue[Any] = queue.Queue()
@@ -132,22 +113,18 @@ def _setup(spec: WorkerSpec, channel: Channel) -> None:
     events.install_sink(lambda kind, data: channel.send(Event(kind, data, time.time())))
     with contextlib.suppress(Exception):  # never fail a launch over a progress bar
         progress.use_text_bars_in_worker()  # tqdm.auto bars: text on rank 0, into the cell
-    os.register_at_fork(after_in_child=_forget_channel)
-    state = sys.modules.get("nbaccel.runtime.state")
-    if state is not None:
+    os.register_at_fork(after_in_child=functools.partial(_forget_channel, channel.fileno()))
+    if (state := sys.modules.get("nbaccel.runtime.state")) is not None:
         state.reset_state()  # never the kernel's inherited process state
     threading.Thread(target=_read, args=(channel, spec.rank), daemon=True).start()
 
 
-def _forget_channel() -> None:
+def _forget_channel(fd: int) -> None:
     """In the worker's own children (DataLoader workers): the channel is not theirs."""
     events.install_sink(None)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(OSError):
-        os.close(_fds["channel"])
-
-
-_fds: dict[str, int] = {}
+        os.close(fd)
 
 
 def _read(channel: Channel, rank: int) -> None:
@@ -209,7 +186,6 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: Job) -> int:
         payload: Any = _jobs.ship(value, job.kind) if worker.rank in job.want else ("none", b"")
         ok = True
     except BaseException as exc:  # every failure is reported; a pool's loop goes on
-        _busy = False
         ok, payload = False, error_info(exc, skip=(__file__, _jobs.__file__))
         _postmortem.keep(exc, skip=(__file__, _jobs.__file__))  # for nbaccel.debug()
         if isinstance(exc, SystemExit) and isinstance(exc.code, int):
@@ -319,7 +295,6 @@ def fork_main(spec: WorkerSpec, sock: socket.socket, job: Job | None) -> None:
         import atexit
 
         atexit._clear()  # the kernel's exit handlers are not ours to run
-        _fds["channel"] = sock.fileno()
         channel = Channel(sock)
         _setup(spec, channel)
         code = serve(spec, channel, job, forked=True)
@@ -340,7 +315,6 @@ def spawn_main(fd: int) -> None:
     spec = first.spec
     sys.path[:] = first.sys_path
     linecache.cache.update(first.sources)  # notebook cells have no file on disk
-    _fds["channel"] = fd
     _setup(spec, channel)
     _finish(serve(spec, channel, None, forked=False))
 

@@ -1,14 +1,9 @@
-"""Operating-system side of a worker: output, signals, dying with the supervisor, and
-what the main thread is doing right now.
+"""Operating-system side of a worker: output, signals, dying with the supervisor, its stack.
 
-* fds 1/2 onto the supervisor's pipes with fresh Python streams; default signal handlers;
-* :func:`die` ends the worker and everything it started (DataLoader workers, subprocesses).
-  It runs when the supervisor is gone: the channel reaches its end of file (the kernel,
-  or ``nbaccel launch``, was killed: the OS closes its sockets), or the parent-death signal
-  arrives (Linux ``PR_SET_PDEATHSIG``, SIGTERM); and on SIGTERM. No timer is involved;
-* :func:`main_thread_report` answers the supervisor's "what are you doing?": the main
-  thread's Python stack and, when it is inside ``torch.distributed``, which call and
-  which ranks that call waits for.
+fds 1/2 go onto the supervisor's pipes; :func:`die` ends the worker and everything it
+started when the supervisor is gone (the channel's end of file, the parent-death signal)
+or on SIGTERM, no timer involved; :func:`main_thread_report` says what the main thread
+does (its stack, and the torch.distributed call it waits in and for which ranks).
 
 Example:
     >>> from nbaccel.launch._worker_os import flush_c_stdio
@@ -71,12 +66,9 @@ def _stream_handlers() -> list[Any]:
     import logging
 
     targets = {id(sys.stdout), id(sys.stderr)}
-    found = []
-    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-        for handler in getattr(logger, "handlers", []):
-            if id(getattr(handler, "stream", None)) in targets:
-                found.append(handler)
-    return found
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    handlers = [h for logger in loggers for h in getattr(logger, "handlers", [])]
+    return [h for h in handlers if id(getattr(h, "stream", None)) in targets]
 
 
 def before_fork() -> None:
@@ -100,15 +92,10 @@ def reset_signals() -> None:
     with contextlib.suppress(ValueError, OSError):
         signal.set_wakeup_fd(-1)
     # plain numbers: signal.valid_signals() wraps each in an enum (~1 ms in every worker)
-    for sig in range(1, signal.NSIG):
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        try:
-            handler = signal.getsignal(sig)
-        except (ValueError, OSError):
-            continue
-        if callable(handler) and sig != signal.SIGINT:
-            signal.signal(sig, signal.SIG_DFL)
+    for sig in set(range(1, signal.NSIG)) - {signal.SIGKILL, signal.SIGSTOP, signal.SIGINT}:
+        with contextlib.suppress(ValueError, OSError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, lambda *_: die(143))
 
@@ -123,23 +110,18 @@ def die_with_parent(parent_pid: int) -> None:
         die(1)
 
 
-# die() runs once per process. It is entered from the channel's reader thread and from
-# SIGTERM's handler, and SIGTERM can come more than once: Linux sends the parent-death
-# signal again each time the worker is handed to another thread of the dying supervisor.
-# A second entry must never reach os._exit while the first one is still ending the
-# children: a handler nested in the main thread's own die() found ``psutil`` half imported,
-# failed, and exited, leaving the children to init. The lock is reentrant so that such a
-# nested call gets in (and returns); any other thread waits for the first one's os._exit.
+# die() runs once per process, entered from the channel's reader and from SIGTERM's handler
+# (Linux resends the parent-death signal as the dying supervisor's threads hand the worker
+# on). A second entry must not reach os._exit while the first still ends the children (a
+# nested one found psutil half imported and left them to init): the reentrant lock lets a
+# nested call in (it returns); other threads wait for the first one's os._exit.
 _dying = threading.RLock()
 _entered = False
 
 
 def die(code: int = 1) -> None:
-    """End this worker now, with every process it started (from any thread).
-
-    Returns only into a die() this thread is already running (SIGTERM's handler run inside
-    it): that call goes on and ends the process. Other threads wait here for it.
-    """
+    """End this worker now, with every process it started (from any thread); returns
+    only into a die() this thread already runs (SIGTERM's handler inside it)."""
     global _entered
     _dying.acquire()  # released by os._exit only
     if _entered:  # a signal handler inside this thread's own die(): let that one finish

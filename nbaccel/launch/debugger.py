@@ -2,13 +2,10 @@
 
 A worker whose job raised keeps the traceback (a pool's until its next call; with
 ``notebook_launcher(..., debug=True)`` for ``debug_timeout`` seconds). ``debug()`` prints
-where the other ranks were when it failed, then opens stdlib pdb's post-mortem *in that
-worker*, on the failing frame: each prompt is read with the kernel's own ``input()`` (as
-IPython's ``%debug`` does, so it works in JupyterLab, Colab, Kaggle, VS Code and a plain
-kernel, no extension), the line goes to the worker over its channel, pdb's output comes
-back into the cell. ``up``/``down``/``p``/``pp``/``l``/``where`` and expressions work;
-``q``, ``c`` or an empty input end the session and release the worker (a launch's rank
-then leaves, and the launch is over as without ``debug=True``).
+where the other ranks were, then opens pdb's post-mortem *in that worker*: each prompt is
+read with the kernel's ``input()`` (as IPython's ``%debug``: every front end, no extension)
+and sent over the channel; pdb's output comes back into the cell. ``q``, ``c`` or an empty
+line end the session and release the worker.
 
 Example:
     >>> pool.run(train)  # doctest: +SKIP
@@ -72,16 +69,14 @@ def _debug(rank: int | None, commands: Sequence[str] | None) -> None:
         isinstance(commands, str) or not all(isinstance(c, str) for c in commands)
     ):
         raise TypeError(f"commands={commands!r} must be a list of pdb commands (strs).")
-    job = _kept.last()
-    if job is None:
+    if (job := _kept.last()) is None:
         raise LaunchError(
             "nothing to debug: no job has failed on workers in this kernel. When a pool call "
             "or a notebook_launcher(..., debug=True) run fails, nbaccel.debug() opens pdb on "
             "the failed rank."
         )
     target = job.first if rank is None else rank
-    why = job.unavailable(target)
-    if why is not None:
+    if (why := job.unavailable(target)) is not None:
         raise LaunchError(why)
     if not job.lock.acquire(blocking=False):
         raise LaunchError(f"a debugging session on rank {target} is already open.")
@@ -182,33 +177,26 @@ def _next(group: Supervisor, inbox: _Inbox) -> PdbOutput:
     """The worker's next pdb message of session ``sid``; LaunchError if it dies. The
     interrupt button interrupts what pdb evaluates in the worker (it prompts again); a
     second press while the worker does not answer ends the session."""
-    rank, interrupted = inbox.rank, False
+    rank, proc, interrupted = inbox.rank, group.procs[inbox.rank], False
     while True:
         try:
-            return _wait(group, inbox)
+            while not inbox.messages:
+                if proc.poll() is not None:
+                    group.drain()
+                    raise LaunchError(
+                        f"rank {rank}'s worker exited (code {proc.returncode}) during the "
+                        "debugging session; nothing more to debug there."
+                    )
+                group.pump(WAIT_STEP)
+            return inbox.messages.pop(0)
         except KeyboardInterrupt:
             if interrupted:
                 with contextlib.suppress(OSError, AttributeError):
-                    group.procs[rank].channel.send(PdbLine(inbox.sid, ""))  # type: ignore[union-attr]
+                    proc.channel.send(PdbLine(inbox.sid, ""))  # type: ignore[union-attr]
                 raise
             interrupted = True
-            group.procs[rank].send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGINT)
             _print(f"(interrupting rank {rank}; press again to leave the session)\n")
-
-
-def _wait(group: Supervisor, inbox: _Inbox) -> PdbOutput:
-    rank = inbox.rank
-    proc = group.procs[rank]
-    while True:
-        if inbox.messages:
-            return inbox.messages.pop(0)
-        if proc.poll() is not None:
-            group.drain()
-            raise LaunchError(
-                f"rank {rank}'s worker exited (code {proc.returncode}) during the debugging "
-                "session; nothing more to debug there."
-            )
-        group.pump(WAIT_STEP)
 
 
 def _print(text: str) -> None:

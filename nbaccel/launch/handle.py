@@ -1,16 +1,11 @@
 """``LaunchHandle``: one job running (or finished) on a group of workers.
 
 ``notebook_launcher(..., block=False)`` and ``pool.call(..., block=False)`` return one at
-once; the job is followed by a background thread and the kernel stays responsive. With
-``block=True`` the same object is driven from the calling thread.
-
-Status model (``handle.status()``): one dict per global rank of this node with
-``"state"`` ("starting", "running", "finished", "failed", "killed", "stopped",
-"terminated"), ``"step"`` (the last ``step=`` a worker published), ``"scalars"``
-(latest values of ``publish(..., values={...})``, e.g. from ``Accelerator.log``),
-``"pid"`` and ``"last_event"``. Listeners added with :meth:`LaunchHandle.add_listener`
-are called as ``callback(rank, kind, data)`` on the supervising thread for every
-worker event and every state change (``kind == "state"``).
+once and follow the job in a background thread; ``block=True`` drives the same object from
+the calling thread. ``handle.status()`` has per rank ``"state"`` ("starting", "running",
+"finished", "failed", "killed", "stopped", "terminated"), ``"step"``, ``"scalars"`` (from
+``Accelerator.log``), ``"pid"`` and ``"last_event"``; listeners
+(:meth:`LaunchHandle.add_listener`) get ``callback(rank, kind, data)`` for every event.
 
 Example:
     >>> from nbaccel import notebook_launcher  # doctest: +SKIP
@@ -123,25 +118,20 @@ class LaunchHandle(Observed):
         return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> Any:
-        """Rank 0's return value (a list of every rank's with ``return_all_ranks=True``).
-
-        Raises the workers' failure (see ``notebook_launcher``) if the run failed, or
-        ``TimeoutError`` if it is still running after ``timeout`` seconds.
-        """
-        if not self.wait(timeout):
-            raise TimeoutError(
-                f"the run is still going after {timeout}s; wait longer or call .stop()."
-            )
-        assert self._outcome is not None
-        ok, value = self._outcome
-        if not ok:  # from the cell that asks: the user's error first, not our frames
-            raise clean(value)
+        """Rank 0's return value (a list of every rank's with ``return_all_ranks=True``);
+        raises the run's failure, or ``TimeoutError`` still running after ``timeout`` s."""
+        error = self.exception(timeout)
+        if error is not None:  # from the cell that asks: the user's error first, not our frames
+            raise clean(error)
+        value = self._outcome[1]  # type: ignore[index]
         return [value[r] for r in self.ranks] if self._all_ranks else value[self.ranks[0]]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The failure of a finished run, or None when it succeeded."""
         if not self.wait(timeout):
-            raise TimeoutError(f"the run is still going after {timeout}s.")
+            raise TimeoutError(
+                f"the run is still going after {timeout}s; wait longer or call .stop()."
+            )
         assert self._outcome is not None
         return None if self._outcome[0] else self._outcome[1]
 
@@ -152,11 +142,8 @@ class LaunchHandle(Observed):
             self.wait(timeout)
 
     def stacks(self, ranks: list[int] | None = None) -> dict[int, str]:
-        """Where each running rank is now: its main thread's Python stack, by rank.
-
-        For a live view during a background run (the monitor's "where are the ranks?"
-        button); the workers' channel threads answer, also while a rank waits in C++.
-        """
+        """Where each running rank is now: its main thread's Python stack, by rank (the
+        monitor's "where are the ranks?" button; answered also while a rank waits in C++)."""
         wanted = list(self.ranks if ranks is None else ranks)
         supervisor = self.supervisor
         if supervisor is None or self.done():
