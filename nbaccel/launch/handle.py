@@ -107,6 +107,7 @@ class LaunchHandle(Observed):
         self.label = "the run"
         #: When the job was submitted (``time.time()``).
         self.started = time.time()
+        self._asking = 0  # calls of result()/exception() waiting for the outcome now
 
     # ------------------------------------------------------------------ public API
     def wait(self, timeout: float | None = None) -> bool:
@@ -128,10 +129,14 @@ class LaunchHandle(Observed):
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The failure of a finished run, or None when it succeeded."""
-        if not self.wait(timeout):
-            raise TimeoutError(
-                f"the run is still going after {timeout}s; wait longer or call .stop()."
-            )
+        self._asking += 1  # whoever waits here gets the failure: the cell need not show it
+        try:
+            if not self.wait(timeout):
+                raise TimeoutError(
+                    f"the run is still going after {timeout}s; wait longer or call .stop()."
+                )
+        finally:
+            self._asking -= 1
         assert self._outcome is not None
         return None if self._outcome[0] else self._outcome[1]
 
@@ -175,7 +180,7 @@ class LaunchHandle(Observed):
                 self.on_event(rank, "state", {"state": final})
         self._outcome = (ok, value)
         _LIVE.discard(self)
-        if not ok and self._thread is threading.current_thread():
+        if not ok and self._thread is threading.current_thread() and not self._asking:
             self._show_failure(value)  # before done: whoever waits sees it there already
         self._done.set()
 

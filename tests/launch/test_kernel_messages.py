@@ -115,6 +115,21 @@ def test_a_failed_background_run_speaks_in_its_own_cell(kernel, tmp_path, watche
 
 
 @pytest.mark.timeout(240)
+def test_a_failure_the_cell_waits_for_is_raised_there_not_shown_twice(kernel, tmp_path):
+    flag = tmp_path / "go"
+    flag.write_text("go")
+    caught = kernel.execute(
+        f"h = notebook_launcher(fails_when_told, args=({str(flag)!r},), num_processes=2, "
+        "block=False)\ntry:\n    h.result(timeout=120)\nexcept ValueError as err:\n"
+        "    print('caught', err.__class__.__name__)",
+        timeout=150,
+    )
+    kernel.drain(0.5)
+    # result() raised it to the cell's own code, which handled it: no error output beside
+    assert caught.error is None and "caught ValueError" in caught.stdout, caught.describe()
+
+
+@pytest.mark.timeout(240)
 def test_errors_lead_with_the_users_error(kernel, tmp_path):
     flag = tmp_path / "go"
     flag.write_text("go")
