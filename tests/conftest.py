@@ -165,13 +165,30 @@ def pytest_deselected(items):
 
 def pytest_collectreport(report):
     if _require_all() and report.skipped:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        # (a list where pytest-xdist passed the report on from a worker)
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, (tuple, list)) else longrepr
         _UNRUN.append(f"{report.nodeid} was skipped whole at collection: {reason}")
 
 
 def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        # a pytest-xdist worker (scripts/test.sh runs the suite with -n 2): its deselections
+        # and collection skips happen here, its summary is the controller's
+        workeroutput["nbaccel_unrun"] = list(_UNRUN)
+        return
     if _require_all() and _UNRUN:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
+def pytest_testnodedown(node, error):
+    # pytest-xdist's controller: gather what each worker found missing. A module skipped at
+    # collection is also reported to the controller's own pytest_collectreport, so once only.
+    for line in getattr(node, "workeroutput", {}).get("nbaccel_unrun", ()):
+        if line not in _UNRUN:
+            _UNRUN.append(line)
 
 
 def pytest_terminal_summary(terminalreporter):
