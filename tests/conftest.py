@@ -123,6 +123,22 @@ def _restore_process_state():
         pytest.fail(f"test left child processes running (or unwaited): {leaked}")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _forget_accelerator_state():
+    """After each module: no Accelerator state left in this process for the next module.
+
+    A test that creates an ``Accelerator`` in the pytest process leaves its cached process
+    state behind, and a later launch then refuses to start ("an Accelerator was already
+    created in this kernel"). Run one after the other, some module in between happened to
+    reset it; in pytest-xdist workers (scripts/test.sh) each worker runs only some of the
+    modules, so every module starts without another's state.
+    """
+    yield
+    state = sys.modules.get("nbaccel.runtime.state")
+    if state is not None:
+        state.reset_state()
+
+
 @pytest.fixture
 def kernel_sigint():
     """SIGINT handled as in a kernel's cell: it raises ``KeyboardInterrupt``.
