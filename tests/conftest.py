@@ -123,6 +123,22 @@ def _restore_process_state():
         pytest.fail(f"test left child processes running (or unwaited): {leaked}")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _forget_accelerator_state():
+    """After each module: no Accelerator state left in this process for the next module.
+
+    A test that creates an ``Accelerator`` in the pytest process leaves its cached process
+    state behind, and a later launch then refuses to start ("an Accelerator was already
+    created in this kernel"). Run one after the other, some module in between happened to
+    reset it; in pytest-xdist workers (scripts/test.sh) each worker runs only some of the
+    modules, so every module starts without another's state.
+    """
+    yield
+    state = sys.modules.get("nbaccel.runtime.state")
+    if state is not None:
+        state.reset_state()
+
+
 @pytest.fixture
 def kernel_sigint():
     """SIGINT handled as in a kernel's cell: it raises ``KeyboardInterrupt``.
@@ -165,13 +181,30 @@ def pytest_deselected(items):
 
 def pytest_collectreport(report):
     if _require_all() and report.skipped:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        # (a list where pytest-xdist passed the report on from a worker)
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, (tuple, list)) else longrepr
         _UNRUN.append(f"{report.nodeid} was skipped whole at collection: {reason}")
 
 
 def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        # a pytest-xdist worker (scripts/test.sh runs the suite with -n 2): its deselections
+        # and collection skips happen here, its summary is the controller's
+        workeroutput["nbaccel_unrun"] = list(_UNRUN)
+        return
     if _require_all() and _UNRUN:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
+def pytest_testnodedown(node, error):
+    # pytest-xdist's controller: gather what each worker found missing. A module skipped at
+    # collection is also reported to the controller's own pytest_collectreport, so once only.
+    for line in getattr(node, "workeroutput", {}).get("nbaccel_unrun", ()):
+        if line not in _UNRUN:
+            _UNRUN.append(line)
 
 
 def pytest_terminal_summary(terminalreporter):

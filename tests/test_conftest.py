@@ -80,3 +80,38 @@ def test_require_all_counts_module_skips_and_marker_deselection(tmp_path):
     out = _pytest(tmp_path, skipped, require_all=True)
     assert out.returncode == 1, out.stdout
     assert "skipped whole at collection" in out.stdout and "no_such_module_xyz" in out.stdout
+
+
+def test_require_all_counts_what_xdist_workers_deselect_and_skip(tmp_path):
+    # scripts/test.sh runs the suite in pytest-xdist workers: -m deselection and module skips
+    # happen there, and the controller must still fail the run and name them
+    pytest.importorskip("xdist", reason="pytest-xdist (the test extra) is not installed")
+    source = "import pytest\n@pytest.mark.kernel\ndef test_kernel():\n    pass\n"
+    source += "def test_plain():\n    pass\n"
+    out = _pytest(tmp_path, source, "-n", "2", "-m", "not kernel", require_all=True)
+    assert out.returncode == 1, out.stdout
+    assert "test_kernel (kernel) was deselected" in out.stdout, out.stdout
+    assert _pytest(tmp_path, source, "-n", "2", require_all=True).returncode == 0
+    skipped = "import pytest\npytest.importorskip('no_such_module_xyz')\ndef test_a():\n    pass\n"
+    out = _pytest(tmp_path, skipped, "-n", "2", require_all=True)
+    assert out.returncode == 1, out.stdout
+    assert out.stdout.count("skipped whole at collection") == 1, out.stdout  # named once
+    assert "no_such_module_xyz" in out.stdout, out.stdout
+
+
+def test_no_accelerator_state_passes_from_one_module_to_the_next(tmp_path):
+    # a module that creates an Accelerator in the pytest process must not make a later
+    # module's launch refuse to start (in xdist workers, which module runs next varies)
+    (tmp_path / "test_later.py").write_text(
+        "from nbaccel.launch._safety import check_no_state_in_kernel\n"
+        "def test_launch_allowed():\n"
+        "    check_no_state_in_kernel()\n"
+    )
+    out = _pytest(
+        tmp_path,
+        "from nbaccel import Accelerator\n"
+        "def test_in_process():\n"
+        "    assert Accelerator(cpu=True).num_processes == 1\n",
+    )
+    assert out.returncode == 0, out.stdout
+    assert "2 passed" in out.stdout, out.stdout

@@ -263,7 +263,9 @@ def test_a_pool_nobody_references_is_closed():
 def _spawned() -> bool:
     import psutil
 
-    return "-c" in psutil.Process().cmdline()  # `python -c ...spawn_main()`, not a fork
+    # `python -c "...spawn_main(fd)"`: a forked worker keeps its parent's command line, which
+    # is `python -c ...` itself in a pytest-xdist worker (scripts/test.sh)
+    return "spawn_main" in " ".join(psutil.Process().cmdline())
 
 
 @pytest.mark.timeout(180)
