@@ -286,6 +286,7 @@ class RunMonitor:
                 self._status = handle.status()
             self._last_draw = now = time.monotonic()
             ending = self._all_ended() and not self._ended
+            late = self._ended and not ending and self._log_dirty  # lines after the end
             self._ended = self._ended or ending
             charts_due = self.charts and self._charts_dirty
             if charts_due and not ending and now - self._last_chart < self.chart_interval:
@@ -304,9 +305,11 @@ class RunMonitor:
                 self._print_if_due(ending)
             if ending:
                 self._leave_final_charts()
+            if ending or late:  # a worker's last lines may be read after its end: kept too
                 ended = dict(self._progress, outcome=self._runs.outcome) if self._progress else {}
                 frozen = view.static_bundle(self.text(), self.rows(), ended, self._log)
                 self._live.replace(self._cell, frozen)  # plain outputs: saved with the notebook
+                self._log_dirty = False
 
     def _draw_widget(self, svg: str | None) -> None:
         assert self._view is not None

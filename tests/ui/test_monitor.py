@@ -425,3 +425,23 @@ def test_a_monitor_opened_late_still_charts_from_the_first_step():
     data = monitor.chart_data()["loss"]
     assert [x for x, _ in data[0]] == [0, 2, 4] and [x for x, _ in data[1]] == [1, 3, 5]
     assert monitor._progress == {}
+
+
+def test_lines_read_after_the_run_ended_reach_the_saved_copy():
+    """A worker's last lines come through its pipe, its end through the channel: the
+    lines may be read after the end was drawn (a loaded CI run lost '[rank0] done')."""
+    handle = FakeHandle(ranks=(0,))
+    monitor = RunMonitor(handle, widget=False, stream=None, interval=0, chart_interval=0)
+    updates = []
+
+    class Cell:
+        def update(self, display_id, bundle):
+            updates.append(bundle)
+
+    monitor._cell, monitor._live.shown_in = Cell(), "the launching cell"
+    handle.emit(0, "state", state="running")
+    monitor._on_output("line", "stdout", "[rank0] step 1\n")
+    handle.emit(0, "state", state="finished")
+    assert "[rank0] step 1" in updates[-1]["text/plain"]
+    monitor._on_output("line", "stdout", "[rank0] done\n")  # read after the end
+    assert "[rank0] done" in updates[-1]["text/plain"], updates[-1]
