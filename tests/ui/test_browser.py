@@ -20,18 +20,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import secrets
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
 import psutil
 import pytest
+from jupyter_server import get, jupyter_lab
 
-from nbaccel.launch.testing import find_free_port
 from nbaccel.platform.environment import cpu_count
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -162,23 +159,8 @@ def _write_notebook(path: Path, *cells: str) -> None:
     nbformat.write(nb, path)
 
 
-def _get(url: str, token: str, method: str = "GET", timeout: float = 5) -> int:
-    request = urllib.request.Request(
-        url,
-        method=method,
-        headers={"Authorization": f"token {token}"},
-        data=b"" if method == "POST" else None,
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return int(response.status)
-
-
 def _idle_kernels(base: str, token: str) -> int:
-    request = urllib.request.Request(
-        f"{base}/api/kernels", headers={"Authorization": f"token {token}"}
-    )
-    with urllib.request.urlopen(request, timeout=5) as response:
-        kernels = json.load(response)
+    kernels = json.loads(get(f"{base}/api/kernels", token))
     return sum(kernel.get("execution_state") == "idle" for kernel in kernels)
 
 
@@ -212,58 +194,15 @@ def lab(tmp_path, ui):
     root.mkdir()
     _write_notebook(root / "panel.ipynb")
     _write_notebook(root / "monitor.ipynb", *MONITOR_CELLS)
-    config_dir = tmp_path / "jupyter-config"
-    (config_dir / "labconfig").mkdir(parents=True)
-    # No "get Jupyter news?" toast over the notebook.
-    (config_dir / "labconfig" / "page_config.json").write_text(
-        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
-    )
-    nbaccel_config = tmp_path / "nbaccel.yaml"
-    nbaccel_config.write_text("config_version: 1\ncompute_device: cpu\nnum_processes: 1\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NBACCEL_", "JUPYTER"))}
-    env.update(
-        NBACCEL_CONFIG_FILE=str(nbaccel_config),
-        JUPYTER_CONFIG_DIR=str(config_dir),
-        JUPYTER_RUNTIME_DIR=str(tmp_path / "jupyter-runtime"),
-        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "jupyter-workspaces"),
-        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "jupyter-settings"),
-        XDG_CACHE_HOME=str(tmp_path / "cache"),
-    )
-    port, token = find_free_port(), secrets.token_hex(16)
-    log = (tmp_path / "lab.log").open("w")
-    server = subprocess.Popen(
-        [
-            sys.executable, "-m", "jupyter", "lab", "--no-browser",
-            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-            *(["--allow-root"] if os.geteuid() == 0 else []),
-        ],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if _get(f"{base}/api/status", token) == 200:
-                    break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"JupyterLab did not start:\n{(tmp_path / 'lab.log').read_text()}")
-            time.sleep(0.3)
-        yield base, token, server
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(10)
-        log.close()
+    yaml = "config_version: 1\ncompute_device: cpu\nnum_processes: 1\n"
+    with jupyter_lab(tmp_path, root, nbaccel_yaml=yaml) as server:
+        yield server
 
 
 def _stop_server(base: str, token: str, server: subprocess.Popen) -> None:
     """Shut JupyterLab down the polite way (it stops its kernels), then wait for it."""
     try:
-        _get(f"{base}/api/shutdown", token, method="POST")
+        get(f"{base}/api/shutdown", token, method="POST")
     except OSError:
         server.terminate()
     try:
@@ -380,13 +319,9 @@ def _save_and_reopen_without_the_kernel(page, base: str, token: str, root: Path)
         time.sleep(0.2)
     saved = nbformat.read(root / "monitor.ipynb", as_version=4).cells[1].outputs
     assert not [out for out in saved if WIDGET_MIME in out.get("data", {})], saved
-    request = urllib.request.Request(
-        f"{base}/api/kernels", headers={"Authorization": f"token {token}"}
-    )
-    with urllib.request.urlopen(request, timeout=5) as response:
-        kernels = [kernel["id"] for kernel in json.load(response)]
+    kernels = [kernel["id"] for kernel in json.loads(get(f"{base}/api/kernels", token))]
     for kernel in kernels:  # reopened later: the kernel that drew the widgets is gone
-        _get(f"{base}/api/kernels/{kernel}", token, method="DELETE")
+        get(f"{base}/api/kernels/{kernel}", token, method="DELETE")
     page.reload()
     page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
     outputs = _outputs(page, 1)

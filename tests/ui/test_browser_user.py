@@ -17,18 +17,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import secrets
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 from browser_scenario import CHROMIUM, CHROMIUM_ARGS, LAB, NOTEBOOK, run_scenario, write_notebook
+from jupyter_server import get, jupyter_lab
 
-from nbaccel.launch.testing import find_free_port
 from nbaccel.platform.environment import cpu_count
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -36,17 +32,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 
-def _get(url: str, token: str, method: str = "GET") -> bytes:
-    request = urllib.request.Request(
-        url, method=method, headers={"Authorization": f"token {token}"},
-        data=b"" if method == "POST" else None,
-    )  # fmt: skip
-    with urllib.request.urlopen(request, timeout=5) as response:
-        return bytes(response.read())
-
-
 def _kernel_idle(base: str, token: str) -> bool:
-    kernels = json.loads(_get(f"{base}/api/kernels", token))
+    kernels = json.loads(get(f"{base}/api/kernels", token))
     return any(kernel.get("execution_state") == "idle" for kernel in kernels)
 
 
@@ -64,65 +51,9 @@ def lab(tmp_path_factory):
     root = tmp / "root"
     root.mkdir()
     write_notebook(root)
-    settings = tmp / "jupyter-settings"
-    (settings / "@jupyterlab" / "notebook-extension").mkdir(parents=True)
-    # every cell in the DOM (JupyterLab 4 renders only the visible ones by default)
-    (settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings").write_text(
-        json.dumps({"windowingMode": "none"})
-    )
-    config_dir = tmp / "jupyter-config"
-    (config_dir / "labconfig").mkdir(parents=True)
-    (config_dir / "labconfig" / "page_config.json").write_text(
-        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
-    )
-    nbaccel_config = tmp / "nbaccel.yaml"  # no num_processes: the panel picks what fits
-    nbaccel_config.write_text("config_version: 1\ncompute_device: cpu\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NBACCEL_", "JUPYTER"))}
-    env.update(
-        NBACCEL_CONFIG_FILE=str(nbaccel_config),
-        JUPYTER_CONFIG_DIR=str(config_dir),
-        JUPYTER_RUNTIME_DIR=str(tmp / "jupyter-runtime"),
-        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "jupyter-workspaces"),
-        JUPYTERLAB_SETTINGS_DIR=str(settings),
-        XDG_CACHE_HOME=str(tmp / "cache"),
-    )
-    port, token = find_free_port(), secrets.token_hex(16)
-    log = (tmp / "lab.log").open("w")
-    server = subprocess.Popen(
-        [
-            sys.executable, "-m", "jupyter", "lab", "--no-browser",
-            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-            *(["--allow-root"] if os.geteuid() == 0 else []),
-        ],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                _get(f"{base}/api/status", token)
-                break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"JupyterLab did not start:\n{(tmp / 'lab.log').read_text()}")
-            time.sleep(0.3)
-        yield base, token, server, root
-    finally:
-        if server.poll() is None:  # a failed test: its kernel and workers go with the server
-            left = psutil.Process(server.pid).children(recursive=True)
-            try:
-                _get(f"{base}/api/shutdown", token, method="POST")
-                server.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                server.kill()
-                server.wait(10)
-            for proc in left:
-                if proc.is_running():
-                    proc.kill()
-        log.close()
+    yaml = "config_version: 1\ncompute_device: cpu\n"  # no num_processes: the panel picks
+    with jupyter_lab(tmp, root, nbaccel_yaml=yaml, every_cell_in_dom=True) as server:
+        yield (*server, root)
 
 
 def test_what_a_notebook_user_sees_in_jupyterlab(lab, tmp_path):
@@ -160,7 +91,7 @@ def test_what_a_notebook_user_sees_in_jupyterlab(lab, tmp_path):
                 context.close()
     finally:  # the server stops its kernel (and the kernel its workers) whatever happened
         descendants = psutil.Process(server.pid).children(recursive=True)
-        _get(f"{base}/api/shutdown", token, method="POST")
+        get(f"{base}/api/shutdown", token, method="POST")
         server.wait(30)
     alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left after the server stopped: {[p.pid for p in alive]}"
