@@ -10,6 +10,8 @@ tests/ui/test_browser_user.py does in JupyterLab 4: a failed background run spea
 its cell, a re-run launching cell is refused, one titled chart set per run, rank 0's
 tqdm bar once, and the LaunchPanel (2 processes, Launch, both ranks' output, the return
 value, the monitor, the Stop button) with the launcher's oversubscription warning.
+Then (item 4) the notebook is saved, its kernel deleted and the page reloaded: the
+watched run's lines and charts are plain outputs, no "widget could not be displayed".
 
 Run by scripts/test_stacks.sh (NBACCEL_STACK=colab, NBACCEL_STACK_ROOT=the root).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import secrets
 import shutil
@@ -115,6 +118,33 @@ def notebook6():
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _saved_and_reopened_without_the_kernel(page, base: str, token: str, folder: Path) -> None:
+    """Item 4: the notebook saved, the kernel that drew the widgets gone, reopened: a watched
+    run's lines and final charts are plain outputs (no widget left to fail to display)."""
+    from playwright.sync_api import expect
+
+    page.evaluate("Jupyter.notebook.save_checkpoint()")
+    deadline = time.monotonic() + 60
+    while "training done on rank 1" not in (folder / NOTEBOOK).read_text():
+        assert time.monotonic() < deadline, "the notebook was not saved within 60 s"
+        time.sleep(0.2)
+    request = urllib.request.Request(
+        f"{base}/api/kernels", headers={"Authorization": f"token {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        kernels = [kernel["id"] for kernel in json.load(response)]
+    for kernel in kernels:
+        _get(f"{base}/api/kernels/{kernel}", token, method="DELETE")
+    page.reload()  # Notebook 6 starts a fresh kernel: it knows none of the old widgets
+    page.locator("#kernel_indicator_icon.kernel_idle_icon").wait_for(timeout=90_000)
+    watched = NOTEBOOK6.cell_at(page, 5)  # the watched run that finished
+    expect(watched).to_contain_text("training done on rank 1")
+    expect(watched).to_contain_text("finished")
+    assert watched.locator("svg[class*='nbaccel-charts'], img").count() >= 1
+    for broken in ("Error displaying widget", "could not be displayed", "model not found"):
+        expect(watched).not_to_contain_text(broken)
+
+
 def test_what_a_notebook_user_sees_on_ipywidgets7_in_notebook6(notebook6, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -139,6 +169,7 @@ def test_what_a_notebook_user_sees_on_ipywidgets7_in_notebook6(notebook6, tmp_pa
                 expect(NOTEBOOK6.outputs(page, 0)).to_contain_text("ipywidgets 7.7.1")
                 panel = page.locator(".nbaccel-launch-panel")
                 expect(panel.get_by_role("button", name="Save as default")).to_be_visible()
+                _saved_and_reopened_without_the_kernel(page, base, token, folder)
             except Exception:
                 (ARTIFACTS / "widgets7-notebook6-failed.html").write_text(page.content())
                 (ARTIFACTS / "widgets7-notebook6-console.txt").write_text("\n".join(console))
