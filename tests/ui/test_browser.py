@@ -27,25 +27,15 @@ from typing import NamedTuple
 
 import psutil
 import pytest
+from browser_scenario import CHROMIUM, CHROMIUM_ARGS
 from jupyter_server import get, jupyter_lab
 
 from nbaccel.platform.environment import cpu_count
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 class UI(NamedTuple):
