@@ -48,6 +48,17 @@ NOTEBOOK = "user.ipynb"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"  # screenshots of cells
 LONG = 120_000  # ms: only stops a stuck run
 
+
+def open_chromium(pw: Any, profile: Path, *, height: int = 1400) -> tuple[Any, Any]:
+    """Debian's Chromium through Playwright, headless, its profile in ``profile``:
+    (the browser context, its page). Close the context when done."""
+    context = pw.chromium.launch_persistent_context(
+        user_data_dir=str(profile), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+        viewport={"width": 1200, "height": height},
+    )  # fmt: skip
+    return context, context.pages[0] if context.pages else context.new_page()
+
+
 SETUP = """\
 import os, time
 import psutil

@@ -33,9 +33,9 @@ import psutil
 import pytest
 from browser_scenario import (
     CHROMIUM,
-    CHROMIUM_ARGS,
     NOTEBOOK,
     NOTEBOOK6,
+    open_chromium,
     run_scenario,
     write_notebook,
 )
@@ -151,15 +151,8 @@ def test_what_a_notebook_user_sees_on_ipywidgets7_in_notebook6(notebook6, tmp_pa
     base, token, server, folder = notebook6
     timings: dict[str, float] = {}
     with sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            user_data_dir=str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM,
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1200, "height": 1400},
-        )
+        context, page = open_chromium(pw, tmp_path / "chromium-profile")
         try:
-            page = context.pages[0] if context.pages else context.new_page()
             console: list[str] = []  # the front end's messages, saved if a check fails
             page.on("console", lambda msg: console.append(f"{msg.type}: {msg.text}"))
             page.goto(f"{base}/notebooks/{NOTEBOOK}?token={token}")

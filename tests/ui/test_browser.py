@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import psutil
 import pytest
-from browser_scenario import CHROMIUM, CHROMIUM_ARGS
+from browser_scenario import CHROMIUM, open_chromium
 from jupyter_server import get, jupyter_lab
 
 from nbaccel.platform.environment import cpu_count
@@ -211,15 +211,8 @@ def test_launch_panel_in_browser(lab, tmp_path, ui):
     ARTIFACTS.mkdir(exist_ok=True)
     started = time.monotonic()
     with sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            user_data_dir=str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM,
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1200, "height": 1100},
-        )
+        context, page = open_chromium(pw, tmp_path / "chromium-profile", height=1100)
         try:
-            page = context.pages[0] if context.pages else context.new_page()
             page.goto(f"{base}{UIS[ui].path}?token={token}")
             page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
             _wait_for_idle_kernel(page, base, token)
@@ -332,15 +325,8 @@ def test_monitor_charts_live_and_output_stays_in_its_cell(lab, tmp_path, ui):
     base, token, server = lab
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            user_data_dir=str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM,
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1200, "height": 1400},
-        )
+        context, page = open_chromium(pw, tmp_path / "chromium-profile")
         try:
-            page = context.pages[0] if context.pages else context.new_page()
             page.goto(f"{base}/lab/tree/monitor.ipynb?token={token}")
             page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
             _wait_for_idle_kernel(page, base, token)

@@ -22,7 +22,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from browser_scenario import CHROMIUM, CHROMIUM_ARGS, LAB, NOTEBOOK, run_scenario, write_notebook
+from browser_scenario import (
+    CHROMIUM,
+    LAB,
+    NOTEBOOK,
+    open_chromium,
+    run_scenario,
+    write_notebook,
+)
 from jupyter_server import get, jupyter_lab
 
 from nbaccel.platform.environment import cpu_count
@@ -65,15 +72,8 @@ def test_what_a_notebook_user_sees_in_jupyterlab(lab, tmp_path):
     descendants: list[psutil.Process] = []
     try:
         with sync_playwright() as pw:
-            context = pw.chromium.launch_persistent_context(
-                user_data_dir=str(tmp_path / "chromium-profile"),
-                executable_path=CHROMIUM,
-                headless=True,
-                args=CHROMIUM_ARGS,
-                viewport={"width": 1200, "height": 1400},
-            )
+            context, page = open_chromium(pw, tmp_path / "chromium-profile")
             try:
-                page = context.pages[0] if context.pages else context.new_page()
                 page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
                 page.locator(LAB.cell).first.wait_for(timeout=90_000)
                 deadline = time.monotonic() + 90
