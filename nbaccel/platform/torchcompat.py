@@ -9,7 +9,11 @@ those runs found live here, each keyed to the torch version that fixed it:
 * torch < 2.8: destroying a gloo process group holds the GIL while joining gloo's
   worker threads, and a worker thread that is just freeing a finished collective's
   tensors needs the GIL: a deadlock, one run in a few, right after the last
-  collective. :func:`destroy_process_group` avoids it.
+  collective. :func:`destroy_process_group` avoids it;
+* torch < 2.7: a ``torch.profiler`` block around a ``DistributedDataParallel`` backward
+  can corrupt the heap: the rank dies with SIGABRT or SIGSEGV (gloo, in a launched worker:
+  2.4.1 one run in three, 2.5.1 and 2.6.0 4 of 49; 2.7.1 and 2.9.1 0 of 20), see
+  :func:`profiler_survives_ddp_backward`.
 
 torch is imported only inside the functions.
 
@@ -49,6 +53,11 @@ def libuv_store_adopts_socket() -> bool:
     their legacy backend (``use_libuv=False``) adopts the socket.
     """
     return torch_at_least(2, 8)
+
+
+def profiler_survives_ddp_backward() -> bool:
+    """Whether ``torch.profiler`` records a DDP backward without crashing (torch >= 2.7)."""
+    return torch_at_least(2, 7)
 
 
 # The oldest torch whose FSDP2 (``fully_shard``) passes nbaccel's FSDP tests on the CPU
@@ -158,6 +167,7 @@ __all__ = [
     "dtensor_module",
     "fsdp_supported",
     "libuv_store_adopts_socket",
+    "profiler_survives_ddp_backward",
     "reread_debug_level",
     "skip_teardown_at_exit",
     "torch_at_least",

@@ -176,7 +176,13 @@ class AccelerateAttributes:
         """Profile the block with ``torch.profiler`` (settings: ``profile_handler``, else
         the ``ProfileKwargs`` in ``kwargs_handlers``); yields the profiler."""
         handler = profile_handler or self._handlers.get(ProfileKwargs)
-        with profiling.profile(handler, rank=self._process.rank) as profiler:
+        data_parallel = self._process.distributed_type in (
+            DistributedType.MULTI_CPU,
+            DistributedType.MULTI_GPU,
+        )
+        with profiling.profile(
+            handler, rank=self._process.rank, data_parallel=data_parallel
+        ) as profiler:
             yield profiler
         if handler is not None and handler.output_trace_dir is not None:
             ops.barrier("profile")  # as Accelerate: every rank's trace exists afterwards

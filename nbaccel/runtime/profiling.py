@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from ..platform.torchcompat import profiler_survives_ddp_backward
 from .options import ProfileKwargs
 
 _ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")
@@ -45,10 +47,22 @@ def _activities(names: list[str] | None) -> list[Any] | None:
 
 
 @contextlib.contextmanager
-def profile(handler: ProfileKwargs | None, *, rank: int) -> Iterator[Any]:
+def profile(
+    handler: ProfileKwargs | None, *, rank: int, data_parallel: bool = False
+) -> Iterator[Any]:
     """Profile the block with ``torch.profiler``; yields the profiler (``prof.step()``,
-    ``prof.key_averages()``)."""
+    ``prof.key_averages()``). ``data_parallel``: the process trains a DDP model."""
     handler = handler or ProfileKwargs()
+    if data_parallel and not profiler_survives_ddp_backward():
+        # a crash in torch's C++ kills the rank without a Python error: say why beforehand
+        warnings.warn(
+            f"nbaccel: torch {torch.__version__} may crash this rank (SIGABRT or SIGSEGV; on "
+            "torch 2.4 about one run in three) when the profiled block runs a "
+            "DistributedDataParallel backward: a bug of torch < 2.7. Fix: install torch>=2.7, "
+            "or profile forward passes only.",
+            RuntimeWarning,
+            stacklevel=5,  # the user's `with accelerator.profile():` (two context managers)
+        )
     schedule = None
     if handler.schedule_option is not None:
         try:

@@ -104,7 +104,10 @@ def test_comm_hook_options_are_checked_at_construction():
 
 
 def _profile_worker(trace_dir):
+    import warnings
+
     from nbaccel import ProfileKwargs
+    from nbaccel.platform.torchcompat import profiler_survives_ddp_backward
 
     accelerator = _accelerator(
         kwargs_handlers=[
@@ -112,14 +115,23 @@ def _profile_worker(trace_dir):
         ]
     )
     model = accelerator.prepare(torch.nn.Linear(8, 8))
-    with accelerator.profile() as prof:
-        model(torch.ones(2, 8)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with accelerator.profile() as prof:
+            out = model(torch.ones(2, 8)).sum()
+            if profiler_survives_ddp_backward():  # torch 2.4 crashes here 1 run in 3
+                out.backward()
     names = {event.key for event in prof.key_averages()}
-    return "aten::addmm" in names or "aten::linear" in names
+    warned = [str(w.message) for w in caught if "torch>=2.7" in str(w.message)]
+    return ("aten::addmm" in names or "aten::linear" in names, len(warned))
 
 
 def test_profile_writes_one_chrome_trace_per_rank(tmp_path):
-    assert run_on_workers(_profile_worker, 2, args=(str(tmp_path),)) == [True, True]
+    from nbaccel.platform.torchcompat import profiler_survives_ddp_backward
+
+    # torch < 2.7 can corrupt its heap profiling a DDP backward: each rank is told first
+    warned = 0 if profiler_survives_ddp_backward() else 1
+    assert run_on_workers(_profile_worker, 2, args=(str(tmp_path),)) == [(True, warned)] * 2
     for rank in (0, 1):
         trace = json.loads((tmp_path / f"profile_{rank}.json").read_text())
         assert trace["traceEvents"], rank
