@@ -6,6 +6,10 @@ the calling thread. ``handle.status()`` has per rank ``"state"`` ("starting", "r
 "finished", "failed", "killed", "stopped", "terminated"), ``"step"``, ``"scalars"`` (from
 ``Accelerator.log``), ``"pid"`` and ``"last_event"``; listeners
 (:meth:`LaunchHandle.add_listener`) get ``callback(rank, kind, data)`` for every event.
+The kernel's stop (interrupt) button, pressed while no cell runs, stops the background runs
+that show in a cell: between requests ipykernel ignores SIGINT through the handler it keeps
+in ``kernel.saved_sigint_handler`` (ipykernel 6 and 7), which nbaccel takes while a run is
+alive; while a cell runs, the button interrupts that cell, as always.
 
 Example:
     >>> from nbaccel import notebook_launcher  # doctest: +SKIP
@@ -18,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 import weakref
@@ -26,7 +31,7 @@ from typing import Any
 
 from ..errors import Stopped
 from . import _lifetimes
-from ._interrupt import arm
+from ._cell_output import _kernel
 from ._status import Observed, RankStatus
 from ._tidy import clean, show_in_cell
 
@@ -46,7 +51,7 @@ def _stop_live_handles() -> None:
 
 def _stop_on_interrupt() -> int:
     """The kernel's stop button while no cell runs: stop every background run of this
-    kernel that shows in a cell, and say so there (see ``_interrupt``)."""
+    kernel that shows in a cell, and say so there; how many were stopped."""
     live = [h for h in list(_LIVE) if not h.done() and h.cell_output is not None]
     for handle in live:
         handle.stop_requested.set()  # the run's own thread ends it: nothing blocks here
@@ -61,6 +66,31 @@ def _stop_on_interrupt() -> int:
     if live:
         threading.Thread(target=say, name="nbaccel-stopped", daemon=True).start()
     return len(live)
+
+
+_sigint: dict[str, Any] = {"previous": None}  # the idle kernel's handler nbaccel replaced
+
+
+def _arm() -> None:
+    """Let the idle kernel's interrupt stop the background runs (0 stopped: the handler
+    that was there gets it)."""
+    kernel = _kernel()
+    if kernel is None or threading.current_thread() is not threading.main_thread():
+        return
+    # (an ipykernel without saved_sigint_handler does not swap handlers per request)
+    if (handler := getattr(kernel, "saved_sigint_handler", _on_interrupt)) is not _on_interrupt:
+        _sigint["previous"] = handler
+        kernel.saved_sigint_handler = _on_interrupt  # in place once this request ends
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    if _stop_on_interrupt():
+        return
+    previous = _sigint["previous"]
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        raise KeyboardInterrupt
 
 
 def running_from(cell: Any) -> LaunchHandle | None:
@@ -206,7 +236,7 @@ class LaunchHandle(Observed):
         _lifetimes.register("handle", _stop_live_handles)  # nothing outlives the kernel
         _LIVE.add(self)
         if self.cell_output is not None:  # the stop button, pressed while idle, stops it
-            arm(_stop_on_interrupt)
+            _arm()
         self._thread = threading.Thread(target=self._background, name="nbaccel-job", daemon=True)
         self._thread.start()
 
