@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from ..config.options import DEBUG_TIMEOUT  # a failed rank waits this long for debug()
 from . import _lifetimes
-from ._failures import Failure, signal_name
 from ._supervisor import Hook, Supervisor
+from ._tidy import Failure, signal_name
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
 LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session

@@ -26,12 +26,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
-from ._failures import Failure, add_note, name_missing, pick_failure, remote_exception, trim_stack
 from ._group import Group
 from ._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
 from ._output import LineForwarder
 from ._preload import remember_worker_imports
 from ._process import WorkerProcess
+from ._tidy import Failure, add_note, fatal_stack, name_missing, pick_failure, remote_exception
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
@@ -107,6 +107,7 @@ class Supervisor:
         self._job: int | None = None
         self._done: dict[int, Done] = {}  # this job's answers, by rank
         self._done_at: dict[int, float] = {}
+        self._errors: dict[int, Failure] = {}  # this job's failed ranks
         self._fatal: dict[int, Failure] = {}
         self._answers: dict[int, dict[int, dict[str, Any]]] = {}
         self._reader: threading.Thread | None = None  # the thread in run_job, reading
@@ -132,12 +133,9 @@ class Supervisor:
                 if message.ok:
                     self.on_event(rank, "state", {"state": "finished"})
                 else:
-                    summary = self._job_failure(rank).summary()
-                    self.on_event(rank, "state", {"state": "failed", "error": summary})
+                    self._errors[rank] = self._raised(rank, message.payload)
             case Fatal(info=info):
-                failure = Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
-                self._fatal[rank] = failure
-                self.on_event(rank, "state", {"state": "failed", "error": failure.summary()})
+                self._fatal[rank] = self._raised(rank, info)
             case ProbeAnswer(request=request) if request in self._answers:
                 self._answers[request][rank] = message.report
         for hook in self.hooks:
@@ -189,7 +187,7 @@ class Supervisor:
     ) -> dict[int, Any]:
         """Wait until every rank in ``ranks`` finished ``job`` (one-shot: and exited);
         return the values of ``want``. Raises :class:`JobFailed`."""
-        self._job, self._done, self._done_at = job, {}, {}
+        self._job, self._done, self._done_at, self._errors = job, {}, {}, {}
         self._reader = threading.current_thread()
         procs = [self.procs[r] for r in ranks]
         first_problem: float | None = None
@@ -230,22 +228,22 @@ class Supervisor:
             self._reader = None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _job_failure(self, rank: int) -> Failure:
-        info = self._done[rank].payload
-        proc = self.procs[rank]
-        return Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
+    def _raised(self, rank: int, info: dict[str, Any]) -> Failure:
+        """``rank`` raised (its report: ``info``): its state is "failed" from now on."""
+        failure = Failure(rank, self.procs[rank].pid, info.get("time", 0.0), "exception", info)
+        self.on_event(rank, "state", {"state": "failed", "error": failure.summary()})
+        return failure
 
     def failures(self, procs: list[WorkerProcess]) -> list[Failure]:
         """The job's failed ranks, and every rank of the group that failed or died."""
-        failed = {r for r, done in self._done.items() if not done.ok}
-        out = [self._job_failure(p.rank) for p in procs if p.rank in failed]
+        out = [self._errors[p.rank] for p in procs if p.rank in self._errors]
         out += [f for r, f in self._fatal.items() if r not in {f.rank for f in out}]
         for proc in self.procs.values():
             if not self.workers.exited(proc) or proc.rank in {f.rank for f in out}:
                 continue
             assert proc.exit_time is not None and proc.returncode is not None
             if proc.returncode < 0:
-                stack = trim_stack(self.workers.tail(proc.rank))
+                stack = fatal_stack(self.workers.tail(proc.rank))
                 code = -proc.returncode
                 out.append(
                     Failure(proc.rank, proc.pid, proc.exit_time, "signal", code=code, stack=stack)
