@@ -72,8 +72,7 @@ class Hang:
     stacks: dict[int, str]
     calls: dict[int, str | None]
     seconds: float
-    policy: HangPolicy
-    next_report: float = field(default=0.0)
+    next_report: float  # seconds until it is reported again
     busy: list[int] = field(default_factory=list)  # working ranks the others wait for
 
     def text(self) -> str:
@@ -91,13 +90,6 @@ class Hang:
             "WorkerTimeoutError, hang_after=0 turns this watchdog off. Ranks calling "
             "different collectives? debug_collectives=True makes torch check every call.\n"
         )
-
-    def report(self, forwarder: Any, on_event: Callable[[int, str, dict], None]) -> None:
-        """Write the report where the job's output goes; one ``"hang"`` event per rank."""
-        forwarder.note(self.ranks[0], self.text())
-        for rank in [] if self.busy else self.ranks:
-            data = {"seconds": self.seconds, "call": self.calls.get(rank), "time": time.time()}
-            on_event(rank, "hang", data)
 
 
 class Watchdog:
@@ -195,9 +187,8 @@ class Watchdog:
                 "a collective called differently on different ranks (shapes, or another "
                 "call)? debug_collectives=True makes torch name the mismatch."
             )
-        hang = Hang(sorted(busy), "\n".join(lines), stacks, calls, idle, self.policy)
-        hang.next_report = self.policy.after * 2**self._reports
-        return hang
+        again = self.policy.after * 2**self._reports
+        return Hang(sorted(busy), "\n".join(lines), stacks, calls, idle, again)
 
     def _working(self, cpu_seconds: Mapping[int, float | None], now: float) -> list[int]:
         """The ranks whose CPU time advanced by ``BUSY_SHARE`` of the time since no progress
@@ -233,9 +224,8 @@ class Watchdog:
         lines += [f"  rank {r}: waiting in {calls[r]}" for r in waiting if calls.get(r)]
         stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in working}
         ranks = sorted(waiting + working)
-        hang = Hang(ranks, "\n".join(lines), stacks, calls, idle, self.policy, busy=working)
-        hang.next_report = self.policy.after * 2**self._reports
-        return hang
+        again = self.policy.after * 2**self._reports
+        return Hang(ranks, "\n".join(lines), stacks, calls, idle, again, busy=working)
 
 
 class HangWatch(Hook):
@@ -259,10 +249,13 @@ class HangWatch(Hook):
         assert self._dog is not None
         seqs = {r: d.collectives for r, d in done.items()}
         hang = self._dog.look(busy, seqs, self.activity)
-        if hang is not None and hang.policy.action == "raise" and not hang.busy:
+        if hang is not None and self._dog.policy.action == "raise" and not hang.busy:
             return sup.hung(busy, hang.reason, hang.stacks)
-        if hang is not None:
-            hang.report(sup.workers.forwarder, sup.on_event)
+        if hang is not None:  # where the job's output goes; one "hang" event per stuck rank
+            sup.workers.forwarder.note(hang.ranks[0], hang.text())
+            for rank in [] if hang.busy else hang.ranks:
+                data = {"seconds": hang.seconds, "call": hang.calls.get(rank), "time": time.time()}
+                sup.on_event(rank, "hang", data)
         return None
 
 

@@ -25,7 +25,6 @@ import itertools
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from ..errors import LaunchError
 from . import _kept
@@ -213,18 +212,4 @@ def nbaccel_debug(line: str) -> None:
     debug(int(words[0]) if words else None)
 
 
-def register_magic(ipython: Any) -> None:
-    """Register ``%nbaccel_debug`` (``%load_ext nbaccel`` calls this)."""
-    from IPython.core.error import UsageError
-
-    def magic(line: str) -> None:
-        try:
-            nbaccel_debug(line)
-        except (LaunchError, ValueError) as err:  # why no session: a message, no traceback
-            raise UsageError(str(err)) from None
-
-    magic.__doc__ = nbaccel_debug.__doc__
-    ipython.register_magic_function(magic, "line", "nbaccel_debug")
-
-
-__all__ = ["debug", "nbaccel_debug", "register_magic"]
+__all__ = ["debug", "nbaccel_debug"]

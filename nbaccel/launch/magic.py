@@ -35,7 +35,8 @@ import symtable
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from .debugger import register_magic
+from ..errors import LaunchError
+from .debugger import nbaccel_debug
 from .pool import WorkerPool, current_pool
 
 USAGE = "%%distributed [--ranks 0,1] [--pool NAME]"
@@ -131,7 +132,8 @@ def kernel_names(source: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register ``%%distributed`` (called by ``%load_ext nbaccel``)."""
+    """Register ``%%distributed`` and ``%nbaccel_debug [rank]`` (pdb on a failed rank;
+    called by ``%load_ext nbaccel``)."""
     from IPython.core.error import UsageError
 
     from ..platform import cudatrace
@@ -146,9 +148,15 @@ def load_ipython_extension(ipython: Any) -> None:
                 raise UsageError(str(err)) from None
             raise
 
-    magic.__doc__ = __doc__
+    def debug_magic(line: str) -> None:
+        try:
+            nbaccel_debug(line)
+        except (LaunchError, ValueError) as err:  # why no session: a message, no traceback
+            raise UsageError(str(err)) from None
+
+    magic.__doc__, debug_magic.__doc__ = __doc__, nbaccel_debug.__doc__
     ipython.register_magic_function(magic, "cell", "distributed")
-    register_magic(ipython)  # %nbaccel_debug [rank]: pdb on a failed rank
+    ipython.register_magic_function(debug_magic, "line", "nbaccel_debug")
 
 
 __all__ = ["distributed", "load_ipython_extension"]
