@@ -150,12 +150,27 @@ class Watchdog:
         waits = any(calls.values()) or len(set(known.values())) > 1
         working = [r for r in working if not calls[r]]
         blocked = {r: answers.get(r, {}).get("in_torch") for r in busy}
-        if working and waits:
-            others = [r for r in busy if r not in working]
-            return self._busy(working, others, calls, answers, idle) if others else None
         if not waits and (working or not all(blocked.values())):
             return None  # nobody waits on a peer: a long computation, not a hang
+        if working and not (waiting := [r for r in busy if r not in working]):
+            return None
         self._reports += 1
+        again = self.policy.after * 2**self._reports
+        stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in working or busy}
+        if working:  # the others wait for ranks that compute: reported, never ended
+            where = ", ".join(
+                f"rank {r}, which is busy in {answers.get(r, {}).get('frame') or 'its code'}"
+                for r in working
+            )
+            lines = [
+                f"rank(s) {', '.join(map(str, waiting))} wait for {where} (no progress for "
+                f"{idle:.0f}s, but its CPU time advances: it works, it is not stuck; the job "
+                "goes on whatever on_hang says)."
+            ]
+            lines += [f"  rank {r}: waiting in {calls[r]}" for r in waiting if calls.get(r)]
+            return Hang(
+                sorted(waiting + working), "\n".join(lines), stacks, calls, idle, again, working
+            )
         # torch's flight recorder: each rank's last collective (a dump: asked for only now)
         flights = {r: a.get("flight") for r, a in self._probe(busy, flight=True).items()}
         lines = [
@@ -178,7 +193,6 @@ class Watchdog:
             if last := flights.get(rank):
                 state += f"; last collective #{last['seq']}: {last['call']} of {last['sizes']}"
             lines.append(f"  rank {rank}: {state}")
-        stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in busy}
         if differs := mismatch(flights):
             lines.append(differs)
         elif not waits:
@@ -187,7 +201,6 @@ class Watchdog:
                 "a collective called differently on different ranks (shapes, or another "
                 "call)? debug_collectives=True makes torch name the mismatch."
             )
-        again = self.policy.after * 2**self._reports
         return Hang(sorted(busy), "\n".join(lines), stacks, calls, idle, again)
 
     def _working(self, cpu_seconds: Mapping[int, float | None], now: float) -> list[int]:
@@ -201,31 +214,6 @@ class Watchdog:
             if cpu - before[0] >= BUSY_SHARE * (now - before[1]) > 0:
                 out.append(rank)
         return out
-
-    def _busy(
-        self,
-        working: list[int],
-        waiting: list[int],
-        calls: dict[int, str | None],
-        answers: Mapping[int, dict[str, Any]],
-        idle: float,
-    ) -> Hang:
-        """``waiting`` ranks wait for ``working`` ones, which compute: reported, not ended."""
-        self._reports += 1
-        where = ", ".join(
-            f"rank {r}, which is busy in {answers.get(r, {}).get('frame') or 'its code'}"
-            for r in working
-        )
-        lines = [
-            f"rank(s) {', '.join(map(str, waiting))} wait for {where} (no progress for "
-            f"{idle:.0f}s, but its CPU time advances: it works, it is not stuck; the job "
-            "goes on whatever on_hang says)."
-        ]
-        lines += [f"  rank {r}: waiting in {calls[r]}" for r in waiting if calls.get(r)]
-        stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in working}
-        ranks = sorted(waiting + working)
-        again = self.policy.after * 2**self._reports
-        return Hang(ranks, "\n".join(lines), stacks, calls, idle, again, busy=working)
 
 
 class HangWatch(Hook):
