@@ -167,36 +167,31 @@ def _combined(original: type) -> type[WorkerError] | None:
 
 def remote_exception(failure: Failure) -> WorkerError:
     """The exception to raise in the kernel for ``failure`` (with the worker's exit code)."""
-    err = _remote_exception(failure)
-    if failure.kind == "signal":
-        err.exit_code = 128 + failure.code  # as a shell reports it
-    else:
-        err.exit_code = failure.code if failure.kind == "exit" else failure.info.get("exit_code", 1)
-    return err
-
-
-def _remote_exception(failure: Failure) -> WorkerError:
+    rank, pid, info = failure.rank, failure.pid, failure.info
     if failure.kind == "signal":
         name = signal_name(failure.code)
         hint = " (SIGKILL is often the out-of-memory killer)" if failure.code == 9 else ""
         message = f"the worker was killed by signal {name}{hint}"
-        return WorkerError(failure.rank, failure.pid, name.split()[0], message, failure.stack)
+        err = WorkerError(rank, pid, name.split()[0], message, failure.stack)
+        err.exit_code = 128 + failure.code  # as a shell reports it
+        return err
     if failure.kind == "exit":
         message = f"the worker exited with code {failure.code} before the function returned"
-        return WorkerError(failure.rank, failure.pid, "ExitCode", message, failure.stack)
-    info = failure.info
+        err = WorkerError(rank, pid, "ExitCode", message, failure.stack)
+        err.exit_code = failure.code
+        return err
     qualname = info.get("type_qualname", "Exception")
-    args = (failure.rank, failure.pid, qualname, info.get("message", ""), info.get("traceback", ""))
+    args = (rank, pid, qualname, info.get("message", ""), info.get("traceback", ""))
     original = _locate(info.get("type_module", ""), qualname)
     cls = _combined(original) if original is not None else None
-    if cls is None:
-        return WorkerError(*args)
     try:  # not the original __init__: it may need other args (OSError's __new__ is its own)
-        err: WorkerError = cls.__new__(cls)
+        err = WorkerError(*args) if cls is None else cls.__new__(cls)
     except Exception:
-        return WorkerError(*args)
-    WorkerError.__init__(err, *args)
-    _copy_attributes(err, info)
+        err = WorkerError(*args)
+    if type(err) is not WorkerError:
+        WorkerError.__init__(err, *args)
+        _copy_attributes(err, info)
+    err.exit_code = info.get("exit_code", 1)
     return err
 
 
@@ -407,12 +402,10 @@ def show_in_cell(cell: Any, err: BaseException, title: str) -> None:
     with contextlib.suppress(Exception):
         shown, lines = clean(err), list[str]()
         with contextlib.suppress(Exception):
-            from IPython import get_ipython
-
-            lines = get_ipython().InteractiveTB.structured_traceback(type(shown), shown, None)
-        lines = list(lines) or traceback.format_exception(type(shown), shown, None)
+            lines = _render(shown)
+        lines = lines or _with_notes(traceback.format_exception(type(shown), shown, None), shown)
         content: dict[str, Any] = {"ename": type(shown).__name__, "evalue": str(shown)}
-        content["traceback"] = [title, *_with_notes(lines, shown)]
+        content["traceback"] = [title, *lines]
         cell.flush()  # after the run's last lines
         cell.send("error", content)
 

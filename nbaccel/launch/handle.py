@@ -210,15 +210,14 @@ class LaunchHandle(Observed):
                 self.on_event(rank, "state", {"state": final})
         self._outcome = (ok, value)
         _LIVE.discard(self)
-        if not ok and self._thread is threading.current_thread() and not self._asking:
-            self._show_failure(value)  # before done: whoever waits sees it there already
+        shown = self._thread is threading.current_thread() and not self._asking
+        if not ok and shown and not isinstance(value, (Stopped, KeyboardInterrupt)):
+            # a failed background run is not silent: its error shows in its launching cell
+            # (before done: whoever waits for it finds it there already)
+            title = f"nbaccel: {self.label} (started in this cell) failed:"
+            if self.cell_output is not None:
+                show_in_cell(self.cell_output, value, title)
         self._done.set()
-
-    def _show_failure(self, error: BaseException) -> None:
-        """A failed background run is not silent: its error shows in its launching cell."""
-        cell = self.cell_output
-        if cell is not None and not isinstance(error, (Stopped, KeyboardInterrupt)):
-            show_in_cell(cell, error, f"nbaccel: {self.label} (started in this cell) failed:")
 
     def run(self) -> None:
         """Run the job here; the outcome is kept for :meth:`result` (a KeyboardInterrupt
