@@ -48,30 +48,6 @@ class FailedJob:
     gone_ranks: set[int] = field(default_factory=set)  # ranks let go after their session
     lingering: list[int] = field(default_factory=list)  # the kept ranks, while held
 
-    @classmethod
-    def at_failure(
-        cls,
-        group: Supervisor,
-        problems: list[Failure],
-        chosen: Failure,
-        ranks: list[int],
-        finished: set[int],
-    ) -> FailedJob:
-        """The snapshot of the job on ``ranks``, taken as it fails."""
-        failed = {f.rank: f for f in problems}
-        alive = [r for r in ranks if group.procs[r].poll() is None]
-        running = [r for r in alive if r not in {*failed, *finished}]
-        stacks = group.stacks(running) if running else {}
-        others = {}
-        for rank in ranks:
-            if rank in failed and rank != chosen.rank:
-                others[rank] = f"failed too ({failed[rank].summary()})"
-            elif rank in stacks:
-                others[rank] = stacks[rank] or "(no Python frames of its own)"
-            elif rank in finished:
-                others[rank] = FINISHED
-        return cls(failed, chosen.rank, others)
-
     def holding(self) -> list[int]:
         """Ranks whose worker kept a traceback (failed with an exception)."""
         return sorted(r for r, f in self.failures.items() if f.kind == "exception")
@@ -137,7 +113,20 @@ class KeepFailed(Hook):
     def failed(
         self, sup: Supervisor, problems: list[Failure], chosen: Failure, finished: set[int]
     ) -> None:
-        self.job = FailedJob.at_failure(sup, problems, chosen, self._ranks, finished)
+        """The snapshot of the job as it fails."""
+        failed = {f.rank: f for f in problems}
+        alive = [r for r in self._ranks if sup.procs[r].poll() is None]
+        running = [r for r in alive if r not in {*failed, *finished}]
+        stacks = sup.stacks(running) if running else {}
+        others = {}
+        for rank in self._ranks:
+            if rank in failed and rank != chosen.rank:
+                others[rank] = f"failed too ({failed[rank].summary()})"
+            elif rank in stacks:
+                others[rank] = stacks[rank] or "(no Python frames of its own)"
+            elif rank in finished:
+                others[rank] = FINISHED
+        self.job = FailedJob(failed, chosen.rank, others)
 
     def spared(self, sup: Supervisor) -> set[int]:
         job = self.job
