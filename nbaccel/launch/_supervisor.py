@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
 from ._group import Group
@@ -31,7 +31,7 @@ from ._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, 
 from ._output import LineForwarder
 from ._preload import remember_worker_imports
 from ._process import WorkerProcess
-from ._tidy import Failure, add_note, fatal_stack, name_missing, pick_failure, remote_exception
+from ._tidy import Failure, add_note, fatal_stack, pick_failure, remote_exception
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
@@ -220,8 +220,7 @@ class Supervisor:
                         f"{self.timeout:g}s ago and these ranks are still running (waiting "
                         "for a peer that is gone?)"
                     )
-                    ending = self.hung(stuck, reason, {})
-                    self._end_early(procs, ending.error, ending.broken)
+                    self.hung(stuck, reason, {})
         except KeyboardInterrupt:
             self._end_early(procs, KeyboardInterrupt())
         finally:
@@ -275,30 +274,49 @@ class Supervisor:
                 "reached that point"
             )
             tracebacks = {f.rank: f.info.get("traceback") or f.stack for f in problems}
-            ending = self.hung(stuck, reason, tracebacks)
-            self._end_early([], ending.error, ending.broken)
+            self.hung(stuck, reason, tracebacks)
         error = remote_exception(chosen)
         others = [f.summary() for f in problems if f is not chosen]
         if others:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
         if isinstance(error, RanksMissingError):  # who did not come, and what they do
-            counts = {r: d.collectives for r, d in self._done.items()}
-            name_missing(error, chosen.rank, counts, live, self.probe)
+            self._name_missing(error, chosen.rank, live)
         dead = [f for f in problems if f.kind != "exception"]
         finished = {r for r, done in self._done.items() if done.ok}
         for hook in self.hooks:  # before the others are interrupted: where each one is
             hook.failed(self, problems, chosen, finished)
         self._end_early(procs, error, dead[0].summary() if dead else None)
 
-    def hung(self, stuck: list[int], reason: str, stacks: dict[int, str]) -> JobFailed:
-        """``stuck`` ranks hang: their stacks now (over ``stacks``) in a WorkerTimeoutError."""
+    def _name_missing(self, error: RanksMissingError, rank: int, live: list[int]) -> None:
+        """Name the ranks that did not come to the collective ``rank`` failed in, and note what
+        each does (its stack, or that it finished or is gone); ``live``: the job's ranks still
+        running. A barrier's error names them already; for gather, reduce, broadcast... they
+        are the ranks that had issued fewer collectives than ``rank``: they never called it."""
+        answers = self.probe(live) if live else {}
+        done = {r: d.collectives for r, d in self._done.items()}
+        if not error.missing:
+            counts = done | {r: a.get("collectives") for r, a in answers.items()}
+            if (mine := counts.get(rank)) is not None:
+                error.missing = sorted(r for r, n in counts.items() if n is not None and n < mine)
+        if error.missing:
+            lines = [
+                f"Rank(s) {error.missing} did not come. What the rank(s) that did not come are doing:"
+            ]
+            for r in error.missing:
+                state = "finished the job" if r in done else "no longer running"
+                where = f"\n{answers[r]['stack'].rstrip()}" if r in answers else f" {state}"
+                lines.append(f"--- rank {r}:{where}")
+            add_note(error, "\n".join(lines))
+
+    def hung(self, stuck: list[int], reason: str, stacks: dict[int, str]) -> NoReturn:
+        """``stuck`` ranks hang: the job ends with their stacks now (over ``stacks``)."""
         found = self.stacks(stuck)
         error = WorkerTimeoutError(stuck, {**stacks, **found}, reason, self.procs[stuck[0]].pid)
-        return JobFailed(error, f"rank(s) {stuck} hung")
+        self._end_early([], error, f"rank(s) {stuck} hung")
 
     def _end_early(
         self, procs: list[WorkerProcess], error: BaseException, broken: str | None = None
-    ) -> None:
+    ) -> NoReturn:
         """A one-shot group is terminated; a pool's busy ranks are interrupted and given
         time to come back. Raises JobFailed(error, why the workers cannot go on)."""
         if self.one_shot or broken:

@@ -36,11 +36,10 @@ import sys
 import traceback
 import types
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from ..errors import RanksMissingError, WorkerError, WorkerTimeoutError
+from ..errors import WorkerError, WorkerTimeoutError
 from ._wire import loads
 
 _SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
@@ -190,17 +189,13 @@ def remote_exception(failure: Failure) -> WorkerError:
         err = WorkerError(*args)
     if type(err) is not WorkerError:
         WorkerError.__init__(err, *args)
-        _copy_attributes(err, info)
+        own = ("rank", "pid", "exc_type", "message")  # WorkerError's, set just now
+        for name, data in (info.get("attributes") or {}).items():  # the remote one's (err.code)
+            if not hasattr(WorkerError, name) and name not in own:
+                with contextlib.suppress(Exception):
+                    setattr(err, name, loads(*data))
     err.exit_code = info.get("exit_code", 1)
     return err
-
-
-def _copy_attributes(err: BaseException, info: dict[str, Any]) -> None:
-    """Carry the remote exception's own attributes (e.g. ``err.code``) over, if any."""
-    for name, data in (info.get("attributes") or {}).items():
-        if not hasattr(WorkerError, name) and name not in ("rank", "pid", "exc_type", "message"):
-            with contextlib.suppress(Exception):
-                setattr(err, name, loads(*data))
 
 
 def fatal_stack(text: str) -> str:
@@ -226,34 +221,6 @@ def add_note(err: BaseException, note: str) -> None:
         err.add_note(note)
     elif err.args and isinstance(err.args[0], str):
         err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
-
-
-def name_missing(
-    error: RanksMissingError,
-    rank: int,
-    done: dict[int, int | None],
-    live: list[int],
-    probe: Callable[[list[int]], dict[int, dict[str, Any]]],
-) -> None:
-    """Name the ranks that did not come to the collective ``rank`` failed in, and note what
-    each does (its stack, or that it finished or is gone). ``done``: the collective counts
-    of the ranks that answered the job; ``live``: the others, asked with ``probe``. A
-    barrier's error names them already; for gather, reduce, broadcast... they are the ranks
-    that had issued fewer collectives than ``rank``: they never called it."""
-    answers = probe(live) if live else {}
-    if not error.missing:
-        counts = done | {r: a.get("collectives") for r, a in answers.items()}
-        if (mine := counts.get(rank)) is not None:
-            error.missing = sorted(r for r, n in counts.items() if n is not None and n < mine)
-    if error.missing:
-        lines = [
-            f"Rank(s) {error.missing} did not come. What the rank(s) that did not come are doing:"
-        ]
-        for r in error.missing:
-            state = "finished the job" if r in done else "no longer running"
-            where = f"\n{answers[r]['stack'].rstrip()}" if r in answers else f" {state}"
-            lines.append(f"--- rank {r}:{where}")
-        add_note(error, "\n".join(lines))
 
 
 _FRAME = re.compile(r'^  File "([^"]+)", line \d+')
@@ -417,7 +384,6 @@ __all__ = [
     "add_note",
     "clean",
     "fatal_stack",
-    "name_missing",
     "oversubscribed",
     "pick_failure",
     "remote_exception",

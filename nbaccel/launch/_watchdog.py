@@ -238,7 +238,7 @@ class HangWatch(Hook):
         seqs = {r: d.collectives for r, d in done.items()}
         hang = self._dog.look(busy, seqs, self.activity)
         if hang is not None and self._dog.policy.action == "raise" and not hang.busy:
-            return sup.hung(busy, hang.reason, hang.stacks)
+            sup.hung(busy, hang.reason, hang.stacks)
         if hang is not None:  # where the job's output goes; one "hang" event per stuck rank
             sup.workers.forwarder.note(hang.ranks[0], hang.text())
             for rank in [] if hang.busy else hang.ranks:
