@@ -88,15 +88,12 @@ def distributed(line: str, cell: str, user_ns: dict[str, Any] | None = None) -> 
                 f"--pool {name}: there is no WorkerPool named {name!r} in the notebook; "
                 "create it with pool = nbaccel.start_workers(num_processes=...)."
             )
-    else:
-        found = current_pool()
-        if found is None:
-            raise RuntimeError(
-                "%%distributed needs a running pool of workers and none is open: run "
-                "`import nbaccel; pool = nbaccel.start_workers(num_processes=2)` in a cell "
-                "first (or restart it if it was closed)."
-            )
-        pool = found
+    elif (pool := current_pool()) is None:
+        raise RuntimeError(
+            "%%distributed needs a running pool of workers and none is open: run "
+            "`import nbaccel; pool = nbaccel.start_workers(num_processes=2)` in a cell "
+            "first (or restart it if it was closed)."
+        )
     return pool.exec_cell(cell, ranks, names=kernel_names(cell, user_ns or {}))
 
 
