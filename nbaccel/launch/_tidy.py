@@ -132,18 +132,14 @@ def _locate(module: str, qualname: str) -> type | None:
     return None
 
 
-_DYNAMIC: dict[type, type[WorkerError]] = {}
-
-
 def _reduce(self: WorkerError) -> tuple[Any, ...]:
     args = (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback)
     return (WorkerError, args)
 
 
+@functools.cache  # one class per remote type
 def _combined(original: type) -> type[WorkerError] | None:
-    """A subclass of ``original`` and WorkerError (cached), or None if Python refuses."""
-    if original in _DYNAMIC:
-        return _DYNAMIC[original]
+    """A subclass of ``original`` and WorkerError, or None if Python refuses."""
     if issubclass(original, (WorkerError, SystemExit, GeneratorExit)):
         return None  # SystemExit in a cell would look like a request to quit the kernel
     try:
@@ -160,7 +156,6 @@ def _combined(original: type) -> type[WorkerError] | None:
         )
     except TypeError:  # instance lay-out conflicts, final classes
         return None
-    _DYNAMIC[original] = combined
     return cast("type[WorkerError]", combined)
 
 
