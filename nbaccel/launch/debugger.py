@@ -204,12 +204,4 @@ def _print(text: str) -> None:
         sys.stdout.flush()
 
 
-def nbaccel_debug(line: str) -> None:
-    """Body of the ``%nbaccel_debug [rank]`` line magic."""
-    words = line.split()
-    if len(words) > 1 or (words and not words[0].isdigit()):
-        raise ValueError(f"usage: %nbaccel_debug [rank], e.g. %nbaccel_debug 1 (got {line!r})")
-    debug(int(words[0]) if words else None)
-
-
-__all__ = ["debug", "nbaccel_debug"]
+__all__ = ["debug"]

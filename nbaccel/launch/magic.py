@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from ..errors import LaunchError
-from .debugger import nbaccel_debug
+from .debugger import debug
 from .pool import WorkerPool, current_pool
 
 USAGE = "%%distributed [--ranks 0,1] [--pool NAME]"
@@ -146,12 +146,18 @@ def load_ipython_extension(ipython: Any) -> None:
             raise
 
     def debug_magic(line: str) -> None:
+        """``%nbaccel_debug [rank]``: pdb on a failed rank (see ``nbaccel.debug``)."""
+        words = line.split()
         try:
-            nbaccel_debug(line)
+            if len(words) > 1 or (words and not words[0].isdigit()):
+                raise ValueError(
+                    f"usage: %nbaccel_debug [rank], e.g. %nbaccel_debug 1 (got {line!r})"
+                )
+            debug(int(words[0]) if words else None)
         except (LaunchError, ValueError) as err:  # why no session: a message, no traceback
             raise UsageError(str(err)) from None
 
-    magic.__doc__, debug_magic.__doc__ = __doc__, nbaccel_debug.__doc__
+    magic.__doc__ = __doc__
     ipython.register_magic_function(magic, "cell", "distributed")
     ipython.register_magic_function(debug_magic, "line", "nbaccel_debug")
 
