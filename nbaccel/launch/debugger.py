@@ -23,7 +23,6 @@ import builtins
 import contextlib
 import itertools
 import signal
-import sys
 from collections.abc import Sequence
 
 from ..errors import LaunchError
@@ -84,7 +83,7 @@ def _debug(rank: int | None, commands: Sequence[str] | None) -> None:
         why = job.unavailable(target)  # the kept workers may have left meanwhile
         if why is not None or group is None:
             raise LaunchError(why or f"rank {target}'s worker is gone.")
-        _print(_header(job, target, group))
+        print(_header(job, target, group), end="", flush=True)
         try:
             _session(group, target, None if commands is None else list(commands))
         finally:
@@ -95,9 +94,8 @@ def _debug(rank: int | None, commands: Sequence[str] | None) -> None:
 
 def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
     failure = job.failures.get(rank)
-    pid = group.procs[rank].pid
     what = failure.summary() if failure is not None else f"rank {rank}"
-    lines = [f"nbaccel: post-mortem of {what} (pid {pid})"]
+    lines = [f"nbaccel: post-mortem of {what} (pid {group.procs[rank].pid})"]
     others = {r: text for r, text in sorted(job.others.items()) if r != rank}
     if rank != job.first and job.first in job.failures:
         others[job.first] = f"failed first ({job.failures[job.first].summary()})"
@@ -137,7 +135,7 @@ def _session(group: Supervisor, rank: int, script: list[str] | None) -> None:
         message = _next(group, inbox)
         if message.kind == "none":
             raise LaunchError(f"no post-mortem session on rank {rank}: {message.text}.")
-        _print(message.text)
+        print(message.text, end="", flush=True)
         if message.kind == "end":
             break
         line = ""
@@ -164,7 +162,7 @@ def _ask(prompt: str, script: list[str] | None) -> str:
     """The next line for pdb ("" ends the session): from ``script``, or typed."""
     if script is not None:
         line = script.pop(0) if script else ""
-        _print(f"{prompt}{line}\n" if line else "")
+        print(f"{prompt}{line}\n" if line else "", end="", flush=True)
         return f"{line}\n" if line else ""
     try:
         return builtins.input(prompt) + "\n"  # the kernel's input(): an input request
@@ -195,13 +193,7 @@ def _next(group: Supervisor, inbox: _Inbox) -> PdbOutput:
                 raise
             interrupted = True
             proc.send_signal(signal.SIGINT)
-            _print(f"(interrupting rank {rank}; press again to leave the session)\n")
-
-
-def _print(text: str) -> None:
-    if text:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+            print(f"(interrupting rank {rank}; press again to leave the session)", flush=True)
 
 
 __all__ = ["debug"]
