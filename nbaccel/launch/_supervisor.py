@@ -156,8 +156,7 @@ class Supervisor:
                 proc.channel.send(Probe(request, flight))  # type: ignore[union-attr]
         deadline = time.monotonic() + wait
         while len(answers) < len(asked) and time.monotonic() < deadline:
-            reader = self._reader
-            if reader is None or reader is threading.current_thread():
+            if self._reader in (None, threading.current_thread()):  # else that thread reads
                 self.pump(0.05)
             else:
                 time.sleep(0.05)
@@ -255,10 +254,9 @@ class Supervisor:
     def dead(self) -> Failure | None:
         """How a worker that died while the group was idle died (None: all alive)."""
         self.workers.poll()
-        if all(p.returncode is None for p in self.procs.values()):
+        if not (gone := [p for p in self.procs.values() if p.returncode is not None]):
             return None
         deadline = time.time() + 1.0  # its last output, messages and stack arrive first
-        gone = [p for p in self.procs.values() if p.returncode is not None]
         while time.time() < deadline and not all(self.workers.exited(p) for p in gone):
             self.pump(0.05)
         found = [f for f in self.failures([]) if f.kind != "exception"] or self.failures([])
