@@ -27,9 +27,7 @@ from ._tidy import Failure, signal_name
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
 LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session
-
-
-FINISHED = "had finished the job"
+FINISHED = "had finished the job"  # what the snapshot says of a rank that had
 
 
 @dataclass

@@ -127,9 +127,7 @@ def _locate(module: str, qualname: str) -> type | None:
     obj: Any = mod
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
-    if isinstance(obj, type) and issubclass(obj, BaseException):
-        return obj
-    return None
+    return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None
 
 
 def _reduce(self: WorkerError) -> tuple[Any, ...]:

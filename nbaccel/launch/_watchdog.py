@@ -43,8 +43,6 @@ DEFAULT_HANG_AFTER: float = LaunchConfig.hang_after  # the field's default (why:
 #: The share of one CPU a rank must use between two looks to count as working.
 BUSY_SHARE = 0.05
 
-Probe = Callable[..., dict[int, dict[str, Any]]]  # (ranks, *, flight=False) -> answers
-
 
 @dataclass(frozen=True)
 class HangPolicy:
@@ -98,7 +96,7 @@ class Watchdog:
     def __init__(
         self,
         policy: HangPolicy,
-        probe: Probe,
+        probe: Callable[..., dict[int, dict[str, Any]]],  # (ranks, *, flight=False) -> answers
         now: float | None = None,
         cpu: Callable[[list[int]], dict[int, float | None]] | None = None,
     ) -> None:
