@@ -204,14 +204,9 @@ class Watchdog:
     def _working(self, cpu_seconds: Mapping[int, float | None], now: float) -> list[int]:
         """The ranks whose CPU time advanced by ``BUSY_SHARE`` of the time since no progress
         was seen (over the whole window, not one look's: a loaded machine's noise averages out)."""
-        out = []
-        for rank, cpu in cpu_seconds.items():
-            if cpu is None:
-                continue
-            before = self._cpu.setdefault(rank, (cpu, now))
-            if cpu - before[0] >= BUSY_SHARE * (now - before[1]) > 0:
-                out.append(rank)
-        return out
+        seen = {r: cpu for r, cpu in cpu_seconds.items() if cpu is not None}
+        was = {r: self._cpu.setdefault(r, (cpu, now)) for r, cpu in seen.items()}  # (cpu, when)
+        return [r for r, (cpu, at) in was.items() if seen[r] - cpu >= BUSY_SHARE * (now - at) > 0]
 
 
 class HangWatch(Hook):
