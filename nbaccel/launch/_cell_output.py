@@ -105,12 +105,10 @@ class CellOutput:
                 self._socket, msg_type, content, parent=self.parent, ident=topic.encode()
             )
 
-    def display(self, data: dict[str, Any], *, display_id: str | None = None) -> None:
-        """Add a ``display_data`` output to the cell (``display_id``: update it later)."""
+    def display(self, data: dict[str, Any], *, display_id: str) -> None:
+        """Add a ``display_data`` output to the cell (:meth:`update` replaces it)."""
         self.flush()  # after the text written before it
-        content: dict[str, Any] = {"data": data, "metadata": {}}
-        if display_id is not None:
-            content["transient"] = {"display_id": display_id}
+        content = {"data": data, "metadata": {}, "transient": {"display_id": display_id}}
         self.send("display_data", content)
 
     def update(self, display_id: str, data: dict[str, Any]) -> None:
