@@ -55,41 +55,37 @@ def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> 
         >>> nbaccel.debug(commands=["p x", "up", "where", "q"])  # doctest: +SKIP
     """
     try:
-        _debug(rank, commands)
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"rank={rank!r} must be a rank number (an int) or None.")
+        if commands is not None and (
+            isinstance(commands, str) or not all(isinstance(c, str) for c in commands)
+        ):
+            raise TypeError(f"commands={commands!r} must be a list of pdb commands (strs).")
+        if (job := _kept.last()) is None:
+            raise LaunchError(
+                "nothing to debug: no job has failed on workers in this kernel. When a pool call "
+                "or a notebook_launcher(..., debug=True) run fails, nbaccel.debug() opens pdb on "
+                "the failed rank."
+            )
+        target = job.first if rank is None else rank
+        if (why := job.unavailable(target)) is not None:
+            raise LaunchError(why)
+        if not job.lock.acquire(blocking=False):
+            raise LaunchError(f"a debugging session on rank {target} is already open.")
+        try:
+            group = job.group
+            why = job.unavailable(target)  # the kept workers may have left meanwhile
+            if why is not None or group is None:
+                raise LaunchError(why or f"rank {target}'s worker is gone.")
+            print(_header(job, target, group), end="", flush=True)
+            try:
+                _session(group, target, None if commands is None else list(commands))
+            finally:
+                _kept.release(job, target)  # a rank kept only for debugging goes now
+        finally:
+            job.lock.release()
     except (LaunchError, TypeError, KeyboardInterrupt) as err:  # why: a message, not our frames
         raise clean(err) from None
-
-
-def _debug(rank: int | None, commands: Sequence[str] | None) -> None:
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-        raise TypeError(f"rank={rank!r} must be a rank number (an int) or None.")
-    if commands is not None and (
-        isinstance(commands, str) or not all(isinstance(c, str) for c in commands)
-    ):
-        raise TypeError(f"commands={commands!r} must be a list of pdb commands (strs).")
-    if (job := _kept.last()) is None:
-        raise LaunchError(
-            "nothing to debug: no job has failed on workers in this kernel. When a pool call "
-            "or a notebook_launcher(..., debug=True) run fails, nbaccel.debug() opens pdb on "
-            "the failed rank."
-        )
-    target = job.first if rank is None else rank
-    if (why := job.unavailable(target)) is not None:
-        raise LaunchError(why)
-    if not job.lock.acquire(blocking=False):
-        raise LaunchError(f"a debugging session on rank {target} is already open.")
-    try:
-        group = job.group
-        why = job.unavailable(target)  # the kept workers may have left meanwhile
-        if why is not None or group is None:
-            raise LaunchError(why or f"rank {target}'s worker is gone.")
-        print(_header(job, target, group), end="", flush=True)
-        try:
-            _session(group, target, None if commands is None else list(commands))
-        finally:
-            _kept.release(job, target)  # a rank kept only for debugging goes now
-    finally:
-        job.lock.release()
 
 
 def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
