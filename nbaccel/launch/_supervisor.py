@@ -355,14 +355,12 @@ class Supervisor:
             try:
                 values[rank] = loads(codec, data)
             except Exception as err:
-                raise JobFailed(
-                    LaunchError(
-                        f"rank {rank}'s return value could not be loaded in the kernel "
-                        f"({type(err).__name__}: {err}); return plain data (numbers, tensors, "
-                        "dicts, lists) from the training function."
-                    ),
-                    None,
-                ) from err
+                error = LaunchError(
+                    f"rank {rank}'s return value could not be loaded in the kernel "
+                    f"({type(err).__name__}: {err}); return plain data (numbers, tensors, "
+                    "dicts, lists) from the training function."
+                )
+                raise JobFailed(error, None) from err
         return values
 
     # ------------------------------------------------------------------ ending

@@ -220,11 +220,8 @@ def running_from(cell: Any) -> LaunchHandle | None:
     """The background run started from the same notebook cell as ``cell`` (a
     ``CellOutput``) that is still going, if any."""
     key = getattr(cell, "key", "")
-    for handle in list(_LIVE):
-        other = handle.cell_output
-        if key and other is not None and other.key == key and not handle.done():
-            return handle
-    return None
+    live = [h for h in list(_LIVE) if h.cell_output is not None and not h.done()]
+    return next((h for h in live if key and h.cell_output.key == key), None)
 
 
 def already_running(handle: LaunchHandle, what: str, here: Any = None) -> str:
