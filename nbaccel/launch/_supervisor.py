@@ -49,13 +49,7 @@ class JobFailed(Exception):
 
 
 class Hook:
-    """An extra that plugs into the supervisor; every method is optional.
-
-    Example:
-        >>> class Count(Hook):
-        ...     def message(self, sup, rank, message):
-        ...         self.seen = getattr(self, "seen", 0) + 1
-    """
+    """An extra that plugs into the supervisor (its subclass overrides what it needs)."""
 
     def started(self, sup: Supervisor, ranks: list[int]) -> None:
         """A job starts on ``ranks``."""
@@ -113,7 +107,6 @@ class Supervisor:
         self._reader: threading.Thread | None = None  # the thread in run_job, reading
 
     def hook(self, kind: type[H]) -> H | None:
-        """The first hook of type ``kind`` (None: not plugged in)."""
         return next((h for h in self.hooks if isinstance(h, kind)), None)
 
     def _handle(self, proc: WorkerProcess, message: object) -> None:

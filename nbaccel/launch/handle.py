@@ -104,11 +104,9 @@ class RankStatus:
                 callback(rank, kind, data)
 
     def publish(self, rank: int, kind: str, data: dict) -> None:
-        """:meth:`record`, then :meth:`notify`."""
         self.notify(self.record(rank, kind, data), rank, kind, data)
 
     def snapshot(self) -> dict[int, dict[str, Any]]:
-        """A deep copy of the table."""
         with self._lock:
             return copy.deepcopy(self._table)
 
