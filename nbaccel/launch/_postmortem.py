@@ -83,11 +83,10 @@ class _In:
         self.channel.send(PdbOutput(self.sid, "ask", text + "\n" if text else "", prompt))
         while True:
             message = self.inbox.get()
-            if isinstance(message, PdbLine) and message.sid == self.sid:
-                line = message.line  # a typed line ends in "\n" ("" is the end)
-                self.ended = not line
-                return line
             if isinstance(message, PdbLine):
+                if message.sid == self.sid:  # a typed line ends in "\n" ("" is the end)
+                    self.ended = not message.line
+                    return message.line
                 continue  # a line for an earlier session
             # "exit", a job, another session: the kernel has moved on. End this session;
             # the worker's loop acts on the message next.

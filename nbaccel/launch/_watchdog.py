@@ -52,8 +52,7 @@ class HangPolicy:
     action: str = "report"
 
     @classmethod
-    def of(cls, config: Any) -> HangPolicy:
-        """The policy of a :class:`~nbaccel.config.LaunchConfig`."""
+    def of(cls, config: Any) -> HangPolicy:  # a LaunchConfig's
         return cls(float(config.hang_after), str(config.on_hang))
 
     @property
