@@ -221,8 +221,7 @@ def after_pool_call(
 def _hold(job: FailedJob, group: Supervisor, ranks: set[int], seconds: float) -> bool:
     """Keep ``group`` for the live ones of ``ranks`` (ended by :func:`sweep`, a session's
     end, the pool, or the exit hook)."""
-    alive = [r for r in sorted(ranks) if group.procs[r].poll() is None]
-    if not alive:
+    if not (alive := [r for r in sorted(ranks) if group.procs[r].poll() is None]):
         return False
     job.group, job.deadline, job.lingering = group, time.monotonic() + seconds, alive
     _held[id(job)] = job

@@ -267,8 +267,7 @@ class Supervisor:
             tracebacks = {f.rank: f.info.get("traceback") or f.stack for f in problems}
             self.hung(stuck, reason, tracebacks)
         error = remote_exception(chosen)
-        others = [f.summary() for f in problems if f is not chosen]
-        if others:
+        if others := [f.summary() for f in problems if f is not chosen]:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
         if isinstance(error, RanksMissingError):  # who did not come, and what they do
             self._name_missing(error, chosen.rank, live)

@@ -194,8 +194,7 @@ def remote_exception(failure: Failure) -> WorkerError:
 def fatal_stack(text: str) -> str:
     """The last fatal-error dump in ``text`` (a worker's stderr), without nbaccel's frames
     below the user's function or, after a fork, the kernel's frames the child inherited."""
-    start = text.rfind("Fatal Python error")
-    if start < 0:
+    if (start := text.rfind("Fatal Python error")) < 0:
         return ""
     out, skipping = [], False
     for line in text[start:].splitlines():
@@ -350,10 +349,9 @@ def warn_oversubscribed(config: Any, processes: int, *, stacklevel: int) -> None
     from ..platform.hardware import cuda_device_count
 
     device = getattr(config, "compute_device", "auto")
-    if device == "cpu" or (device == "auto" and cuda_device_count() == 0):
-        advice = oversubscribed(processes, cpu_count())
-        if advice is not None:
-            warnings.warn(f"nbaccel: {advice}", RuntimeWarning, stacklevel=stacklevel + 1)
+    on_cpu = device == "cpu" or (device == "auto" and cuda_device_count() == 0)
+    if on_cpu and (advice := oversubscribed(processes, cpu_count())) is not None:
+        warnings.warn(f"nbaccel: {advice}", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def show_in_cell(cell: Any, err: BaseException, title: str) -> None:

@@ -86,11 +86,9 @@ class RankStatus:
                 if kind in ("log", "system"):
                     self._replay.append((rank, kind, data))
                 entry["last_event"] = kind
-                step = data.get("step")
-                if isinstance(step, int) and not isinstance(step, bool):
+                if isinstance(step := data.get("step"), int) and not isinstance(step, bool):
                     entry["step"] = step
-                values = data.get("values")
-                if isinstance(values, dict):
+                if isinstance(values := data.get("values"), dict):
                     entry["scalars"].update(
                         {k: v for k, v in values.items() if isinstance(v, int | float)}
                     )
@@ -207,8 +205,7 @@ def _arm() -> None:
 def _on_interrupt(signum: int, frame: Any) -> None:
     if _stop_on_interrupt():
         return
-    previous = _sigint["previous"]
-    if callable(previous):
+    if callable(previous := _sigint["previous"]):
         previous(signum, frame)
     elif previous == signal.SIG_DFL:
         raise KeyboardInterrupt
@@ -269,8 +266,7 @@ class LaunchHandle(Observed):
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's return value (a list of every rank's with ``return_all_ranks=True``);
         raises the run's failure, or ``TimeoutError`` still running after ``timeout`` s."""
-        error = self.exception(timeout)
-        if error is not None:  # from the cell that asks: the user's error first, not our frames
+        if (error := self.exception(timeout)) is not None:  # the user's error, not our frames
             raise clean(error)
         value = self._outcome[1]  # type: ignore[index]
         return [value[r] for r in self.ranks] if self._all_ranks else value[self.ranks[0]]

@@ -82,8 +82,7 @@ def distributed(line: str, cell: str, user_ns: dict[str, Any] | None = None) -> 
     """
     ranks, name = _parse(line)
     if name is not None:
-        pool = (user_ns or {}).get(name)
-        if not isinstance(pool, WorkerPool):
+        if not isinstance(pool := (user_ns or {}).get(name), WorkerPool):
             raise RuntimeError(
                 f"--pool {name}: there is no WorkerPool named {name!r} in the notebook; "
                 "create it with pool = nbaccel.start_workers(num_processes=...)."
