@@ -4,7 +4,7 @@
   ``_start`` starts a group (``_rendezvous``, ``_process``: fork or spawn, ``_preload``);
   each worker runs ``_worker``'s loop (``_jobs``, ``_worker_os``, ``_agreement``); one
   channel per worker (``_wire``, its messages ``_messages``); one supervisor (``_supervisor`` over ``_group``, with
-  ``_failures``, ``_output``, ``_status``, and ``_watchdog``: ranks waiting on each other
+  ``_tidy``, ``_output``, and ``_watchdog``: ranks waiting on each other
   without progress are reported); on TPUs the backend sets each started worker up;
 * :mod:`~nbaccel.launch.launcher` -- ``notebook_launcher`` (one job), ``debug_launcher``,
   ``run_script`` (``nbaccel launch``); :mod:`~nbaccel.launch.handle` -- ``LaunchHandle``;

@@ -48,14 +48,6 @@ def _kernel() -> Any:
     return kernel
 
 
-def _parent(kernel: Any) -> dict[str, Any] | None:
-    get_parent = getattr(kernel, "get_parent", None)  # ipykernel >= 6
-    parent = (
-        get_parent("shell") if callable(get_parent) else getattr(kernel, "_parent_header", None)
-    )
-    return dict(parent) if parent and parent.get("header") else None
-
-
 class CellOutput:
     """Where one run's output goes: the cell that started it (``parent``: its request,
     whose header the output carries), sent with ipykernel ``kernel``'s session."""
@@ -95,14 +87,14 @@ class CellOutput:
     @classmethod
     def here(cls) -> CellOutput | None:
         """The cell being executed now, or None outside a notebook kernel's request."""
-        kernel = _kernel()
-        parent = _parent(kernel) if kernel is not None else None
-        if parent is None:
+        if (kernel := _kernel()) is None:
             return None
+        if not (parent := kernel.get_parent("shell")) or not parent.get("header"):
+            return None  # not in a request
         for stream in (sys.stdout, sys.stderr):  # what the cell printed so far comes first
             with contextlib.suppress(Exception):
                 stream.flush()
-        return cls(kernel, parent)
+        return cls(kernel, dict(parent))
 
     # ------------------------------------------------------------------ sending
     def send(self, msg_type: str, content: dict[str, Any]) -> None:
@@ -113,18 +105,10 @@ class CellOutput:
                 self._socket, msg_type, content, parent=self.parent, ident=topic.encode()
             )
 
-    def display(
-        self,
-        data: dict[str, Any],
-        metadata: dict[str, Any] | None = None,
-        *,
-        display_id: str | None = None,
-    ) -> None:
-        """Add a ``display_data`` output to the cell (``display_id``: update it later)."""
+    def display(self, data: dict[str, Any], *, display_id: str) -> None:
+        """Add a ``display_data`` output to the cell (:meth:`update` replaces it)."""
         self.flush()  # after the text written before it
-        content: dict[str, Any] = {"data": data, "metadata": metadata or {}}
-        if display_id is not None:
-            content["transient"] = {"display_id": display_id}
+        content = {"data": data, "metadata": {}, "transient": {"display_id": display_id}}
         self.send("display_data", content)
 
     def update(self, display_id: str, data: dict[str, Any]) -> None:

@@ -22,14 +22,12 @@ from dataclasses import dataclass, field
 
 from ..config.options import DEBUG_TIMEOUT  # a failed rank waits this long for debug()
 from . import _lifetimes
-from ._failures import Failure, signal_name
 from ._supervisor import Hook, Supervisor
+from ._tidy import Failure, signal_name
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
 LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session
-
-
-FINISHED = "had finished the job"
+FINISHED = "had finished the job"  # what the snapshot says of a rank that had
 
 
 @dataclass
@@ -47,30 +45,6 @@ class FailedJob:
     owner: int | None = None  # id() of the pool whose call failed
     gone_ranks: set[int] = field(default_factory=set)  # ranks let go after their session
     lingering: list[int] = field(default_factory=list)  # the kept ranks, while held
-
-    @classmethod
-    def at_failure(
-        cls,
-        group: Supervisor,
-        problems: list[Failure],
-        chosen: Failure,
-        ranks: list[int],
-        finished: set[int],
-    ) -> FailedJob:
-        """The snapshot of the job on ``ranks``, taken as it fails."""
-        failed = {f.rank: f for f in problems}
-        alive = [r for r in ranks if group.procs[r].poll() is None]
-        running = [r for r in alive if r not in {*failed, *finished}]
-        stacks = group.stacks(running) if running else {}
-        others = {}
-        for rank in ranks:
-            if rank in failed and rank != chosen.rank:
-                others[rank] = f"failed too ({failed[rank].summary()})"
-            elif rank in stacks:
-                others[rank] = stacks[rank] or "(no Python frames of its own)"
-            elif rank in finished:
-                others[rank] = FINISHED
-        return cls(failed, chosen.rank, others)
 
     def holding(self) -> list[int]:
         """Ranks whose worker kept a traceback (failed with an exception)."""
@@ -137,7 +111,20 @@ class KeepFailed(Hook):
     def failed(
         self, sup: Supervisor, problems: list[Failure], chosen: Failure, finished: set[int]
     ) -> None:
-        self.job = FailedJob.at_failure(sup, problems, chosen, self._ranks, finished)
+        """The snapshot of the job as it fails."""
+        failed = {f.rank: f for f in problems}
+        alive = [r for r in self._ranks if sup.procs[r].poll() is None]
+        running = [r for r in alive if r not in {*failed, *finished}]
+        stacks = sup.stacks(running) if running else {}
+        others = {}
+        for rank in self._ranks:
+            if rank in failed and rank != chosen.rank:
+                others[rank] = f"failed too ({failed[rank].summary()})"
+            elif rank in stacks:
+                others[rank] = stacks[rank] or "(no Python frames of its own)"
+            elif rank in finished:
+                others[rank] = FINISHED
+        self.job = FailedJob(failed, chosen.rank, others)
 
     def spared(self, sup: Supervisor) -> set[int]:
         job = self.job
@@ -234,8 +221,7 @@ def after_pool_call(
 def _hold(job: FailedJob, group: Supervisor, ranks: set[int], seconds: float) -> bool:
     """Keep ``group`` for the live ones of ``ranks`` (ended by :func:`sweep`, a session's
     end, the pool, or the exit hook)."""
-    alive = [r for r in sorted(ranks) if group.procs[r].poll() is None]
-    if not alive:
+    if not (alive := [r for r in sorted(ranks) if group.procs[r].poll() is None]):
         return False
     job.group, job.deadline, job.lingering = group, time.monotonic() + seconds, alive
     _held[id(job)] = job

@@ -67,10 +67,7 @@ _CXX_STACK_LINE = re.compile(r"^(?:frame #\d+: .*|<omitting python frames>|\s*)$
 def _visible(line: str) -> str:
     """What a terminal shows of a finished line: the text after its last carriage return
     (a bar's last redraw, ``"\\r100%|...|\\n"``, would overwrite the prefix)."""
-    if "\r" not in line:
-        return line
-    pieces = [piece for piece in line.split("\r") if piece]
-    return pieces[-1] if pieces else ""
+    return next((piece for piece in reversed(line.split("\r")) if piece), "")
 
 
 class LineForwarder:
@@ -142,9 +139,12 @@ class LineForwarder:
             )
             buffer = self._buffers.get(key, "") + decoder.decode(data)
             *lines, rest = buffer.split("\n")
+            dump = self._cxx_stack  # a C++ stack dump's lines (see _CXX_STACK_START) are left out
             for line in lines:
-                if self._cxx_noise(key, line):
+                if _CXX_STACK_START.match(line) or (key in dump and _CXX_STACK_LINE.match(line)):
+                    dump.add(key)
                     continue
+                dump.discard(key)
                 self._emit(rank, stream, _visible(line), "\n", "\r" in line)
             if "\r" in rest:  # progress bars redraw the line with "\r": show them live
                 done, rest = rest.rsplit("\r", 1)
@@ -154,17 +154,6 @@ class LineForwarder:
                 self._emit(rank, stream, rest[:MAX_LINE], "\n")
                 rest = rest[MAX_LINE:]
             self._buffers[key] = rest
-
-    def _cxx_noise(self, key: tuple[int, str], line: str) -> bool:
-        """True for a line of a C++ stack dump (see ``_CXX_STACK_START``): not forwarded."""
-        if _CXX_STACK_START.match(line):
-            self._cxx_stack.add(key)
-            return True
-        if key in self._cxx_stack:
-            if _CXX_STACK_LINE.match(line):
-                return True
-            self._cxx_stack.discard(key)
-        return False
 
     def note(self, rank: int, text: str) -> None:
         """A message of the launcher's own (a hang report), on the stderr side: written

@@ -28,11 +28,10 @@ from ._cell_output import CellOutput
 from ._messages import Job
 from ._preflight import LaunchPlan
 from ._start import forwarder, start_group
-from ._status import Observed, RankStatus
 from ._supervisor import JobFailed, Supervisor
 from ._tidy import add_hint, clean
 from ._watchdog import HangPolicy, HangWatch
-from .handle import LaunchHandle, already_running
+from .handle import LaunchHandle, Observed, RankStatus, already_running
 
 _SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for the next call
 START_TIMEOUT = 120.0  # seconds the workers get to start (more if timeout= says so)

@@ -83,11 +83,10 @@ class _In:
         self.channel.send(PdbOutput(self.sid, "ask", text + "\n" if text else "", prompt))
         while True:
             message = self.inbox.get()
-            if isinstance(message, PdbLine) and message.sid == self.sid:
-                line = message.line  # a typed line ends in "\n" ("" is the end)
-                self.ended = not line
-                return line
             if isinstance(message, PdbLine):
+                if message.sid == self.sid:  # a typed line ends in "\n" ("" is the end)
+                    self.ended = not message.line
+                    return message.line
                 continue  # a line for an earlier session
             # "exit", a job, another session: the kernel has moved on. End this session;
             # the worker's loop acts on the message next.
@@ -106,7 +105,10 @@ def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
         return
     out = _Out()
     stdin = _In(sid, channel, inbox, out)
-    debugger = _stdlib_pdb()(stdin=stdin, stdout=out, nosigint=True, readrc=False)  # type: ignore[arg-type]
+    # the standard library's class: a worker forked from ipykernel inherits ``pdb.Pdb``
+    # replaced by IPython's (other prompt, colours); a spawned one has the stdlib's
+    stdlib = next(c for c in pdb.Pdb.__mro__ if c.__module__ == "pdb" and c.__name__ == "Pdb")
+    debugger = stdlib(stdin=stdin, stdout=out, nosigint=True, readrc=False)
     debugger.use_rawinput = False
     streams = (sys.stdin, sys.stdout, sys.stderr)
     sys.stdin, sys.stdout, sys.stderr = stdin, out, out
@@ -115,7 +117,8 @@ def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         debugger.reset()
-        debugger.interaction(None, _target(exc))
+        # from 3.13 it takes the exception (chained ones can be walked with ``exceptions``)
+        debugger.interaction(None, exc if sys.version_info >= (3, 13) else exc.__traceback__)
     except BaseException as err:  # never lose the worker over the debugger
         out.write(f"*** the debugger ended: {type(err).__name__}: {err}\n")
     finally:
@@ -126,18 +129,6 @@ def session(sid: int, channel: Any, inbox: queue.Queue[Any]) -> None:
     channel.send(PdbOutput(sid, "end", out.take()))
     for message in stdin.later:  # e.g. "exit": the worker's loop acts on it next
         inbox.put(message)
-
-
-def _stdlib_pdb() -> type[pdb.Pdb]:
-    """The standard library's class: a worker forked from ipykernel inherits ``pdb.Pdb``
-    replaced by IPython's (other prompt, colours); a spawned one has the stdlib's."""
-    return next(c for c in pdb.Pdb.__mro__ if c.__module__ == "pdb" and c.__name__ == "Pdb")
-
-
-def _target(exc: BaseException) -> Any:
-    """What ``Pdb.interaction`` takes: the exception from 3.13 (chained exceptions can be
-    walked with ``exceptions``), its traceback before."""
-    return exc if sys.version_info >= (3, 13) else exc.__traceback__
 
 
 def linger(channel: Any, inbox: queue.Queue[Any], seconds: float) -> None:

@@ -23,15 +23,15 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
-from ._failures import Failure, add_note, name_missing, pick_failure, remote_exception, trim_stack
 from ._group import Group
 from ._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
 from ._output import LineForwarder
 from ._preload import remember_worker_imports
 from ._process import WorkerProcess
+from ._tidy import Failure, add_note, fatal_stack, pick_failure, remote_exception
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
@@ -49,13 +49,7 @@ class JobFailed(Exception):
 
 
 class Hook:
-    """An extra that plugs into the supervisor; every method is optional.
-
-    Example:
-        >>> class Count(Hook):
-        ...     def message(self, sup, rank, message):
-        ...         self.seen = getattr(self, "seen", 0) + 1
-    """
+    """An extra that plugs into the supervisor (its subclass overrides what it needs)."""
 
     def started(self, sup: Supervisor, ranks: list[int]) -> None:
         """A job starts on ``ranks``."""
@@ -107,12 +101,12 @@ class Supervisor:
         self._job: int | None = None
         self._done: dict[int, Done] = {}  # this job's answers, by rank
         self._done_at: dict[int, float] = {}
+        self._errors: dict[int, Failure] = {}  # this job's failed ranks
         self._fatal: dict[int, Failure] = {}
         self._answers: dict[int, dict[int, dict[str, Any]]] = {}
         self._reader: threading.Thread | None = None  # the thread in run_job, reading
 
     def hook(self, kind: type[H]) -> H | None:
-        """The first hook of type ``kind`` (None: not plugged in)."""
         return next((h for h in self.hooks if isinstance(h, kind)), None)
 
     def _handle(self, proc: WorkerProcess, message: object) -> None:
@@ -132,12 +126,9 @@ class Supervisor:
                 if message.ok:
                     self.on_event(rank, "state", {"state": "finished"})
                 else:
-                    summary = self._job_failure(rank).summary()
-                    self.on_event(rank, "state", {"state": "failed", "error": summary})
+                    self._errors[rank] = self._raised(rank, message.payload)
             case Fatal(info=info):
-                failure = Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
-                self._fatal[rank] = failure
-                self.on_event(rank, "state", {"state": "failed", "error": failure.summary()})
+                self._fatal[rank] = self._raised(rank, info)
             case ProbeAnswer(request=request) if request in self._answers:
                 self._answers[request][rank] = message.report
         for hook in self.hooks:
@@ -158,8 +149,7 @@ class Supervisor:
                 proc.channel.send(Probe(request, flight))  # type: ignore[union-attr]
         deadline = time.monotonic() + wait
         while len(answers) < len(asked) and time.monotonic() < deadline:
-            reader = self._reader
-            if reader is None or reader is threading.current_thread():
+            if self._reader in (None, threading.current_thread()):  # else that thread reads
                 self.pump(0.05)
             else:
                 time.sleep(0.05)
@@ -189,7 +179,7 @@ class Supervisor:
     ) -> dict[int, Any]:
         """Wait until every rank in ``ranks`` finished ``job`` (one-shot: and exited);
         return the values of ``want``. Raises :class:`JobFailed`."""
-        self._job, self._done, self._done_at = job, {}, {}
+        self._job, self._done, self._done_at, self._errors = job, {}, {}, {}
         self._reader = threading.current_thread()
         procs = [self.procs[r] for r in ranks]
         first_problem: float | None = None
@@ -222,30 +212,29 @@ class Supervisor:
                         f"{self.timeout:g}s ago and these ranks are still running (waiting "
                         "for a peer that is gone?)"
                     )
-                    ending = self.hung(stuck, reason, {})
-                    self._end_early(procs, ending.error, ending.broken)
+                    self.hung(stuck, reason, {})
         except KeyboardInterrupt:
             self._end_early(procs, KeyboardInterrupt())
         finally:
             self._reader = None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _job_failure(self, rank: int) -> Failure:
-        info = self._done[rank].payload
-        proc = self.procs[rank]
-        return Failure(rank, proc.pid, info.get("time", 0.0), "exception", info)
+    def _raised(self, rank: int, info: dict[str, Any]) -> Failure:
+        """``rank`` raised (its report: ``info``): its state is "failed" from now on."""
+        failure = Failure(rank, self.procs[rank].pid, info.get("time", 0.0), "exception", info)
+        self.on_event(rank, "state", {"state": "failed", "error": failure.summary()})
+        return failure
 
     def failures(self, procs: list[WorkerProcess]) -> list[Failure]:
         """The job's failed ranks, and every rank of the group that failed or died."""
-        failed = {r for r, done in self._done.items() if not done.ok}
-        out = [self._job_failure(p.rank) for p in procs if p.rank in failed]
+        out = [self._errors[p.rank] for p in procs if p.rank in self._errors]
         out += [f for r, f in self._fatal.items() if r not in {f.rank for f in out}]
         for proc in self.procs.values():
             if not self.workers.exited(proc) or proc.rank in {f.rank for f in out}:
                 continue
             assert proc.exit_time is not None and proc.returncode is not None
             if proc.returncode < 0:
-                stack = trim_stack(self.workers.tail(proc.rank))
+                stack = fatal_stack(self.workers.tail(proc.rank))
                 code = -proc.returncode
                 out.append(
                     Failure(proc.rank, proc.pid, proc.exit_time, "signal", code=code, stack=stack)
@@ -258,10 +247,9 @@ class Supervisor:
     def dead(self) -> Failure | None:
         """How a worker that died while the group was idle died (None: all alive)."""
         self.workers.poll()
-        if all(p.returncode is None for p in self.procs.values()):
+        if not (gone := [p for p in self.procs.values() if p.returncode is not None]):
             return None
         deadline = time.time() + 1.0  # its last output, messages and stack arrive first
-        gone = [p for p in self.procs.values() if p.returncode is not None]
         while time.time() < deadline and not all(self.workers.exited(p) for p in gone):
             self.pump(0.05)
         found = [f for f in self.failures([]) if f.kind != "exception"] or self.failures([])
@@ -277,30 +265,48 @@ class Supervisor:
                 "reached that point"
             )
             tracebacks = {f.rank: f.info.get("traceback") or f.stack for f in problems}
-            ending = self.hung(stuck, reason, tracebacks)
-            self._end_early([], ending.error, ending.broken)
+            self.hung(stuck, reason, tracebacks)
         error = remote_exception(chosen)
-        others = [f.summary() for f in problems if f is not chosen]
-        if others:
+        if others := [f.summary() for f in problems if f is not chosen]:
             add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
         if isinstance(error, RanksMissingError):  # who did not come, and what they do
-            counts = {r: d.collectives for r, d in self._done.items()}
-            name_missing(error, chosen.rank, counts, live, self.probe)
+            self._name_missing(error, chosen.rank, live)
         dead = [f for f in problems if f.kind != "exception"]
         finished = {r for r, done in self._done.items() if done.ok}
         for hook in self.hooks:  # before the others are interrupted: where each one is
             hook.failed(self, problems, chosen, finished)
         self._end_early(procs, error, dead[0].summary() if dead else None)
 
-    def hung(self, stuck: list[int], reason: str, stacks: dict[int, str]) -> JobFailed:
-        """``stuck`` ranks hang: their stacks now (over ``stacks``) in a WorkerTimeoutError."""
+    def _name_missing(self, error: RanksMissingError, rank: int, live: list[int]) -> None:
+        """Name the ranks that did not come to the collective ``rank`` failed in, and note what
+        each does (its stack, or that it finished or is gone); ``live``: the job's ranks still
+        running. A barrier's error names them already; for gather, reduce, broadcast... they
+        are the ranks that had issued fewer collectives than ``rank``: they never called it."""
+        answers = self.probe(live) if live else {}
+        done = {r: d.collectives for r, d in self._done.items()}
+        if not error.missing:
+            counts = done | {r: a.get("collectives") for r, a in answers.items()}
+            if (mine := counts.get(rank)) is not None:
+                error.missing = sorted(r for r, n in counts.items() if n is not None and n < mine)
+        if error.missing:
+            lines = [
+                f"Rank(s) {error.missing} did not come. What the rank(s) that did not come are doing:"
+            ]
+            for r in error.missing:
+                state = "finished the job" if r in done else "no longer running"
+                where = f"\n{answers[r]['stack'].rstrip()}" if r in answers else f" {state}"
+                lines.append(f"--- rank {r}:{where}")
+            add_note(error, "\n".join(lines))
+
+    def hung(self, stuck: list[int], reason: str, stacks: dict[int, str]) -> NoReturn:
+        """``stuck`` ranks hang: the job ends with their stacks now (over ``stacks``)."""
         found = self.stacks(stuck)
         error = WorkerTimeoutError(stuck, {**stacks, **found}, reason, self.procs[stuck[0]].pid)
-        return JobFailed(error, f"rank(s) {stuck} hung")
+        self._end_early([], error, f"rank(s) {stuck} hung")
 
     def _end_early(
         self, procs: list[WorkerProcess], error: BaseException, broken: str | None = None
-    ) -> None:
+    ) -> NoReturn:
         """A one-shot group is terminated; a pool's busy ranks are interrupted and given
         time to come back. Raises JobFailed(error, why the workers cannot go on)."""
         if self.one_shot or broken:
@@ -341,14 +347,12 @@ class Supervisor:
             try:
                 values[rank] = loads(codec, data)
             except Exception as err:
-                raise JobFailed(
-                    LaunchError(
-                        f"rank {rank}'s return value could not be loaded in the kernel "
-                        f"({type(err).__name__}: {err}); return plain data (numbers, tensors, "
-                        "dicts, lists) from the training function."
-                    ),
-                    None,
-                ) from err
+                error = LaunchError(
+                    f"rank {rank}'s return value could not be loaded in the kernel "
+                    f"({type(err).__name__}: {err}); return plain data (numbers, tensors, "
+                    "dicts, lists) from the training function."
+                )
+                raise JobFailed(error, None) from err
         return values
 
     # ------------------------------------------------------------------ ending

@@ -1,4 +1,10 @@
-"""How a failed run reads in the notebook: the user's error first, nbaccel's frames hidden.
+"""A worker's failure in the kernel: the one exception raised, and how it reads in the notebook.
+
+Each failure is *real* (the user's exception, a death by signal, an unexpected exit) or
+*secondary* (a healthy rank noticing a vanished peer); the first real one is raised, as an
+instance of a dynamic subclass of both the remote type and
+:class:`~nbaccel.errors.WorkerError` (``except ValueError`` works, ``err.rank`` is there).
+A fatal error's stack is cut to the user's frames.
 
 The remote traceback (the user's frames) is in the re-created error's message; the kernel's
 own frames, and an earlier failure a pool handled ("During handling of the above
@@ -8,6 +14,11 @@ notes how to get pdb on the failing frame; :func:`show_in_cell` puts a backgroun
 failure into its launching cell as an ordinary ``error`` output.
 
 Example:
+    >>> info = {"type_module": "builtins", "type_qualname": "ValueError",
+    ...         "message": "bad", "traceback": "Traceback ...", "time": 0.0}
+    >>> err = remote_exception(Failure(rank=1, pid=42, time=0.0, kind="exception", info=info))
+    >>> isinstance(err, ValueError), err.rank
+    (True, 1)
     >>> err = clean(ValueError("boom"))
     >>> err.__traceback__ is None and err.__suppress_context__
     True
@@ -17,15 +28,192 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import re
+import signal
+import sys
 import traceback
 import types
 import warnings
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 from ..errors import WorkerError, WorkerTimeoutError
-from ._failures import add_note
+from ._wire import loads
+
+_SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
+# Generic types torch/gloo use for "a peer went away"; a user's ValueError("timeout") stays real.
+_PEER_LOST_TYPES = {
+    "RuntimeError",
+    "ConnectionError",
+    "ConnectionResetError",
+    "ConnectionAbortedError",
+    "BrokenPipeError",
+    "TimeoutError",
+}
+_SECONDARY_TEXT = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|timed out|timeout"
+    r"|nccl communicator was aborted|socket timeout|connection refused|recvbytes|sendbytes"
+    r"|peer .* (?:closed|disconnected)|process group .* (?:aborted|destroyed)",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class Failure:
+    """One worker's failure as seen by the kernel.
+
+    ``kind`` is "exception" (``info`` holds the remote type, message, traceback),
+    "signal" (``code`` is the signal number) or "exit" (``code`` is the exit code).
+    """
+
+    rank: int
+    pid: int | None
+    time: float
+    kind: str
+    info: dict[str, Any] = field(default_factory=dict)
+    code: int = 0
+    stack: str = ""
+
+    @property
+    def secondary(self) -> bool:
+        """True for a healthy rank reacting to a peer's failure (not the cause)."""
+        if self.kind == "signal":
+            # NCCL's watchdog aborts a rank whose collective timed out: SIGABRT while the
+            # Python stack (faulthandler's dump) is inside torch.distributed.
+            return self.code == signal.SIGABRT and "distributed" in self.stack
+        if self.kind != "exception":
+            return False
+        name = self.info.get("type_qualname", "").split(".")[-1]
+        if name in _SECONDARY_TYPES:
+            return True
+        return name in _PEER_LOST_TYPES and bool(
+            _SECONDARY_TEXT.search(self.info.get("message", ""))
+        )
+
+    def summary(self) -> str:
+        """One line, e.g. ``"rank 0: DistBackendError: Connection closed by peer"``."""
+        if self.kind == "signal":
+            return f"rank {self.rank}: killed by {signal_name(self.code)}"
+        if self.kind == "exit":
+            return f"rank {self.rank}: exited with code {self.code}"
+        first = (self.info.get("message") or "").strip().splitlines()[:1]
+        return f"rank {self.rank}: {self.info.get('type_qualname')}: {first[0] if first else ''}"
+
+
+def signal_name(number: int) -> str:
+    """``9`` -> ``"SIGKILL (9)"``."""
+    try:
+        return f"{signal.Signals(number).name} ({number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def pick_failure(failures: list[Failure]) -> Failure:
+    """The first real failure by time, else the first secondary one."""
+    real = [f for f in failures if not f.secondary]
+    return min(real or failures, key=lambda f: (f.time, f.rank))
+
+
+def _locate(module: str, qualname: str) -> type | None:
+    """The exception class, if its module is (or its package already was) imported here."""
+    mod = sys.modules.get(module)
+    if mod is None and module.split(".")[0] in sys.modules:
+        try:
+            mod = importlib.import_module(module)
+        except Exception:
+            return None
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None
+
+
+def _reduce(self: WorkerError) -> tuple[Any, ...]:
+    args = (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback)
+    return (WorkerError, args)
+
+
+@functools.cache  # one class per remote type
+def _combined(original: type) -> type[WorkerError] | None:
+    """A subclass of ``original`` and WorkerError, or None if Python refuses."""
+    if issubclass(original, (WorkerError, SystemExit, GeneratorExit)):
+        return None  # SystemExit in a cell would look like a request to quit the kernel
+    try:
+        combined = type(
+            original.__name__,
+            (original, WorkerError),
+            {
+                "__module__": original.__module__,
+                "__qualname__": original.__qualname__,
+                "__str__": BaseException.__str__,
+                "__reduce__": _reduce,
+                "__doc__": f"{original.__qualname__} raised in a worker (also a WorkerError).",
+            },
+        )
+    except TypeError:  # instance lay-out conflicts, final classes
+        return None
+    return cast("type[WorkerError]", combined)
+
+
+def remote_exception(failure: Failure) -> WorkerError:
+    """The exception to raise in the kernel for ``failure`` (with the worker's exit code)."""
+    rank, pid, info = failure.rank, failure.pid, failure.info
+    if failure.kind == "signal":
+        name = signal_name(failure.code)
+        hint = " (SIGKILL is often the out-of-memory killer)" if failure.code == 9 else ""
+        message = f"the worker was killed by signal {name}{hint}"
+        err = WorkerError(rank, pid, name.split()[0], message, failure.stack)
+        err.exit_code = 128 + failure.code  # as a shell reports it
+        return err
+    if failure.kind == "exit":
+        message = f"the worker exited with code {failure.code} before the function returned"
+        err = WorkerError(rank, pid, "ExitCode", message, failure.stack)
+        err.exit_code = failure.code
+        return err
+    qualname = info.get("type_qualname", "Exception")
+    args = (rank, pid, qualname, info.get("message", ""), info.get("traceback", ""))
+    original = _locate(info.get("type_module", ""), qualname)
+    cls = _combined(original) if original is not None else None
+    try:  # not the original __init__: it may need other args (OSError's __new__ is its own)
+        err = WorkerError(*args) if cls is None else cls.__new__(cls)
+    except Exception:
+        err = WorkerError(*args)
+    if type(err) is not WorkerError:
+        WorkerError.__init__(err, *args)
+        own = ("rank", "pid", "exc_type", "message")  # WorkerError's, set just now
+        for name, data in (info.get("attributes") or {}).items():  # the remote one's (err.code)
+            if not hasattr(WorkerError, name) and name not in own:
+                with contextlib.suppress(Exception):
+                    setattr(err, name, loads(*data))
+    err.exit_code = info.get("exit_code", 1)
+    return err
+
+
+def fatal_stack(text: str) -> str:
+    """The last fatal-error dump in ``text`` (a worker's stderr), without nbaccel's frames
+    below the user's function or, after a fork, the kernel's frames the child inherited."""
+    if (start := text.rfind("Fatal Python error")) < 0:
+        return ""
+    out, skipping = [], False
+    for line in text[start:].splitlines():
+        if not line.startswith("  "):  # "Thread 0x... (most recent call first):" or blank
+            skipping = False
+        elif os.path.join(f"{os.sep}nbaccel", "launch", "") in line:
+            skipping = True
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """``err.add_note`` on Python >= 3.11; appended to ``args`` on 3.10."""
+    if hasattr(err, "add_note"):
+        err.add_note(note)
+    elif err.args and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
+
 
 _FRAME = re.compile(r'^  File "([^"]+)", line \d+')
 #: The note added by :func:`add_hint` starts with this (and is added once).
@@ -161,10 +349,9 @@ def warn_oversubscribed(config: Any, processes: int, *, stacklevel: int) -> None
     from ..platform.hardware import cuda_device_count
 
     device = getattr(config, "compute_device", "auto")
-    if device == "cpu" or (device == "auto" and cuda_device_count() == 0):
-        advice = oversubscribed(processes, cpu_count())
-        if advice is not None:
-            warnings.warn(f"nbaccel: {advice}", RuntimeWarning, stacklevel=stacklevel + 1)
+    on_cpu = device == "cpu" or (device == "auto" and cuda_device_count() == 0)
+    if on_cpu and (advice := oversubscribed(processes, cpu_count())) is not None:
+        warnings.warn(f"nbaccel: {advice}", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def show_in_cell(cell: Any, err: BaseException, title: str) -> None:
@@ -173,22 +360,26 @@ def show_in_cell(cell: Any, err: BaseException, title: str) -> None:
     with contextlib.suppress(Exception):
         shown, lines = clean(err), list[str]()
         with contextlib.suppress(Exception):
-            from IPython import get_ipython
-
-            lines = get_ipython().InteractiveTB.structured_traceback(type(shown), shown, None)
-        lines = list(lines) or traceback.format_exception(type(shown), shown, None)
+            lines = _render(shown)
+        lines = lines or _with_notes(traceback.format_exception(type(shown), shown, None), shown)
         content: dict[str, Any] = {"ename": type(shown).__name__, "evalue": str(shown)}
-        content["traceback"] = [title, *_with_notes(lines, shown)]
+        content["traceback"] = [title, *lines]
         cell.flush()  # after the run's last lines
         cell.send("error", content)
 
 
 __all__ = [
     "HINT_START",
+    "Failure",
     "add_hint",
+    "add_note",
     "clean",
+    "fatal_stack",
     "oversubscribed",
+    "pick_failure",
+    "remote_exception",
     "show_in_cell",
+    "signal_name",
     "trim_stack",
     "warn_oversubscribed",
 ]

@@ -43,8 +43,6 @@ DEFAULT_HANG_AFTER: float = LaunchConfig.hang_after  # the field's default (why:
 #: The share of one CPU a rank must use between two looks to count as working.
 BUSY_SHARE = 0.05
 
-Probe = Callable[..., dict[int, dict[str, Any]]]  # (ranks, *, flight=False) -> answers
-
 
 @dataclass(frozen=True)
 class HangPolicy:
@@ -54,8 +52,7 @@ class HangPolicy:
     action: str = "report"
 
     @classmethod
-    def of(cls, config: Any) -> HangPolicy:
-        """The policy of a :class:`~nbaccel.config.LaunchConfig`."""
+    def of(cls, config: Any) -> HangPolicy:  # a LaunchConfig's
         return cls(float(config.hang_after), str(config.on_hang))
 
     @property
@@ -72,8 +69,7 @@ class Hang:
     stacks: dict[int, str]
     calls: dict[int, str | None]
     seconds: float
-    policy: HangPolicy
-    next_report: float = field(default=0.0)
+    next_report: float  # seconds until it is reported again
     busy: list[int] = field(default_factory=list)  # working ranks the others wait for
 
     def text(self) -> str:
@@ -92,13 +88,6 @@ class Hang:
             "different collectives? debug_collectives=True makes torch check every call.\n"
         )
 
-    def report(self, forwarder: Any, on_event: Callable[[int, str, dict], None]) -> None:
-        """Write the report where the job's output goes; one ``"hang"`` event per rank."""
-        forwarder.note(self.ranks[0], self.text())
-        for rank in [] if self.busy else self.ranks:
-            data = {"seconds": self.seconds, "call": self.calls.get(rank), "time": time.time()}
-            on_event(rank, "hang", data)
-
 
 class Watchdog:
     """One job's watchdog (see the module's docstring for the rules)."""
@@ -106,7 +95,7 @@ class Watchdog:
     def __init__(
         self,
         policy: HangPolicy,
-        probe: Probe,
+        probe: Callable[..., dict[int, dict[str, Any]]],  # (ranks, *, flight=False) -> answers
         now: float | None = None,
         cpu: Callable[[list[int]], dict[int, float | None]] | None = None,
     ) -> None:
@@ -158,12 +147,27 @@ class Watchdog:
         waits = any(calls.values()) or len(set(known.values())) > 1
         working = [r for r in working if not calls[r]]
         blocked = {r: answers.get(r, {}).get("in_torch") for r in busy}
-        if working and waits:
-            others = [r for r in busy if r not in working]
-            return self._busy(working, others, calls, answers, idle) if others else None
         if not waits and (working or not all(blocked.values())):
             return None  # nobody waits on a peer: a long computation, not a hang
+        if working and not (waiting := [r for r in busy if r not in working]):
+            return None
         self._reports += 1
+        again = self.policy.after * 2**self._reports
+        stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in working or busy}
+        if working:  # the others wait for ranks that compute: reported, never ended
+            where = ", ".join(
+                f"rank {r}, which is busy in {answers.get(r, {}).get('frame') or 'its code'}"
+                for r in working
+            )
+            lines = [
+                f"rank(s) {', '.join(map(str, waiting))} wait for {where} (no progress for "
+                f"{idle:.0f}s, but its CPU time advances: it works, it is not stuck; the job "
+                "goes on whatever on_hang says)."
+            ]
+            lines += [f"  rank {r}: waiting in {calls[r]}" for r in waiting if calls.get(r)]
+            return Hang(
+                sorted(waiting + working), "\n".join(lines), stacks, calls, idle, again, working
+            )
         # torch's flight recorder: each rank's last collective (a dump: asked for only now)
         flights = {r: a.get("flight") for r, a in self._probe(busy, flight=True).items()}
         lines = [
@@ -186,7 +190,6 @@ class Watchdog:
             if last := flights.get(rank):
                 state += f"; last collective #{last['seq']}: {last['call']} of {last['sizes']}"
             lines.append(f"  rank {rank}: {state}")
-        stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in busy}
         if differs := mismatch(flights):
             lines.append(differs)
         elif not waits:
@@ -195,47 +198,14 @@ class Watchdog:
                 "a collective called differently on different ranks (shapes, or another "
                 "call)? debug_collectives=True makes torch name the mismatch."
             )
-        hang = Hang(sorted(busy), "\n".join(lines), stacks, calls, idle, self.policy)
-        hang.next_report = self.policy.after * 2**self._reports
-        return hang
+        return Hang(sorted(busy), "\n".join(lines), stacks, calls, idle, again)
 
     def _working(self, cpu_seconds: Mapping[int, float | None], now: float) -> list[int]:
         """The ranks whose CPU time advanced by ``BUSY_SHARE`` of the time since no progress
         was seen (over the whole window, not one look's: a loaded machine's noise averages out)."""
-        out = []
-        for rank, cpu in cpu_seconds.items():
-            if cpu is None:
-                continue
-            before = self._cpu.setdefault(rank, (cpu, now))
-            if cpu - before[0] >= BUSY_SHARE * (now - before[1]) > 0:
-                out.append(rank)
-        return out
-
-    def _busy(
-        self,
-        working: list[int],
-        waiting: list[int],
-        calls: dict[int, str | None],
-        answers: Mapping[int, dict[str, Any]],
-        idle: float,
-    ) -> Hang:
-        """``waiting`` ranks wait for ``working`` ones, which compute: reported, not ended."""
-        self._reports += 1
-        where = ", ".join(
-            f"rank {r}, which is busy in {answers.get(r, {}).get('frame') or 'its code'}"
-            for r in working
-        )
-        lines = [
-            f"rank(s) {', '.join(map(str, waiting))} wait for {where} (no progress for "
-            f"{idle:.0f}s, but its CPU time advances: it works, it is not stuck; the job "
-            "goes on whatever on_hang says)."
-        ]
-        lines += [f"  rank {r}: waiting in {calls[r]}" for r in waiting if calls.get(r)]
-        stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in working}
-        ranks = sorted(waiting + working)
-        hang = Hang(ranks, "\n".join(lines), stacks, calls, idle, self.policy, busy=working)
-        hang.next_report = self.policy.after * 2**self._reports
-        return hang
+        seen = {r: cpu for r, cpu in cpu_seconds.items() if cpu is not None}
+        was = {r: self._cpu.setdefault(r, (cpu, now)) for r, cpu in seen.items()}  # (cpu, when)
+        return [r for r, (cpu, at) in was.items() if seen[r] - cpu >= BUSY_SHARE * (now - at) > 0]
 
 
 class HangWatch(Hook):
@@ -259,10 +229,13 @@ class HangWatch(Hook):
         assert self._dog is not None
         seqs = {r: d.collectives for r, d in done.items()}
         hang = self._dog.look(busy, seqs, self.activity)
-        if hang is not None and hang.policy.action == "raise" and not hang.busy:
-            return sup.hung(busy, hang.reason, hang.stacks)
-        if hang is not None:
-            hang.report(sup.workers.forwarder, sup.on_event)
+        if hang is not None and self._dog.policy.action == "raise" and not hang.busy:
+            sup.hung(busy, hang.reason, hang.stacks)
+        if hang is not None:  # where the job's output goes; one "hang" event per stuck rank
+            sup.workers.forwarder.note(hang.ranks[0], hang.text())
+            for rank in [] if hang.busy else hang.ranks:
+                data = {"seconds": hang.seconds, "call": hang.calls.get(rank), "time": time.time()}
+                sup.on_event(rank, "hang", data)
         return None
 
 

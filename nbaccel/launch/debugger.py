@@ -23,9 +23,7 @@ import builtins
 import contextlib
 import itertools
 import signal
-import sys
 from collections.abc import Sequence
-from typing import Any
 
 from ..errors import LaunchError
 from . import _kept
@@ -57,48 +55,43 @@ def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> 
         >>> nbaccel.debug(commands=["p x", "up", "where", "q"])  # doctest: +SKIP
     """
     try:
-        _debug(rank, commands)
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"rank={rank!r} must be a rank number (an int) or None.")
+        if commands is not None and (
+            isinstance(commands, str) or not all(isinstance(c, str) for c in commands)
+        ):
+            raise TypeError(f"commands={commands!r} must be a list of pdb commands (strs).")
+        if (job := _kept.last()) is None:
+            raise LaunchError(
+                "nothing to debug: no job has failed on workers in this kernel. When a pool call "
+                "or a notebook_launcher(..., debug=True) run fails, nbaccel.debug() opens pdb on "
+                "the failed rank."
+            )
+        target = job.first if rank is None else rank
+        if (why := job.unavailable(target)) is not None:
+            raise LaunchError(why)
+        if not job.lock.acquire(blocking=False):
+            raise LaunchError(f"a debugging session on rank {target} is already open.")
+        try:
+            group = job.group
+            why = job.unavailable(target)  # the kept workers may have left meanwhile
+            if why is not None or group is None:
+                raise LaunchError(why or f"rank {target}'s worker is gone.")
+            print(_header(job, target, group), end="", flush=True)
+            try:
+                _session(group, target, None if commands is None else list(commands))
+            finally:
+                _kept.release(job, target)  # a rank kept only for debugging goes now
+        finally:
+            job.lock.release()
     except (LaunchError, TypeError, KeyboardInterrupt) as err:  # why: a message, not our frames
         raise clean(err) from None
 
 
-def _debug(rank: int | None, commands: Sequence[str] | None) -> None:
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-        raise TypeError(f"rank={rank!r} must be a rank number (an int) or None.")
-    if commands is not None and (
-        isinstance(commands, str) or not all(isinstance(c, str) for c in commands)
-    ):
-        raise TypeError(f"commands={commands!r} must be a list of pdb commands (strs).")
-    if (job := _kept.last()) is None:
-        raise LaunchError(
-            "nothing to debug: no job has failed on workers in this kernel. When a pool call "
-            "or a notebook_launcher(..., debug=True) run fails, nbaccel.debug() opens pdb on "
-            "the failed rank."
-        )
-    target = job.first if rank is None else rank
-    if (why := job.unavailable(target)) is not None:
-        raise LaunchError(why)
-    if not job.lock.acquire(blocking=False):
-        raise LaunchError(f"a debugging session on rank {target} is already open.")
-    try:
-        group = job.group
-        why = job.unavailable(target)  # the kept workers may have left meanwhile
-        if why is not None or group is None:
-            raise LaunchError(why or f"rank {target}'s worker is gone.")
-        _print(_header(job, target, group))
-        try:
-            _session(group, target, None if commands is None else list(commands))
-        finally:
-            _kept.release(job, target)  # a rank kept only for debugging goes now
-    finally:
-        job.lock.release()
-
-
 def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
     failure = job.failures.get(rank)
-    pid = group.procs[rank].pid
     what = failure.summary() if failure is not None else f"rank {rank}"
-    lines = [f"nbaccel: post-mortem of {what} (pid {pid})"]
+    lines = [f"nbaccel: post-mortem of {what} (pid {group.procs[rank].pid})"]
     others = {r: text for r, text in sorted(job.others.items()) if r != rank}
     if rank != job.first and job.first in job.failures:
         others[job.first] = f"failed first ({job.failures[job.first].summary()})"
@@ -138,7 +131,7 @@ def _session(group: Supervisor, rank: int, script: list[str] | None) -> None:
         message = _next(group, inbox)
         if message.kind == "none":
             raise LaunchError(f"no post-mortem session on rank {rank}: {message.text}.")
-        _print(message.text)
+        print(message.text, end="", flush=True)
         if message.kind == "end":
             break
         line = ""
@@ -165,7 +158,7 @@ def _ask(prompt: str, script: list[str] | None) -> str:
     """The next line for pdb ("" ends the session): from ``script``, or typed."""
     if script is not None:
         line = script.pop(0) if script else ""
-        _print(f"{prompt}{line}\n" if line else "")
+        print(f"{prompt}{line}\n" if line else "", end="", flush=True)
         return f"{line}\n" if line else ""
     try:
         return builtins.input(prompt) + "\n"  # the kernel's input(): an input request
@@ -196,35 +189,7 @@ def _next(group: Supervisor, inbox: _Inbox) -> PdbOutput:
                 raise
             interrupted = True
             proc.send_signal(signal.SIGINT)
-            _print(f"(interrupting rank {rank}; press again to leave the session)\n")
+            print(f"(interrupting rank {rank}; press again to leave the session)", flush=True)
 
 
-def _print(text: str) -> None:
-    if text:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-
-def nbaccel_debug(line: str) -> None:
-    """Body of the ``%nbaccel_debug [rank]`` line magic."""
-    words = line.split()
-    if len(words) > 1 or (words and not words[0].isdigit()):
-        raise ValueError(f"usage: %nbaccel_debug [rank], e.g. %nbaccel_debug 1 (got {line!r})")
-    debug(int(words[0]) if words else None)
-
-
-def register_magic(ipython: Any) -> None:
-    """Register ``%nbaccel_debug`` (``%load_ext nbaccel`` calls this)."""
-    from IPython.core.error import UsageError
-
-    def magic(line: str) -> None:
-        try:
-            nbaccel_debug(line)
-        except (LaunchError, ValueError) as err:  # why no session: a message, no traceback
-            raise UsageError(str(err)) from None
-
-    magic.__doc__ = nbaccel_debug.__doc__
-    ipython.register_magic_function(magic, "line", "nbaccel_debug")
-
-
-__all__ = ["debug", "nbaccel_debug", "register_magic"]
+__all__ = ["debug"]

@@ -35,7 +35,8 @@ import symtable
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from .debugger import register_magic
+from ..errors import LaunchError
+from .debugger import debug
 from .pool import WorkerPool, current_pool
 
 USAGE = "%%distributed [--ranks 0,1] [--pool NAME]"
@@ -81,21 +82,17 @@ def distributed(line: str, cell: str, user_ns: dict[str, Any] | None = None) -> 
     """
     ranks, name = _parse(line)
     if name is not None:
-        pool = (user_ns or {}).get(name)
-        if not isinstance(pool, WorkerPool):
+        if not isinstance(pool := (user_ns or {}).get(name), WorkerPool):
             raise RuntimeError(
                 f"--pool {name}: there is no WorkerPool named {name!r} in the notebook; "
                 "create it with pool = nbaccel.start_workers(num_processes=...)."
             )
-    else:
-        found = current_pool()
-        if found is None:
-            raise RuntimeError(
-                "%%distributed needs a running pool of workers and none is open: run "
-                "`import nbaccel; pool = nbaccel.start_workers(num_processes=2)` in a cell "
-                "first (or restart it if it was closed)."
-            )
-        pool = found
+    elif (pool := current_pool()) is None:
+        raise RuntimeError(
+            "%%distributed needs a running pool of workers and none is open: run "
+            "`import nbaccel; pool = nbaccel.start_workers(num_processes=2)` in a cell "
+            "first (or restart it if it was closed)."
+        )
     return pool.exec_cell(cell, ranks, names=kernel_names(cell, user_ns or {}))
 
 
@@ -131,7 +128,8 @@ def kernel_names(source: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register ``%%distributed`` (called by ``%load_ext nbaccel``)."""
+    """Register ``%%distributed`` and ``%nbaccel_debug [rank]`` (pdb on a failed rank;
+    called by ``%load_ext nbaccel``)."""
     from IPython.core.error import UsageError
 
     from ..platform import cudatrace
@@ -146,9 +144,21 @@ def load_ipython_extension(ipython: Any) -> None:
                 raise UsageError(str(err)) from None
             raise
 
+    def debug_magic(line: str) -> None:
+        """``%nbaccel_debug [rank]``: pdb on a failed rank (see ``nbaccel.debug``)."""
+        words = line.split()
+        try:
+            if len(words) > 1 or (words and not words[0].isdigit()):
+                raise ValueError(
+                    f"usage: %nbaccel_debug [rank], e.g. %nbaccel_debug 1 (got {line!r})"
+                )
+            debug(int(words[0]) if words else None)
+        except (LaunchError, ValueError) as err:  # why no session: a message, no traceback
+            raise UsageError(str(err)) from None
+
     magic.__doc__ = __doc__
     ipython.register_magic_function(magic, "cell", "distributed")
-    register_magic(ipython)  # %nbaccel_debug [rank]: pdb on a failed rank
+    ipython.register_magic_function(debug_magic, "line", "nbaccel_debug")
 
 
 __all__ = ["distributed", "load_ipython_extension"]

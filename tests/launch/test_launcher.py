@@ -29,7 +29,7 @@ import nbaccel
 from nbaccel import LaunchHandle, debug_launcher, notebook_launcher
 from nbaccel.errors import CUDAInitializedError, LaunchError, WorkerError, WorkerTimeoutError
 from nbaccel.launch import _process, _safety
-from nbaccel.launch._failures import Failure, pick_failure, remote_exception
+from nbaccel.launch._tidy import Failure, pick_failure, remote_exception
 from nbaccel.launch.testing import plan_for
 from nbaccel.platform import cudatrace as _cudatrace
 from nbaccel.platform import forksafe

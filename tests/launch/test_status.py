@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from nbaccel.launch._status import RankStatus
+from nbaccel.launch.handle import RankStatus
 
 
 def test_events_update_state_pid_step_and_scalars():

@@ -408,7 +408,7 @@ def test_a_pool_monitor_starts_afresh_with_each_call():
 
 
 def test_a_monitor_opened_late_still_charts_from_the_first_step():
-    from nbaccel.launch._status import RankStatus
+    from nbaccel.launch.handle import RankStatus
 
     board = RankStatus([0, 1], "running")
 
