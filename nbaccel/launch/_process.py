@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,27 +138,20 @@ class WorkerProcess:
 
     def close(self) -> None:
         """Close the kernel's ends of this worker's pipes and channel (idempotent)."""
-        close_ends({**self.fds, "channel": self.channel})
+        close_ends([*self.fds.values(), self.channel])
         self.fds, self.channel = {}, None
 
 
-def close_ends(ends: dict[str, Any]) -> None:
-    """Close the kernel's ends: pipe fds, and the channel (its socket closes its own fd)."""
-    for end in ends.values():
+def close_ends(ends: Iterable[Any]) -> None:
+    """Close the kernel's ends: pipe fds, and channels (a socket closes its own fd)."""
+    for end in list(ends):
         if isinstance(end, Channel):
             _KERNEL_ENDS.discard(end.fileno())
             end.close()
-        elif isinstance(end, int) and end in _KERNEL_ENDS:
+        elif end in _KERNEL_ENDS:
             _KERNEL_ENDS.discard(end)
             with contextlib.suppress(OSError):
                 os.close(end)
-
-
-def _close_kernel_ends() -> None:  # in every child forked from the kernel
-    for fd in list(_KERNEL_ENDS):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _KERNEL_ENDS.clear()
 
 
 def start_processes(
@@ -171,7 +164,7 @@ def start_processes(
     """Start one worker per spec (``spec.fds`` is filled in here). Cleans up on failure."""
     global _hook_installed
     if not _hook_installed:  # channels reach their end exactly when the kernel is gone
-        os.register_at_fork(after_in_child=_close_kernel_ends)
+        os.register_at_fork(after_in_child=lambda: close_ends(_KERNEL_ENDS))
         _hook_installed = True
     if method == "fork":
         forksafe.warn_if_fork_unsafe()  # a warning in the cell unless the fork is checked safe
@@ -209,7 +202,7 @@ def start_processes(
             proc.kill()
             proc.close()
         for _, kernel in ends[len(procs) :]:
-            close_ends(kernel)
+            close_ends(kernel.values())
         if isinstance(err, OSError):
             raise LaunchError(f"could not start the worker processes: {err}") from err
         raise

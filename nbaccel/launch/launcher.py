@@ -1,20 +1,10 @@
 """``notebook_launcher``: run a training function on every device from a live kernel.
 
-A launch is "check, then launch":
-
-1. pre-flight (:mod:`nbaccel.launch._preflight`): arguments, settings (explicit
-   arguments > ``NBACCEL_*`` environment > config file > defaults), device count,
-   CUDA-before-fork, an Accelerator already in the kernel, a busy port. Any
-   problem raises here, before a process exists;
-2. one process: the function runs in the kernel itself (on a TPU never: the backend's
-   processes are workers, each set up by it); otherwise a one-shot group of workers (:mod:`nbaccel.launch._start`): forked (or
-   spawned with dill when CUDA is already initialised), each given the typed
-   configuration, torch's own TCPStore rendezvous listening on loopback only
-   (:mod:`nbaccel.launch._rendezvous`), and the function as its one job;
-3. supervision (:mod:`nbaccel.launch._supervisor`, the same as a pool's): output
-   forwarded into the cell, results, the first real failure re-raised with its type,
-   rank and remote traceback, hangs reported with every stuck worker's stack,
-   interrupts and clean-up; ``max_restarts`` starts a fresh group.
+A launch is "check, then launch": :mod:`~nbaccel.launch._preflight` raises any problem
+before a process exists; one blocking process runs the function in the kernel itself (on a
+TPU never: the backend's processes are workers); otherwise a one-shot group of workers
+(:mod:`~nbaccel.launch._start`) gets the function as its one job, supervised as a pool's
+(:mod:`~nbaccel.launch._supervisor`); ``max_restarts`` starts a fresh group after a failure.
 
 Example:
     >>> from nbaccel import notebook_launcher
@@ -225,14 +215,13 @@ def _start(plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None) -> Su
         job = Job(1, "call", want, (plan.function, plan.args, {}))
     elif job is None:
         job = Job(1, "run", want, (plan.payload,))
-    group = start_group(
+    return start_group(
         plan,
         on_event=handle.on_event,
         round_=handle.attempt,
         first_job=job,
         output=handle.cell_output or plan.call.output,
     )
-    return group
 
 
 def _announce_restart(plan: LaunchPlan, attempt: int, err: BaseException, cell: Any) -> None:
