@@ -21,10 +21,10 @@ from typing import Any
 
 from . import _kept
 from ._cell_output import CellOutput
+from ._group import start_processes
 from ._messages import Job
 from ._output import LineForwarder
 from ._preflight import LaunchPlan
-from ._process import start_processes
 from ._rendezvous import Rendezvous
 from ._supervisor import Supervisor
 from ._watchdog import HangPolicy, HangWatch, SubsetCheck

@@ -133,13 +133,9 @@ def launch(plan: LaunchPlan) -> Any:
     )
     handle.label = f"notebook_launcher({getattr(plan.function, '__name__', 'function')})"
     cell = CellOutput.here()  # captured here, in the cell's thread (see _cell_output)
-    running = running_from(cell)
-    if running is not None:  # never two jobs from one cell without a word
-        raise clean(
-            LaunchError(
-                already_running(running, "a run started from this cell is still going", cell)
-            )
-        )
+    if (running := running_from(cell)) is not None:  # never two jobs from one cell unsaid
+        busy = "a run started from this cell is still going"
+        raise clean(LaunchError(already_running(running, busy, cell)))
     if plan.call.output is None:
         handle.cell_output = cell
     try:  # the first group starts in the calling thread (the kernel's main thread)

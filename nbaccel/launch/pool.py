@@ -190,10 +190,10 @@ class WorkerPool(Observed):
         self,
         kind: str,
         body: tuple[Any, ...],
-        targets: list[int] | None,
-        all_ranks: bool,
-        block: bool,
-        output: Any,
+        targets: list[int] | None = None,
+        all_ranks: bool = False,
+        block: bool = True,
+        output: Any = None,
         *,
         hang: HangPolicy | None = None,
         label: str = "",
@@ -377,26 +377,24 @@ class WorkerPool(Observed):
                 )
             raise
         body = (source, f"<distributed-cell-{next(self._cells)}>", shipped, self._new_sources())
-        return self._submit("exec", body, targets, False, True, output)
+        return self._submit("exec", body, targets, output=output)
 
     def push(self, **names: Any) -> None:
         """Set ``names`` in every worker's namespace (copied with dill): ``pool.push(lr=1e-3)``."""
         if not names:
             raise TypeError("pool.push needs names to set, e.g. pool.push(lr=1e-3).")
-        self._submit(
-            "push", (dill_for_workers(names, "the pushed values"),), None, False, True, None
-        )
+        self._submit("push", (dill_for_workers(names, "the pushed values"),))
 
     def pull(self, name: str, rank: int | None = 0) -> Any:
         """A name's value on ``rank`` (``None``: a list, one per rank); NameError if unset."""
         if not isinstance(name, str) or not name.isidentifier():
             raise TypeError(f"pull needs a variable name (a str), got {name!r}.")
         targets = self._ranks(None if rank is None else [rank])
-        return self._submit("pull", (name,), targets, rank is None, True, None)
+        return self._submit("pull", (name,), targets, all_ranks=rank is None)
 
     def names(self, rank: int = 0) -> list[str]:
         """The names defined in ``rank``'s namespace."""
-        return list(self._submit("names", (), self._ranks([rank]), False, True, None))
+        return list(self._submit("names", (), self._ranks([rank])))
 
     # ------------------------------------------------------------------ lifecycle
     def restart(self) -> None:

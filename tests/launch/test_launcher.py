@@ -28,7 +28,7 @@ import torch
 import nbaccel
 from nbaccel import LaunchHandle, debug_launcher, notebook_launcher
 from nbaccel.errors import CUDAInitializedError, LaunchError, WorkerError, WorkerTimeoutError
-from nbaccel.launch import _preflight, _process
+from nbaccel.launch import _group, _preflight
 from nbaccel.launch._failures import Failure, pick_failure, remote_exception
 from nbaccel.launch.testing import plan_for
 from nbaccel.platform import cudatrace as _cudatrace
@@ -193,7 +193,7 @@ def no_workers(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a worker process was started")
 
-    monkeypatch.setattr(_process, "start_processes", refuse)
+    monkeypatch.setattr(_group, "start_processes", refuse)
     monkeypatch.setattr("nbaccel.launch._start.start_processes", refuse)
     before = _child_pids()
     yield
