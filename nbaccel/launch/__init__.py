@@ -1,7 +1,7 @@
 """One launch engine, and what is built on it.
 
 * the engine: ``_preflight`` checks and resolves before anything starts;
-  ``_start`` starts a group (``_rendezvous``, ``_group``: fork or spawn, ``_preload``);
+  ``_start`` starts a group (``_rendezvous``, ``_group``: fork or spawn);
   each worker runs ``_worker``'s loop (``_jobs``, ``_worker_os``); one
   channel per worker (``_wire``, its messages ``_messages``); one supervisor (``_supervisor`` over ``_group``, with
   ``_failures``, ``_output``, ``_status``, and ``_watchdog``: ranks waiting on each other

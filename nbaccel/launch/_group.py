@@ -5,7 +5,11 @@ the supervisor. Every process forked from the kernel closes the kernel's ends at
 hook the first launch installs), so a worker's channel ends exactly when the supervisor's
 process is gone. fork: ``os.fork()``, the child never returns into the kernel's code and
 inherits its first job; spawn: ``python -c "...spawn_main(fd)"``, its spec, ``sys.path``
-and the notebook's cell sources the channel's first frame. One ``selectors`` loop over
+and the notebook's cell sources the channel's first frame. Before forking, the kernel
+imports what each worker would repeat: nbaccel's runtime, and ``torch._dynamo`` once a
+worker needed it (torch imports it lazily from every optimizer and DDP, ~0.8 s of CPU):
+learned, not predicted, so a launch that never trains never pays it; only on CPU-only torch
+builds, where the import cannot touch the driver. One ``selectors`` loop over
 every worker's pipes and channel: lines go to the :class:`~._output.LineForwarder` (a tail
 of stderr is kept for a fatal error's stack), messages to the supervisor. Ending: ask to
 leave, SIGTERM, SIGKILL, reap, close.
@@ -30,17 +34,38 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config.fields import field_kind
 from ..errors import LaunchError
 from ..platform import environment, forksafe
 from . import _worker_os
 from ._messages import Exit, Job, Setup
 from ._output import LineForwarder
-from ._preload import preload
 from ._wire import Channel
-from ._worker import WorkerSpec, fork_main
+from ._worker import DYNAMO, WorkerSpec, fork_main
 
 _KERNEL_ENDS: set[int] = set()  # the kernel's ends of every live worker's pipes and channel
 _hook_installed = False
+_learned: set[str] = set()  # what workers imported themselves: pre-imported before forks
+
+
+def remember_worker_imports(modules: list[str]) -> None:
+    """A worker reported importing ``modules`` itself: pre-import them from now on."""
+    _learned.update(m for m in modules if m == DYNAMO)
+
+
+def _preload() -> None:
+    """Prepare the kernel so that forked workers inherit a warm, fork-safe runtime: the
+    imports above, then the OpenMP pool released (a child would hang in its first
+    multi-threaded op). No CUDA, no threads; a failure is left for the worker to report."""
+    with contextlib.suppress(Exception):
+        from ..runtime import accelerator  # noqa: F401
+    with contextlib.suppress(Exception):  # a cache every worker's Accelerator() reads
+        field_kind("mixed_precision")
+    torch = sys.modules.get("torch")
+    if torch is not None and DYNAMO in _learned and not torch.cuda._is_compiled():
+        with contextlib.suppress(Exception):
+            import torch._dynamo
+    forksafe.release_openmp_threads()
 
 
 @dataclass
@@ -172,7 +197,7 @@ def start_processes(
         _hook_installed = True
     if method == "fork":
         forksafe.warn_if_fork_unsafe()  # a warning in the cell unless the fork is checked safe
-        preload()
+        _preload()
         for stream in (sys.stdout, sys.stderr):  # nothing buffered may be written twice
             with contextlib.suppress(Exception):
                 stream.flush()  # once for all workers: in a notebook, a round trip (~1 ms)
@@ -442,4 +467,4 @@ class Group:
         self._selector.close()
 
 
-__all__ = ["Group", "WorkerProcess", "close_ends", "start_processes"]
+__all__ = ["Group", "WorkerProcess", "close_ends", "remember_worker_imports", "start_processes"]

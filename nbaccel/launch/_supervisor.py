@@ -27,10 +27,9 @@ from typing import Any, TypeVar
 
 from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
 from ._failures import Failure, add_note, name_missing, pick_failure, remote_exception, trim_stack
-from ._group import Group, WorkerProcess
+from ._group import Group, WorkerProcess, remember_worker_imports
 from ._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
 from ._output import LineForwarder
-from ._preload import remember_worker_imports
 from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]

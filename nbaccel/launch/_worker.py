@@ -37,7 +37,7 @@ from ..config import LaunchConfig, install_launch_config
 from ..platform import forksafe, torchcompat, tpu
 from ..platform.process_env import EnvironmentSnapshot, install_process_facts
 from ..tracking import events, progress, steps  # progress (tqdm) here: workers inherit it imported
-from . import _jobs, _postmortem, _preload, _rendezvous
+from . import _jobs, _messages, _postmortem, _rendezvous
 from . import _worker_os as wos
 from ._messages import Debug, Done, Event, Exit, Fatal, Hello, Job, Probe, ProbeAnswer, Ready, Setup
 from ._wire import Channel, dumps
@@ -81,6 +81,9 @@ class WorkerSpec:
 #: the cell); aborting the communicators only lets the error reach the function and the cell.
 #: The user's own setting wins; no effect on gloo or XLA.
 NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+#: a job that imports it after the fork says so once; the kernel imports it before later forks
+DYNAMO = "torch._dynamo"
 
 _inbox: queue.Queue[Any] = queue.Queue()
 _busy = False  # SIGINT raises KeyboardInterrupt only while a job runs
@@ -206,7 +209,7 @@ def serve(spec: WorkerSpec, channel: Channel, job: Job | None, forked: bool) -> 
     """The worker's life after set-up; returns its exit code. Never raises."""
     channel.send(Hello(os.getpid()))
     worker = _jobs.Worker(spec.rank)
-    learn = _preload.Learner(forked)
+    learn = forked and DYNAMO not in sys.modules
     code, store, lingered = 0, None, False
     try:
         if spec.store_fd is not None:
@@ -235,7 +238,9 @@ def serve(spec: WorkerSpec, channel: Channel, job: Job | None, forked: bool) -> 
             if not isinstance(message, Job):  # nothing this loop acts on
                 continue
             code = _run_job(worker, channel, message)
-            learn.report(channel)
+            if learn and DYNAMO in sys.modules:
+                learn = False
+                channel.send(_messages.Imported([DYNAMO]))
             if not spec.persistent:
                 if code and spec.linger and _postmortem.kept() is not None:
                     _postmortem.linger(channel, _inbox, spec.linger)
