@@ -73,7 +73,6 @@ class WorkerProcess:
     """Kernel-side view of one worker: pid, output pipes, channel, exit status."""
 
     rank: int
-    local_rank: int
     pid: int
     fds: dict[str, int]  # read ends: "stdout", "stderr"
     channel: Channel | None = None
@@ -218,9 +217,7 @@ def start_processes(
                     popen = _spawn(spec, mine)
                     pid = popen.pid
                 pipes = {"stdout": kernel["stdout"], "stderr": kernel["stderr"]}
-                procs.append(
-                    WorkerProcess(spec.rank, spec.local_rank, pid, pipes, kernel["channel"], popen)
-                )
+                procs.append(WorkerProcess(spec.rank, pid, pipes, kernel["channel"], popen))
         if method != "fork":
             sources = environment.notebook_cell_sources()  # IPython 7's cells (Colab) and 8's
             for spec, proc in zip(specs, procs, strict=True):

@@ -230,8 +230,6 @@ def _accelerate_env(cfg: LaunchConfig) -> dict[str, str]:
 def _count_processes(cfg: LaunchConfig) -> int:
     if cfg.num_processes is not None:
         return cfg.num_processes
-    if cfg.compute_device == "cpu":
-        return 1
     if cfg.compute_device == "gpu" and environment.gpu_count() == 0:
         raise ConfigError("compute_device='gpu' but no CUDA GPU is visible; use 'cpu' or 'auto'.")
     # one rule for "one process per usable GPU", shared with the CLI and the panel

@@ -58,8 +58,7 @@ def forwarder(plan: LaunchPlan, ranks: list[int], output: Any) -> LineForwarder:
         streams = (sys.stdout, sys.stderr)
     else:
         streams = (None, None) if callable(output) else (output, output)
-    cfg = plan.config
-    info = {r: (lr, cfg.node_rank, plan.world_size) for lr, r in enumerate(ranks)}
+    info = {r: (lr, plan.config.node_rank, plan.world_size) for lr, r in enumerate(ranks)}
     callback = output if callable(output) else None
     return LineForwarder(
         *streams,

@@ -306,8 +306,7 @@ def fork_main(spec: WorkerSpec, sock: socket.socket, job: Job | None) -> None:
 
 def spawn_main(fd: int) -> None:
     """Entry point of a spawned worker (``python -c ...``): the spec is the first frame."""
-    sock = socket.socket(fileno=fd)
-    channel = Channel(sock)
+    channel = Channel(socket.socket(fileno=fd))
     first = channel.next()
     if not isinstance(first, Setup):
         os._exit(70)  # the supervisor is gone already

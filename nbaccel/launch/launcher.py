@@ -152,8 +152,7 @@ def launch(plan: LaunchPlan) -> Any:
         handle.run()
     except KeyboardInterrupt:  # the user's own interrupt: no frames of ours to read through
         raise clean(KeyboardInterrupt("the launch was interrupted; every worker is gone")) from None
-    error = handle.exception()
-    if error is not None:  # the remote traceback in its message is the story
+    if (error := handle.exception()) is not None:  # the remote traceback is the story
         raise clean(error)
     return handle.result()
 

@@ -160,8 +160,7 @@ class WorkerPool(Observed):
     # ------------------------------------------------------------------ internals
     def _event(self, rank: int, kind: str, data: dict) -> None:
         listeners = self._board.record(rank, kind, data)
-        handle = self._handle
-        if handle is not None and rank in handle.ranks:  # the call shows its own states
+        if (handle := self._handle) is not None and rank in handle.ranks:  # its own states
             handle.on_event(rank, kind, data)
         self._board.notify(listeners, rank, kind, data)
 
@@ -233,8 +232,7 @@ class WorkerPool(Observed):
             handle.run()
         except KeyboardInterrupt:
             raise clean(KeyboardInterrupt("the pool call was interrupted on every rank")) from None
-        error = handle.exception()
-        if error is not None:  # the remote traceback tells the story, not our frames
+        if (error := handle.exception()) is not None:  # the remote traceback tells the story
             raise clean(error)
         return handle.result()
 
@@ -414,8 +412,7 @@ class WorkerPool(Observed):
         self.closed = True
         _LIVE.discard(self)
         _kept.forget(self, "the pool was closed")  # failed ranks kept for nbaccel.debug() go
-        handle = self._handle
-        if handle is not None:
+        if (handle := self._handle) is not None:
             with contextlib.suppress(Exception):
                 handle.stop(timeout=timeout)
         got = self._busy.acquire(timeout=max(timeout, 0.1))
@@ -446,8 +443,7 @@ class WorkerPool(Observed):
 
     def stacks(self, ranks: list[int] | None = None) -> dict[int, str]:
         """Where each rank of the call running now is: its Python stack, by rank."""
-        handle = self._handle
-        if handle is None:
+        if (handle := self._handle) is None:
             return {rank: "(idle)" for rank in (self.ranks if ranks is None else ranks)}
         return handle.stacks(ranks)
 

@@ -49,7 +49,7 @@ def test_a_worker_that_outlives_the_wait_is_reaped_when_it_exits():
     # e.g. SIGKILLed while stuck in uninterruptible I/O on an overloaded machine: the
     # launcher stops waiting after KILL_WAIT seconds, but the kernel must not keep a zombie
     pid = _child_ignoring_sigterm()
-    proc = WorkerProcess(rank=0, local_rank=0, pid=pid, fds={})
+    proc = WorkerProcess(rank=0, pid=pid, fds={})
     proc.send_signal(signal.SIGTERM)
     assert proc.reap(0.2) is None  # still running: SIGTERM is ignored
     os.kill(pid, signal.SIGKILL)  # it exits later, with nobody in the launcher waiting
@@ -63,7 +63,7 @@ def test_a_worker_that_outlives_the_wait_is_reaped_when_it_exits():
 
 def test_kill_reaps_even_with_no_time_to_wait():
     pid = _child_ignoring_sigterm()
-    proc = WorkerProcess(rank=0, local_rank=0, pid=pid, fds={})
+    proc = WorkerProcess(rank=0, pid=pid, fds={})
     proc.kill(timeout=0.0)
     deadline = time.monotonic() + 5
     while proc.returncode is None and time.monotonic() < deadline:
