@@ -20,20 +20,24 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..config import LaunchConfig
+from ..config import LaunchConfig, install_launch_config, installed_launch_config
 from ..config.choices import PrecisionType, RdzvBackendType
 from ..config.keywords import LaunchKeywords, documented, split
 from ..config.options import START
 from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from ..platform import environment
-from ..platform.process_env import EnvironmentSnapshot
+from ..platform.process_env import (
+    EnvironmentSnapshot,
+    install_process_facts,
+    installed_process_facts,
+)
 from . import _kept
 from ._cell_output import CellOutput
-from ._environ import installed, patched_environ
 from ._messages import Job
 from ._preflight import LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
@@ -255,6 +259,27 @@ def debug_launcher(
     return notebook_launcher(function, args, num_processes=num_processes, config=config)
 
 
+@contextlib.contextmanager
+def patched_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` for the launch; afterwards the environment is exactly as before.
+
+    Example:
+        >>> with patched_environ({"NBACCEL_DOC": "1"}):
+        ...     os.environ["NBACCEL_DOC"]
+        '1'
+    """
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k not in saved]:
+            del os.environ[key]
+        for key, old in saved.items():
+            if os.environ.get(key) != old:
+                os.environ[key] = old
+
+
 def _run_in_kernel(plan: LaunchPlan) -> Any:
     """One process: call the function right here, as rank 0 of 1."""
     __tracebackhide__ = True  # an error shows the user's cell, then the function's frames
@@ -265,10 +290,15 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
     )
     state = sys.modules.get("nbaccel.runtime.state")
     had_state = state is not None and state.current_state() is not None
+    saved = installed_launch_config(), installed_process_facts()
+    install_launch_config(cfg)  # this process's launch state for the length of the run
+    install_process_facts(facts)
     try:
-        with patched_environ(env), installed(cfg, facts):
+        with patched_environ(env):
             value = plan.function(*plan.args)
     finally:
+        install_launch_config(saved[0])
+        install_process_facts(saved[1])
         state = sys.modules.get("nbaccel.runtime.state")
         if state is not None and not had_state:
             state.reset_state()  # leave the kernel as found: no Accelerator state behind
