@@ -52,8 +52,6 @@ if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
 
 _SETTLED = {"finished": "idle", "failed": "idle"}  # a pool's workers wait for the next call
 START_TIMEOUT = 120.0  # seconds the workers get to start (more if timeout= says so)
-
-
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 # The pools %%distributed may use, newest last. Weak: a pool the notebook no longer
 # references is garbage-collected, and closed, like any object (see __del__).
