@@ -123,7 +123,7 @@ CELLS = (
 )
 
 # nbaccel's own code, which a user should not have to read through in an error
-OURS = ("nbaccel/launch/", "nbaccel/ui/", "launcher.py", "handle.py", "_pool.py")
+OURS = ("nbaccel/launch/", "nbaccel/ui/", "launcher.py", "handle.py")
 
 # The charts' titles in a cell: the live widget's (inline SVG) and the final image's
 # (JupyterLab: an <img> with a data: URL; Notebook 6: inline SVG outside the widget).

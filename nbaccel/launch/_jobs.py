@@ -164,8 +164,11 @@ def check_syntax(source: str) -> None:
         raise
 
 
-def dill_for_workers(value: Any, what: str) -> bytes:
-    """Kernel side: ``value`` pickled with dill for the workers; TypeError naming ``what``."""
+def dill_for_workers(
+    value: Any, what: str, where: str = "e.g. inside the function or in a %%distributed cell"
+) -> bytes:
+    """Kernel side: ``value`` pickled with dill for the workers; TypeError naming ``what``
+    and ``where`` to create what cannot be copied."""
     import dill
 
     try:
@@ -174,20 +177,18 @@ def dill_for_workers(value: Any, what: str) -> bytes:
         raise TypeError(
             f"could not send {what} to the workers ({type(err).__name__}: {err}). They are "
             "copied with dill: create unpicklable objects (open files, locks, CUDA models) on "
-            "the workers, e.g. inside the function or in a %%distributed cell."
+            f"the workers, {where}."
         ) from err
 
 
 def ship(value: Any, kind: str) -> tuple[str, bytes]:
     """A job's value for the kernel; a cell's unsendable (or big) value travels as its repr."""
-    cell = kind == "exec"
     try:
         shipped = dumps(value)
-        if cell and len(shipped[1]) > CELL_VALUE_LIMIT:
-            return dumps(RemoteRepr(repr(value)))
-        return shipped
+        if kind != "exec" or len(shipped[1]) <= CELL_VALUE_LIMIT:
+            return shipped
     except Exception as err:
-        if cell:
+        if kind == "exec":
             return dumps(RemoteRepr(repr(value)))
         raise TypeError(
             f"the function's return value (a {type(value).__name__}) cannot be sent back to "
@@ -195,6 +196,7 @@ def ship(value: Any, kind: str) -> tuple[str, bytes]:
             "tensors, lists/dicts of them, or model.state_dict() (in a pool, keep it on the "
             "workers and pull what you need)."
         ) from err
+    return dumps(RemoteRepr(repr(value)))
 
 
 def collective_count() -> int | None:

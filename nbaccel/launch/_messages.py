@@ -1,10 +1,7 @@
 """What the kernel and a worker say to each other: one small frozen dataclass per message.
 
-Each side acts on a message by its type and ignores a type it does not act on. Kernel to
-worker: :class:`Setup` (a spawned worker's first frame), :class:`Job`, :class:`Probe`,
-:class:`Debug`, :class:`PdbLine`, :class:`Exit`. Worker to kernel: :class:`Hello`,
-:class:`Ready`, :class:`Event`, :class:`Imported`, :class:`Done`, :class:`Fatal`,
-:class:`ProbeAnswer`, :class:`PdbOutput`.
+Each side acts on a message by its type and ignores a type it does not act on; the file's
+two sections hold the kernel's messages to a worker, and a worker's to the kernel.
 
 Example:
     >>> Job(1, "call", {0}, (print, (), {})).kind

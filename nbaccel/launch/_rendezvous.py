@@ -8,6 +8,9 @@ closes its copy; the user's later ``init_process_group("env://")`` reuses that s
 Other nodes check first that node 0's store answers. With ``rdzv_backend="c10d"``
 (:func:`elastic_meet`) the machines meet through torch elastic's rendezvous at
 ``rdzv_endpoint``, which numbers them, and node 0 publishes its store's address there.
+Nodes that differ in world size, nbaccel, torch or start method would collide and hang, so
+before any training each worker publishes its node's view in the store under the restart
+round, waits for every node's, and :func:`agree` raises naming both values on a mismatch.
 
 Example:
     >>> from nbaccel.launch._rendezvous import Rendezvous
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import json
 import os
 import socket
 import time
@@ -231,6 +235,76 @@ def leave(store: Any, *, is_host: bool, world_size: int) -> bool:
     return True
 
 
+_PREFIX = "nbaccel/agree"
+
+_FIXES = {
+    "world_size": "pass the same num_processes on every node (num_processes=None counts "
+    "each node's own GPUs)",
+    "nbaccel_version": "install the same nbaccel version on every node",
+    "torch_version": "install the same torch version on every node",
+    "start_method": "pass the same start_method on every node (with 'auto' a node whose "
+    "kernel has initialised CUDA spawns instead of forking: restart that kernel)",
+    "num_nodes": "pass the same num_nodes on every node",
+}
+
+
+def node_facts(spec: Any) -> dict[str, str]:
+    """What must be equal on every node, as this worker (its ``WorkerSpec``) sees it."""
+    import torch
+
+    from .._version import __version__
+
+    return {
+        "world_size": str(spec.world_size),
+        "num_nodes": str(spec.config.num_nodes),
+        "nbaccel_version": __version__,
+        "torch_version": str(torch.__version__),
+        "start_method": spec.method,
+    }
+
+
+def compare(views: dict[int, dict[str, str]]) -> list[str]:
+    """The facts on which the nodes differ, each naming every node's value."""
+    problems = []
+    for name in sorted({name for view in views.values() for name in view}):
+        values = {node: view.get(name, "?") for node, view in sorted(views.items())}
+        if len(set(values.values())) > 1:
+            said = ", ".join(f"node {node} has {value}" for node, value in values.items())
+            problems.append(f"{name}: {said}")
+    return problems
+
+
+def agree(store: Any, spec: Any) -> None:
+    """Publish this node's facts for the current round, wait for all nodes, compare
+    (a no-op without a store or with one node); LaunchError naming each difference and
+    its fix, or the nodes that did not come within the timeout."""
+    num_nodes = spec.config.num_nodes
+    if store is None or num_nodes < 2:
+        return
+    keys = [f"{_PREFIX}/{spec.round}/node{node}" for node in range(num_nodes)]
+    if spec.local_rank == 0:
+        store.set(keys[spec.node_rank], json.dumps(node_facts(spec)))
+    seconds = spec.config.timeout or DEFAULT_TIMEOUT
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+    except Exception:
+        missing = [node for node, key in enumerate(keys) if not store.check([key])]
+        where = f"{spec.env.get('MASTER_ADDR')}:{spec.env.get('MASTER_PORT')}"
+        raise LaunchError(
+            f"node(s) {missing} did not reach round {spec.round} of the rendezvous at {where} "
+            f"within {seconds:g}s (node {spec.node_rank} did). Fix: run the same launch on "
+            "every node; with max_restarts every node restarts together, so check the other "
+            "nodes' output for the failure that made them stop."
+        ) from None
+    views = {node: json.loads(store.get(key)) for node, key in enumerate(keys)}
+    if problems := compare(views):
+        fixes = "; ".join(_FIXES[p.split(":")[0]] for p in problems if p.split(":")[0] in _FIXES)
+        raise LaunchError(
+            f"the {num_nodes} nodes of this launch disagree (seen on node {spec.node_rank}, "
+            f"pid {os.getpid()}, before any training): " + "; ".join(problems) + f". Fix: {fixes}."
+        )
+
+
 def _bind(addr: str, port: int, *, allow_wildcard: bool) -> socket.socket:
     try:
         infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -332,4 +406,4 @@ def _towards(host: str) -> str:
         return socket.getfqdn()
 
 
-__all__ = ["Rendezvous", "elastic_meet", "host_store"]
+__all__ = ["Rendezvous", "agree", "compare", "elastic_meet", "host_store", "node_facts"]

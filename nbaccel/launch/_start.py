@@ -21,10 +21,10 @@ from typing import Any
 
 from . import _kept
 from ._cell_output import CellOutput
+from ._group import start_processes
 from ._messages import Job
 from ._output import LineForwarder
 from ._preflight import LaunchPlan
-from ._process import start_processes
 from ._rendezvous import Rendezvous
 from ._supervisor import Supervisor
 from ._watchdog import HangPolicy, HangWatch, SubsetCheck
@@ -58,8 +58,7 @@ def forwarder(plan: LaunchPlan, ranks: list[int], output: Any) -> LineForwarder:
         streams = (sys.stdout, sys.stderr)
     else:
         streams = (None, None) if callable(output) else (output, output)
-    cfg = plan.config
-    info = {r: (lr, cfg.node_rank, plan.world_size) for lr, r in enumerate(ranks)}
+    info = {r: (lr, plan.config.node_rank, plan.world_size) for lr, r in enumerate(ranks)}
     callback = output if callable(output) else None
     return LineForwarder(
         *streams,

@@ -26,11 +26,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn, TypeVar
 
 from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
-from ._group import Group
+from ._group import Group, WorkerProcess, remember_worker_imports
 from ._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
 from ._output import LineForwarder
-from ._preload import remember_worker_imports
-from ._process import WorkerProcess
 from ._tidy import Failure, add_note, fatal_stack, pick_failure, remote_exception
 from ._wire import loads
 

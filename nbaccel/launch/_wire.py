@@ -30,9 +30,7 @@ HEADER = struct.Struct("!Q")
 
 def frame(message: Any) -> bytes:
     """One frame: the header and the pickled message (tensors moved to the CPU)."""
-    buffer = io.BytesIO()
-    _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    data = buffer.getvalue()
+    data = _pickle(_CPUPickler, message)
     return HEADER.pack(len(data)) + data
 
 
@@ -130,50 +128,50 @@ def _load_storage_on_cpu(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
-def _find_class(module: str, name: str) -> Any | None:
-    # A tensor's storage is pickled as torch.save bytes that remember its device; loading
-    # them as they are would initialise CUDA in the kernel (and forbid every later fork).
-    if module == "torch.storage" and name == "_load_from_bytes":
-        return _load_storage_on_cpu
-    return None
-
-
-class _CPUUnpickler(pickle.Unpickler):
-    """Kernel side: whatever the worker's pickler did, storages are restored on the CPU."""
+class _OnCPU:
+    """Unpickler mixin, kernel side: whatever the worker's pickler did, storages are
+    restored on the CPU."""
 
     def find_class(self, module: str, name: str) -> Any:
-        return _find_class(module, name) or super().find_class(module, name)
+        # A tensor's storage is pickled as torch.save bytes that remember its device; loading
+        # them as they are would initialise CUDA in the kernel (and forbid every later fork).
+        if module == "torch.storage" and name == "_load_from_bytes":
+            return _load_storage_on_cpu
+        return super().find_class(module, name)  # type: ignore[misc]
+
+
+class _CPUUnpickler(_OnCPU, pickle.Unpickler):
+    pass
+
+
+def _pickle(pickler: Any, value: Any, **kwargs: Any) -> bytes:
+    buffer = io.BytesIO()
+    pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL, **kwargs).dump(value)
+    return buffer.getvalue()
 
 
 def dumps(value: Any) -> tuple[str, bytes]:
     """Pickle ``value`` for the kernel, device tensors moved to the CPU: ``("pickle",
     bytes)``, or ``("dill", bytes)``."""
-    buffer = io.BytesIO()
     try:
-        _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-        return "pickle", buffer.getvalue()
+        return "pickle", _pickle(_CPUPickler, value)
     except Exception:
         import dill
 
         class _CPUDillPickler(dill.Pickler):
             reducer_override = _cpu_reduction
 
-        buffer = io.BytesIO()
-        _CPUDillPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL, recurse=True).dump(value)
-        return "dill", buffer.getvalue()
+        return "dill", _pickle(_CPUDillPickler, value, recurse=True)
 
 
 def loads(codec: str, data: bytes) -> Any:
     """Inverse of :func:`dumps` (runs in the kernel); tensors always come back on the CPU."""
+    unpickler: Any = _CPUUnpickler
     if codec == "dill":
         import dill
 
-        class _CPUDillUnpickler(dill.Unpickler):
-            def find_class(self, module: str, name: str) -> Any:
-                return _find_class(module, name) or super().find_class(module, name)
-
-        return _CPUDillUnpickler(io.BytesIO(data)).load()
-    return _CPUUnpickler(io.BytesIO(data)).load()
+        unpickler = type("_CPUDillUnpickler", (_OnCPU, dill.Unpickler), {})
+    return unpickler(io.BytesIO(data)).load()
 
 
 __all__ = ["HEADER", "Channel", "FrameReader", "dumps", "frame", "loads"]

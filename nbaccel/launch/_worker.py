@@ -5,18 +5,19 @@ spec the channel's first frame). It sets up (output onto the supervisor's pipes,
 faulthandler, the typed :class:`~nbaccel.config.LaunchConfig` and rank facts as process
 state, the events sink, a channel reader that answers probes at once and ends the worker
 with the channel); meets the others (rank 0 hosts the store on the kernel's socket; across
-nodes, the agreement check) and says "ready"; runs jobs from the table :data:`JOBS`, each
+nodes, the agreement check) and says "ready"; runs jobs from the table ``_jobs.JOBS``, each
 answered by one ``Done`` (value or error, and its collective count); a one-shot worker
 leaves after its job. Leaving: the exit barrier, the group torn down, ``os._exit``.
 
 Example:
-    >>> from nbaccel.launch._worker import JOBS
-    >>> sorted(JOBS)[:3]
-    ['call', 'exec', 'names']
+    >>> from nbaccel.config import LaunchConfig
+    >>> WorkerSpec(0, 0, 1, 1, 0, LaunchConfig(), {}, "fork").persistent
+    False
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import functools
@@ -36,7 +37,7 @@ from ..config import LaunchConfig, install_launch_config
 from ..platform import forksafe, torchcompat, tpu
 from ..platform.process_env import EnvironmentSnapshot, install_process_facts
 from ..tracking import events, progress, steps  # progress (tqdm) here: workers inherit it imported
-from . import _agreement, _jobs, _postmortem, _preload, _rendezvous
+from . import _jobs, _messages, _postmortem, _rendezvous
 from . import _worker_os as wos
 from ._messages import Debug, Done, Event, Exit, Fatal, Hello, Job, Probe, ProbeAnswer, Ready, Setup
 from ._wire import Channel, dumps
@@ -80,6 +81,9 @@ class WorkerSpec:
 #: the cell); aborting the communicators only lets the error reach the function and the cell.
 #: The user's own setting wins; no effect on gloo or XLA.
 NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+#: a job that imports it after the fork says so once; the kernel imports it before later forks
+DYNAMO = "torch._dynamo"
 
 _inbox: queue.Queue[Any] = queue.Queue()
 _busy = False  # SIGINT raises KeyboardInterrupt only while a job runs
@@ -176,7 +180,7 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: Job) -> int:
     try:
         _busy = True
         try:
-            value = JOBS[job.kind](worker, *job.body)
+            value = _jobs.JOBS[job.kind](worker, *job.body)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
@@ -201,14 +205,11 @@ def _run_job(worker: _jobs.Worker, channel: Channel, job: Job) -> int:
     return code
 
 
-JOBS = _jobs.JOBS
-
-
 def serve(spec: WorkerSpec, channel: Channel, job: Job | None, forked: bool) -> int:
     """The worker's life after set-up; returns its exit code. Never raises."""
     channel.send(Hello(os.getpid()))
     worker = _jobs.Worker(spec.rank)
-    learn = _preload.Learner(forked)
+    learn = forked and DYNAMO not in sys.modules
     code, store, lingered = 0, None, False
     try:
         if spec.store_fd is not None:
@@ -219,7 +220,7 @@ def serve(spec: WorkerSpec, channel: Channel, job: Job | None, forked: bool) -> 
             store = _rendezvous.connect_exit_client(
                 spec.env["MASTER_ADDR"], int(spec.env["MASTER_PORT"]), spec.config.timeout
             )
-        _agreement.agree(store, spec)  # several nodes: the same job everywhere, or an error
+        _rendezvous.agree(store, spec)  # several nodes: the same job everywhere, or an error
         if forked:  # torch 2.4: a multi-threaded op would hang (see the function)
             forksafe.keep_forked_worker_single_threaded()
         torch = sys.modules.get("torch")
@@ -237,7 +238,9 @@ def serve(spec: WorkerSpec, channel: Channel, job: Job | None, forked: bool) -> 
             if not isinstance(message, Job):  # nothing this loop acts on
                 continue
             code = _run_job(worker, channel, message)
-            learn.report(channel)
+            if learn and DYNAMO in sys.modules:
+                learn = False
+                channel.send(_messages.Imported([DYNAMO]))
             if not spec.persistent:
                 if code and spec.linger and _postmortem.kept() is not None:
                     _postmortem.linger(channel, _inbox, spec.linger)
@@ -278,8 +281,6 @@ def _finish(code: int) -> None:
     """Exit handlers the user's code registered here, flushed streams, then ``os._exit``
     with whatever this worker started (never the C++ teardown of an interpreter with
     torch threads: an abort, code 134)."""
-    import atexit
-
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -292,8 +293,6 @@ def fork_main(spec: WorkerSpec, sock: socket.socket, job: Job | None) -> None:
     """Body of a forked worker. Never returns into the kernel's code."""
     code = 70
     try:
-        import atexit
-
         atexit._clear()  # the kernel's exit handlers are not ours to run
         channel = Channel(sock)
         _setup(spec, channel)
@@ -307,8 +306,7 @@ def fork_main(spec: WorkerSpec, sock: socket.socket, job: Job | None) -> None:
 
 def spawn_main(fd: int) -> None:
     """Entry point of a spawned worker (``python -c ...``): the spec is the first frame."""
-    sock = socket.socket(fileno=fd)
-    channel = Channel(sock)
+    channel = Channel(socket.socket(fileno=fd))
     first = channel.next()
     if not isinstance(first, Setup):
         os._exit(70)  # the supervisor is gone already
@@ -319,4 +317,4 @@ def spawn_main(fd: int) -> None:
     _finish(serve(spec, channel, None, forked=False))
 
 
-__all__ = ["JOBS", "WorkerSpec", "error_info", "fork_main", "serve", "spawn_main"]
+__all__ = ["WorkerSpec", "error_info", "fork_main", "serve", "spawn_main"]

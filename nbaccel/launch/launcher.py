@@ -1,20 +1,10 @@
 """``notebook_launcher``: run a training function on every device from a live kernel.
 
-A launch is "check, then launch":
-
-1. pre-flight (:mod:`nbaccel.launch._preflight`): arguments, settings (explicit
-   arguments > ``NBACCEL_*`` environment > config file > defaults), device count,
-   CUDA-before-fork, an Accelerator already in the kernel, a busy port. Any
-   problem raises here, before a process exists;
-2. one process: the function runs in the kernel itself (on a TPU never: the backend's
-   processes are workers, each set up by it); otherwise a one-shot group of workers (:mod:`nbaccel.launch._start`): forked (or
-   spawned with dill when CUDA is already initialised), each given the typed
-   configuration, torch's own TCPStore rendezvous listening on loopback only
-   (:mod:`nbaccel.launch._rendezvous`), and the function as its one job;
-3. supervision (:mod:`nbaccel.launch._supervisor`, the same as a pool's): output
-   forwarded into the cell, results, the first real failure re-raised with its type,
-   rank and remote traceback, hangs reported with every stuck worker's stack,
-   interrupts and clean-up; ``max_restarts`` starts a fresh group.
+A launch is "check, then launch": :mod:`~nbaccel.launch._preflight` raises any problem
+before a process exists; one blocking process runs the function in the kernel itself (on a
+TPU never: the backend's processes are workers); otherwise a one-shot group of workers
+(:mod:`~nbaccel.launch._start`) gets the function as its one job, supervised as a pool's
+(:mod:`~nbaccel.launch._supervisor`); ``max_restarts`` starts a fresh group after a failure.
 
 Example:
     >>> from nbaccel import notebook_launcher
@@ -30,20 +20,24 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..config import LaunchConfig
+from ..config import LaunchConfig, install_launch_config, installed_launch_config
 from ..config.choices import PrecisionType, RdzvBackendType
 from ..config.keywords import LaunchKeywords, documented, split
 from ..config.options import START
 from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from ..platform import environment
-from ..platform.process_env import EnvironmentSnapshot
+from ..platform.process_env import (
+    EnvironmentSnapshot,
+    install_process_facts,
+    installed_process_facts,
+)
 from . import _kept
 from ._cell_output import CellOutput
-from ._environ import installed, patched_environ
 from ._messages import Job
 from ._preflight import LaunchPlan, plan_launch, plan_script
 from ._start import rank_environment, start_group
@@ -143,13 +137,9 @@ def launch(plan: LaunchPlan) -> Any:
     )
     handle.label = f"notebook_launcher({getattr(plan.function, '__name__', 'function')})"
     cell = CellOutput.here()  # captured here, in the cell's thread (see _cell_output)
-    running = running_from(cell)
-    if running is not None:  # never two jobs from one cell without a word
-        raise clean(
-            LaunchError(
-                already_running(running, "a run started from this cell is still going", cell)
-            )
-        )
+    if (running := running_from(cell)) is not None:  # never two jobs from one cell unsaid
+        busy = "a run started from this cell is still going"
+        raise clean(LaunchError(already_running(running, busy, cell)))
     if plan.call.output is None:
         handle.cell_output = cell
     try:  # the first group starts in the calling thread (the kernel's main thread)
@@ -166,8 +156,7 @@ def launch(plan: LaunchPlan) -> Any:
         handle.run()
     except KeyboardInterrupt:  # the user's own interrupt: no frames of ours to read through
         raise clean(KeyboardInterrupt("the launch was interrupted; every worker is gone")) from None
-    error = handle.exception()
-    if error is not None:  # the remote traceback in its message is the story
+    if (error := handle.exception()) is not None:  # the remote traceback is the story
         raise clean(error)
     return handle.result()
 
@@ -225,14 +214,13 @@ def _start(plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None) -> Su
         job = Job(1, "call", want, (plan.function, plan.args, {}))
     elif job is None:
         job = Job(1, "run", want, (plan.payload,))
-    group = start_group(
+    return start_group(
         plan,
         on_event=handle.on_event,
         round_=handle.attempt,
         first_job=job,
         output=handle.cell_output or plan.call.output,
     )
-    return group
 
 
 def _announce_restart(plan: LaunchPlan, attempt: int, err: BaseException, cell: Any) -> None:
@@ -271,6 +259,27 @@ def debug_launcher(
     return notebook_launcher(function, args, num_processes=num_processes, config=config)
 
 
+@contextlib.contextmanager
+def patched_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` for the launch; afterwards the environment is exactly as before.
+
+    Example:
+        >>> with patched_environ({"NBACCEL_DOC": "1"}):
+        ...     os.environ["NBACCEL_DOC"]
+        '1'
+    """
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k not in saved]:
+            del os.environ[key]
+        for key, old in saved.items():
+            if os.environ.get(key) != old:
+                os.environ[key] = old
+
+
 def _run_in_kernel(plan: LaunchPlan) -> Any:
     """One process: call the function right here, as rank 0 of 1."""
     __tracebackhide__ = True  # an error shows the user's cell, then the function's frames
@@ -281,10 +290,15 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
     )
     state = sys.modules.get("nbaccel.runtime.state")
     had_state = state is not None and state.current_state() is not None
+    saved = installed_launch_config(), installed_process_facts()
+    install_launch_config(cfg)  # this process's launch state for the length of the run
+    install_process_facts(facts)
     try:
-        with patched_environ(env), installed(cfg, facts):
+        with patched_environ(env):
             value = plan.function(*plan.args)
     finally:
+        install_launch_config(saved[0])
+        install_process_facts(saved[1])
         state = sys.modules.get("nbaccel.runtime.state")
         if state is not None and not had_state:
             state.reset_state()  # leave the kernel as found: no Accelerator state behind

@@ -23,7 +23,6 @@ from ..config import resolve_launch_config
 from ..config.keywords import LaunchKeywords, split
 from ..config.options import CallOptions, StartOptions
 from ..errors import LaunchError
-from ._environ import patched_environ
 
 if TYPE_CHECKING:
     from ._preflight import LaunchPlan
@@ -57,7 +56,7 @@ def run_on_workers(
     ``LaunchError`` says so.
     """
     from ._preflight import plan_launch
-    from .launcher import launch
+    from .launcher import launch, patched_environ
 
     values = {"OMP_NUM_THREADS": "1", **dict(env or {})}
     with patched_environ(values):

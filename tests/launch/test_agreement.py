@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nbaccel.config import LaunchConfig
-from nbaccel.launch._agreement import agree, compare
+from nbaccel.launch._rendezvous import agree, compare
 from nbaccel.launch._worker import WorkerSpec
 
 

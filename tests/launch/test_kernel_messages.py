@@ -51,7 +51,7 @@ def dies_or_raises(die):
 """
 
 # Files of nbaccel's own code that a user should not have to read through.
-OURS = ("launcher.py", "handle.py", "_pool.py", "pool.py", "_supervisor.py", "debugger.py")
+OURS = ("launcher.py", "handle.py", "pool.py", "_supervisor.py", "debugger.py")
 
 
 @pytest.fixture(scope="module")

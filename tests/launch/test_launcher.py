@@ -28,7 +28,7 @@ import torch
 import nbaccel
 from nbaccel import LaunchHandle, debug_launcher, notebook_launcher
 from nbaccel.errors import CUDAInitializedError, LaunchError, WorkerError, WorkerTimeoutError
-from nbaccel.launch import _process, _safety
+from nbaccel.launch import _group, _preflight
 from nbaccel.launch._tidy import Failure, pick_failure, remote_exception
 from nbaccel.launch.testing import plan_for
 from nbaccel.platform import cudatrace as _cudatrace
@@ -193,7 +193,7 @@ def no_workers(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a worker process was started")
 
-    monkeypatch.setattr(_process, "start_processes", refuse)
+    monkeypatch.setattr(_group, "start_processes", refuse)
     monkeypatch.setattr("nbaccel.launch._start.start_processes", refuse)
     before = _child_pids()
     yield
@@ -456,7 +456,7 @@ def test_first_cuda_init_is_recorded(monkeypatch):
     touch_cuda_in_a_cell()
     where = _cudatrace.describe_first_init()
     assert "touch_cuda_in_a_cell" in where and "fake._lazy_init()" in where
-    assert "touch_cuda_in_a_cell" in str(_safety.cuda_fork_error())
+    assert "touch_cuda_in_a_cell" in str(_preflight.cuda_fork_error())
 
 
 # ---------------------------------------------------------------- while it runs

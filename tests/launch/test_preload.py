@@ -9,22 +9,21 @@ import textwrap
 import pytest
 import torch
 
-from nbaccel.launch import _preload
+from nbaccel.launch import _group
 
 
 @pytest.fixture(autouse=True)
 def _fresh_memory():
-    saved = set(_preload._learned)
-    _preload._learned.clear()
+    saved = set(_group._learned)
+    _group._learned.clear()
     yield
-    _preload._learned.clear()
-    _preload._learned.update(saved)
+    _group._learned.clear()
+    _group._learned.update(saved)
 
 
 def test_only_what_a_worker_reported_is_remembered():
-    assert _preload.learned_modules() == []
-    _preload.remember_worker_imports(["torch._dynamo", "something.else"])
-    assert _preload.learned_modules() == ["torch._dynamo"]
+    _group.remember_worker_imports(["torch._dynamo", "something.else"])
+    assert _group._learned == {"torch._dynamo"}
 
 
 SCRIPT = textwrap.dedent(

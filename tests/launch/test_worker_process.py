@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from nbaccel import notebook_launcher
-from nbaccel.launch import _process
-from nbaccel.launch._process import WorkerProcess
+from nbaccel.launch import _group
+from nbaccel.launch._group import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def test_a_worker_that_outlives_the_wait_is_reaped_when_it_exits():
     # e.g. SIGKILLed while stuck in uninterruptible I/O on an overloaded machine: the
     # launcher stops waiting after KILL_WAIT seconds, but the kernel must not keep a zombie
     pid = _child_ignoring_sigterm()
-    proc = WorkerProcess(rank=0, local_rank=0, pid=pid, fds={})
+    proc = WorkerProcess(rank=0, pid=pid, fds={})
     proc.send_signal(signal.SIGTERM)
     assert proc.reap(0.2) is None  # still running: SIGTERM is ignored
     os.kill(pid, signal.SIGKILL)  # it exits later, with nobody in the launcher waiting
@@ -63,7 +63,7 @@ def test_a_worker_that_outlives_the_wait_is_reaped_when_it_exits():
 
 def test_kill_reaps_even_with_no_time_to_wait():
     pid = _child_ignoring_sigterm()
-    proc = WorkerProcess(rank=0, local_rank=0, pid=pid, fds={})
+    proc = WorkerProcess(rank=0, pid=pid, fds={})
     proc.kill(timeout=0.0)
     deadline = time.monotonic() + 5
     while proc.returncode is None and time.monotonic() < deadline:
@@ -80,7 +80,7 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch, kernel_s
     # A notebook interrupt that arrives while os.fork() runs is raised the moment the call
     # returns. Here the interrupt arrives just after the first fork: the launch must end
     # with KeyboardInterrupt and with that worker killed and reaped, not running on alone.
-    real_fork = _process._fork
+    real_fork = _group._fork
     forked: list[int] = []
 
     def fork_then_interrupt(spec, ends, job):
@@ -89,7 +89,7 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch, kernel_s
         os.kill(os.getpid(), signal.SIGINT)
         return pid
 
-    monkeypatch.setattr(_process, "_fork", fork_then_interrupt)
+    monkeypatch.setattr(_group, "_fork", fork_then_interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
             notebook_launcher(_never_runs, num_processes=2, start_method="fork")
