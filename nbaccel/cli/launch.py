@@ -29,6 +29,7 @@ examples:
   nbaccel launch --num_processes 2 --cpu train.py    # 2 CPU processes over gloo
   nbaccel launch --mixed_precision bf16 train.py     # every GPU, bf16 autocast
   nbaccel launch -m mypackage.train --lr 1e-3        # run a module, like python -m
+  nbaccel launch --config_file accel.yaml train.py   # a file `accelerate config` wrote
   # two machines; run this on each, with its own --machine_rank (0 and 1):
   nbaccel launch --num_machines 2 --machine_rank 0 \\
       --main_process_ip 10.0.0.1 --main_process_port 29500 train.py

@@ -182,6 +182,15 @@ def _state_dict_type(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
     return {"fsdp_state_dict_type": value}
 
 
+def _rank0_weights(value: Any, section: Mapping[str, Any]) -> dict[str, Any]:
+    # Version 1's sync_module_states broadcasts rank 0's weights at wrap time; FSDP2 here
+    # does that with cpu_ram_efficient_loading (also when every rank holds real weights).
+    keys = ("fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states")
+    if any(section.get(key) is True for key in keys):
+        return {"fsdp_cpu_ram_efficient_loading": True}
+    return {} if value is None else {"fsdp_cpu_ram_efficient_loading": value}
+
+
 def _fsdp_version(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
     if value in (1, 2, "1", "2"):
         return {}  # 1: its options below are translated to FSDP2's or refused
@@ -207,14 +216,15 @@ FSDP_KEYS: dict[str, KeyRule] = {
         "fsdp_state_dict_type (LOCAL_STATE_DICT refused)", _state_dict_type
     ),
     "fsdp_cpu_ram_efficient_loading": KeyRule(
-        "fsdp_cpu_ram_efficient_loading", _to("fsdp_cpu_ram_efficient_loading")
+        "fsdp_cpu_ram_efficient_loading (true also when fsdp_sync_module_states is)",
+        _rank0_weights,
     ),
     "fsdp_activation_checkpointing": KeyRule(
         "fsdp_activation_checkpointing", _to("fsdp_activation_checkpointing")
     ),
     "fsdp_sync_module_states": KeyRule(
-        "accepted: FSDP2 broadcasts rank 0's weights with fsdp_cpu_ram_efficient_loading",
-        _ignored,
+        "true: fsdp_cpu_ram_efficient_loading=true (every rank starts from rank 0's weights)",
+        _rank0_weights,
     ),
     "fsdp_use_orig_params": KeyRule(
         "true accepted (FSDP2 always keeps the parameters); false refused",
