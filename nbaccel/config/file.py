@@ -152,6 +152,22 @@ def read_config_values(path: str | os.PathLike[str], valid_keys: Iterable[str]) 
     return values
 
 
+def is_accelerate_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds Accelerate's config file (False if missing or unreadable).
+
+    Example:
+        >>> is_accelerate_file("/nonexistent.yaml")
+        False
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and is_accelerate_config(data)
+
+
 def write_config_values(values: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """Atomically write ``values`` (plus ``config_version``) as YAML to ``path``.
 
@@ -181,6 +197,7 @@ __all__ = [
     "CONFIG_VERSION",
     "RENAMED_KEYS",
     "default_config_path",
+    "is_accelerate_file",
     "read_config_values",
     "write_config_values",
 ]

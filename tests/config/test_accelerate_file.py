@@ -319,3 +319,18 @@ def test_nbaccel_launch_runs_the_accelerate_default_file_and_flags_win(tmp_path)
         {"rank": rank, "world": 2, "device": "cpu", "steps": 2}  # the flag beats the file's 4
         for rank in (0, 1)
     ]
+
+
+def test_nbaccel_config_never_overwrites_an_accelerate_file(tmp_path):
+    path = _write(tmp_path / "accel.yaml", MULTI_CPU)
+    before = path.read_text()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_")}
+    env.update(NBACCEL_CONFIG_FILE=str(path), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    for extra in (["--default", "--force"], []):
+        out = subprocess.run(
+            [sys.executable, "-m", "nbaccel", "config", *extra],
+            env=env, input="\n" * 20, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert f"{path} is Accelerate's config file" in out.stderr
+        assert path.read_text() == before
