@@ -154,6 +154,20 @@ def _section(
 
 _EMPTY_FIX = "nbaccel has no such feature; remove the key (or leave it empty)"
 
+
+def _off(*, fix: str) -> Callable[[Any, Mapping[str, Any]], dict[str, Any]]:
+    """Accepted when a section is empty or every entry is off (``ipex_config: {ipex: false}``,
+    which older ``accelerate config`` wrote for CPUs), else refused."""
+
+    def check(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+        entries = value.values() if isinstance(value, dict) else [value]
+        if all(v in (None, False, "", [], {}) for v in entries):
+            return {}
+        raise _Refused(fix)
+
+    return check
+
+
 # FSDP: nbaccel runs FSDP2 (fully_shard), Accelerate's fsdp_version 2; of version 1's
 # options those with an FSDP2 equivalent are translated, the others refused.
 _SHARDING = {"FULL_SHARD": True, "1": True, "SHARD_GRAD_OP": False, "2": False}
@@ -365,10 +379,16 @@ ACCELERATE_KEYS: dict[str, KeyRule] = {
             "tpu_env",
         )
     },
+    "fp8_config": KeyRule(
+        "empty accepted; otherwise refused",
+        _off(
+            fix="nbaccel runs fp8 through torchao: remove it and pass "
+            "Accelerator(kwargs_handlers=[AORecipeKwargs(...)]) in the script"
+        ),
+    ),
     **{
-        key: KeyRule("empty accepted; otherwise refused", _only(None, fix=_EMPTY_FIX))
+        key: KeyRule("empty (or all false) accepted; otherwise refused", _off(fix=_EMPTY_FIX))
         for key in (
-            "fp8_config",
             "tp_config",
             "megatron_lm_config",
             "ipex_config",
