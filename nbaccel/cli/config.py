@@ -25,6 +25,7 @@ from ..config import (
     write_basic_config,
 )
 from ..config.fields import coerce
+from ..config.file import is_accelerate_file
 from ..errors import ConfigError
 
 EPILOG = """\
@@ -196,6 +197,15 @@ def _run_questionnaire(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    path = Path(args.config_file).expanduser() if args.config_file else default_config_path()
+    if is_accelerate_file(path):  # nbaccel reads Accelerate's file; it never overwrites it
+        print(
+            f"nbaccel config: error: {path} is Accelerate's config file (`accelerate config` "
+            "wrote it); nbaccel reads it as it is and writes only its own format: pass "
+            "--config_file with another path (nothing was written).",
+            file=sys.stderr,
+        )
+        return 1
     if args.default:
         return _run_default(args)
     if args.mixed_precision or args.force:

@@ -13,10 +13,13 @@ started) along.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from ..config import LaunchConfig, resolve_launch_config
+from ..config import LaunchConfig, default_config_path, resolve_launch_config
+from ..config.accelerate_file import accelerate_default_path
 from ..errors import ConfigError
 from ._options import add_config_arguments, overrides_from_args
 
@@ -26,6 +29,7 @@ examples:
   nbaccel launch --num_processes 2 --cpu train.py    # 2 CPU processes over gloo
   nbaccel launch --mixed_precision bf16 train.py     # every GPU, bf16 autocast
   nbaccel launch -m mypackage.train --lr 1e-3        # run a module, like python -m
+  nbaccel launch --config_file accel.yaml train.py   # a file `accelerate config` wrote
   # two machines; run this on each, with its own --machine_rank (0 and 1):
   nbaccel launch --num_machines 2 --machine_rank 0 \\
       --main_process_ip 10.0.0.1 --main_process_port 29500 train.py
@@ -57,7 +61,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--config_file",
         metavar="PATH",
         default=None,
-        help="YAML config to read (default: $NBACCEL_CONFIG_FILE or ~/.cache/nbaccel/...)",
+        help="YAML or JSON config to read, nbaccel's or Accelerate's (default: "
+        "$NBACCEL_CONFIG_FILE or ~/.cache/nbaccel/...)",
     )
 
 
@@ -81,9 +86,30 @@ def launch(cfg: LaunchConfig, command: list[str], name: str = "nbaccel launch") 
         return 2
 
 
+def config_file_to_read(given: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """``given``, else None (nbaccel's file) if nbaccel has one, else Accelerate's default
+    file (``accelerate config`` wrote it), said in one line on stderr; else None.
+
+    Only ``nbaccel launch`` falls back to Accelerate's file, as ``accelerate launch`` does;
+    a notebook launch does not (nor does Accelerate's ``notebook_launcher``).
+    """
+    env = os.environ if environ is None else environ
+    if given is not None or env.get("NBACCEL_CONFIG_FILE") or default_config_path(env).exists():
+        return given
+    peer = accelerate_default_path(env)
+    if peer is None:
+        return None
+    print(
+        f"nbaccel launch: no nbaccel config file; reading Accelerate's config file {peer}",
+        file=sys.stderr,
+    )
+    return str(peer)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = resolve_launch_config(overrides_from_args(args), config_file=args.config_file)
+        config_file = config_file_to_read(args.config_file)
+        cfg = resolve_launch_config(overrides_from_args(args), config_file=config_file)
     except ConfigError as err:
         print(f"nbaccel launch: error: {err}", file=sys.stderr)
         return 2
@@ -93,4 +119,11 @@ def run(args: argparse.Namespace) -> int:
     return launch(cfg, [*(["-m"] if args.module else []), args.script, *args.script_args])
 
 
-__all__ = ["add_launch_arguments", "launch", "processes_per_node", "register", "run"]
+__all__ = [
+    "add_launch_arguments",
+    "config_file_to_read",
+    "launch",
+    "processes_per_node",
+    "register",
+    "run",
+]

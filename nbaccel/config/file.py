@@ -11,7 +11,8 @@ File format (``config_version`` first, then one key per ``LaunchConfig`` field):
     mixed_precision: bf16
     ...
 
-Older files still load: keys renamed since are mapped by :data:`RENAMED_KEYS`,
+An Accelerate config file (``accelerate config``'s YAML or JSON) is recognised and
+translated (:mod:`nbaccel.config.accelerate_file`). Older files still load: keys renamed since are mapped by :data:`RENAMED_KEYS`,
 missing keys fall back to the defaults, and a file without ``config_version``
 is treated as version 0.
 
@@ -23,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -32,6 +34,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
+from .accelerate_file import accelerate_values, is_accelerate_config
 
 CONFIG_VERSION = 1
 
@@ -84,8 +87,22 @@ def _migrate(data: dict[str, Any], path: Path) -> dict[str, Any]:
     return out
 
 
+def _load_yaml(text: str, path: Path) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(
+            f"config file {path} is not valid YAML{line}: {getattr(err, 'problem', err)}; "
+            "fix it or rewrite it with `nbaccel config --default`."
+        ) from None
+
+
 def read_config_values(path: str | os.PathLike[str], valid_keys: Iterable[str]) -> dict[str, Any]:
     """Read ``path`` into a ``{field: raw value}`` dict, migrating old key names.
+
+    An Accelerate config file (YAML or JSON) is translated key by key.
 
     Raises:
         ConfigError: the file is unreadable, not YAML, not a mapping, or has unknown keys
@@ -100,15 +117,15 @@ def read_config_values(path: str | os.PathLike[str], valid_keys: Iterable[str]) 
         ) from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read config file {path}: {err}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where is not None else ""
-        raise ConfigError(
-            f"config file {path} is not valid YAML{line}: {getattr(err, 'problem', err)}; "
-            "fix it or rewrite it with `nbaccel config --default`."
-        ) from None
+    if path.suffix.lower() == ".json":  # `accelerate config` writes JSON too
+        try:
+            data = json.loads(text) if text.strip() else None
+        except json.JSONDecodeError as err:
+            raise ConfigError(
+                f"config file {path} is not valid JSON (line {err.lineno}): {err.msg}; fix it."
+            ) from None
+    else:
+        data = _load_yaml(text, path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -116,6 +133,8 @@ def read_config_values(path: str | os.PathLike[str], valid_keys: Iterable[str]) 
             f"config file {path} must hold a YAML mapping of key: value, "
             f"not a {type(data).__name__}."
         )
+    if is_accelerate_config(data):
+        return accelerate_values({str(k): v for k, v in data.items()}, path)
     values = _migrate({str(k): v for k, v in data.items()}, path)
     version = values.pop("__version__")
     valid = sorted(valid_keys)
@@ -131,6 +150,22 @@ def read_config_values(path: str | os.PathLike[str], valid_keys: Iterable[str]) 
             f"valid keys: {', '.join(['config_version', *valid])}."
         )
     return values
+
+
+def is_accelerate_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds Accelerate's config file (False if missing or unreadable).
+
+    Example:
+        >>> is_accelerate_file("/nonexistent.yaml")
+        False
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and is_accelerate_config(data)
 
 
 def write_config_values(values: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -162,6 +197,7 @@ __all__ = [
     "CONFIG_VERSION",
     "RENAMED_KEYS",
     "default_config_path",
+    "is_accelerate_file",
     "read_config_values",
     "write_config_values",
 ]
