@@ -113,10 +113,17 @@ def _use_cpu(value: Any, section: Mapping[str, Any]) -> dict[str, Any]:
     return {"compute_device": "cpu"} if value is True else {}
 
 
-def _debug(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+def _debug(value: Any, section: Mapping[str, Any]) -> dict[str, Any]:
     # Accelerate's debug mode makes mismatched collectives fail instead of hang: nbaccel's
-    # debug_collectives does that (torch's check); debug adds stacks on hangs.
-    return {"debug": True, "debug_collectives": True} if value is True else {}
+    # debug_collectives does that (torch's check), but on gloo torch's DDP crashes under that
+    # check (nbaccel refuses it there), so on the CPU only debug (stacks on hangs) is set.
+    if value is not True:
+        return {}
+    on_cpu = section.get("use_cpu") is True or section.get("distributed_type") in (
+        "NO",
+        "MULTI_CPU",
+    )
+    return {"debug": True} if on_cpu else {"debug": True, "debug_collectives": True}
 
 
 def _gpu_ids(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
@@ -339,7 +346,9 @@ ACCELERATE_KEYS: dict[str, KeyRule] = {
     "gradient_accumulation_steps": KeyRule(
         "gradient_accumulation_steps", _to("gradient_accumulation_steps")
     ),
-    "debug": KeyRule("true: debug and debug_collectives", _debug),
+    "debug": KeyRule(
+        "true: debug; on GPUs also debug_collectives (on the CPU torch's check crashes DDP)", _debug
+    ),
     "rdzv_backend": KeyRule(
         "static, c10d accepted (machines meet at main_process_ip:port); others refused",
         _only(

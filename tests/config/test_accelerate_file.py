@@ -62,6 +62,10 @@ def _write(path: Path, data: dict) -> Path:
     ("data", "expected"),
     [
         (OLD_CPU, {"compute_device": "cpu", "num_processes": 2, "strategy": "ddp"}),
+        (  # on the CPU torch's collective check crashes DDP: debug only
+            {**MULTI_CPU, "debug": True},
+            {"compute_device": "cpu", "debug": True, "debug_collectives": False},
+        ),
         (
             {**COMMON, "distributed_type": "NO", "mixed_precision": "bf16", "gpu_ids": "all"},
             {"num_processes": 1, "compute_device": "auto", "mixed_precision": "bf16"},
@@ -177,7 +181,16 @@ def _write(path: Path, data: dict) -> Path:
             {"compute_device": "tpu", "num_processes": 8},
         ),
     ],
-    ids=["multi_cpu", "no", "multi_gpu_2_machines", "fsdp2", "fsdp1", "deepspeed", "xla"],
+    ids=[
+        "multi_cpu",
+        "multi_cpu_debug",
+        "no",
+        "multi_gpu_2_machines",
+        "fsdp2",
+        "fsdp1",
+        "deepspeed",
+        "xla",
+    ],
 )
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_accelerate_files_translate_to_the_same_launch(tmp_path, data, expected, suffix):
