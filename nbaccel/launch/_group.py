@@ -106,6 +106,18 @@ class WorkerProcess:
                 self.returncode, self.exit_time = code, time.time()
         return code
 
+    def alive(self) -> bool:
+        """Running, with its main thread: exiting, a process whose main thread has ended is
+        a zombie in ``/proc`` that ``waitpid`` cannot reap until its other threads end."""
+        if self.poll() is not None:
+            return False
+        import psutil
+
+        try:
+            return bool(psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE)
+        except psutil.NoSuchProcess:
+            return False
+
     def wait(self, timeout: float) -> int | None:
         """Poll until exited or ``timeout`` seconds passed."""
         deadline = time.monotonic() + timeout

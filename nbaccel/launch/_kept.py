@@ -76,7 +76,7 @@ class FailedJob:
         if self.gone:
             return f"no post-mortem session on rank {rank}: {self.gone}."
         group = self.group
-        if group is None or rank not in group.procs or group.procs[rank].poll() is not None:
+        if group is None or rank not in group.procs or not group.procs[rank].alive():
             if self.origin == "pool" and rank in self.gone_ranks:
                 return (
                     f"rank {rank}'s session ended and its worker, kept only for debugging "

@@ -72,6 +72,32 @@ def test_kill_reaps_even_with_no_time_to_wait():
     assert not _is_our_zombie_or_alive(pid)
 
 
+def test_a_worker_whose_main_thread_ended_is_not_alive_before_it_can_be_reaped():
+    # a kept rank leaving at debug_timeout: its main thread gone, another thread still ending;
+    # /proc says zombie, waitpid says "not yet": nbaccel.debug() must not open a session there
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        import ctypes
+        import threading
+
+        os.close(write)
+        threading.Thread(target=lambda: (os.read(read, 1), os._exit(0))).start()
+        ctypes.CDLL(None).pthread_exit(None)  # the main thread ends, the process goes on
+    os.close(read)
+    proc = WorkerProcess(rank=0, pid=pid, fds={})
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert proc.poll() is None  # not reapable yet: a thread still runs
+        assert not proc.alive()
+    finally:
+        os.close(write)  # the child's thread reads EOF and exits
+        assert proc.wait(30) == 0
+
+
 def _never_runs() -> None:  # pragma: no cover - the launch is interrupted first
     time.sleep(60)
 
