@@ -238,7 +238,7 @@ def sweep() -> None:
         if group is None or not job.lock.acquire(blocking=False):
             continue
         try:
-            done = all(group.procs[r].poll() is not None for r in job.lingering)
+            done = not any(group.procs[r].alive() for r in job.lingering)  # left, or leaving
             if done or (job.deadline is not None and now > job.deadline + LINGER_GRACE):
                 _end(job)
         finally:
