@@ -65,3 +65,23 @@ def test_close_flushes_only_a_stream_that_was_written_to():
             forwarder.close(rank, stream)
     assert (out.flushes, err.flushes) == (1, 0)
     assert out.getvalue() == "[rank0] hello\n"
+
+
+def test_a_cxx_stack_dump_is_left_out_and_the_warning_and_next_lines_kept():
+    # torch's "[W ... TCPStore.cpp] recvValueWithTimeout failed" carries ~15 lines of C++ stack
+    # that tell a notebook user nothing; rank 1's own lines between them are not part of it
+    out, err = io.StringIO(), io.StringIO()
+    fwd = LineForwarder(out, err, num_processes=2)
+    dump = (
+        b"[W1126 TCPStore.cpp:125] recvValueWithTimeout failed\n"
+        b"Exception raised from recvBytes at /pytorch/Utils.hpp:680 (most recent call first):\n"
+        b"frame #0: c10::Error::Error() + 0x9 (0x7f in libc10.so)\nframe #1: <unknown> + "
+    )
+    fwd.feed(0, "stderr", dump)
+    fwd.feed(1, "stderr", b"rank 1 says\n")  # another rank's stream: not in a dump
+    fwd.feed(0, "stderr", b"0x1 (0x7f in libtorch.so)\n<omitting python frames>\n\nafter\n")
+    assert err.getvalue().splitlines() == [
+        "[rank0] [W1126 TCPStore.cpp:125] recvValueWithTimeout failed",
+        "[rank1] rank 1 says",
+        "[rank0] after",
+    ]
