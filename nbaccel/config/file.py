@@ -12,9 +12,9 @@ File format (``config_version`` first, then one key per ``LaunchConfig`` field):
     ...
 
 An Accelerate config file (``accelerate config``'s YAML or JSON) is recognised and
-translated (:mod:`nbaccel.config.accelerate_file`). Older files still load: keys renamed since are mapped by :data:`RENAMED_KEYS`,
-missing keys fall back to the defaults, and a file without ``config_version``
-is treated as version 0.
+translated (:mod:`nbaccel.config.accelerate_file`). Older files still load: keys renamed
+since are mapped by :data:`RENAMED_KEYS`, missing keys fall back to the defaults, and a
+file without ``config_version`` is treated as version 0.
 
 Example:
     >>> from nbaccel.config.file import default_config_path
