@@ -119,10 +119,8 @@ def _debug(value: Any, section: Mapping[str, Any]) -> dict[str, Any]:
     # check (nbaccel refuses it there), so on the CPU only debug (stacks on hangs) is set.
     if value is not True:
         return {}
-    on_cpu = section.get("use_cpu") is True or section.get("distributed_type") in (
-        "NO",
-        "MULTI_CPU",
-    )
+    kind = str(section.get("distributed_type", "")).strip().upper()  # as _distributed_type
+    on_cpu = section.get("use_cpu") is True or kind in ("NO", "MULTI_CPU")
     return {"debug": True} if on_cpu else {"debug": True, "debug_collectives": True}
 
 

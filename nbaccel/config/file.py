@@ -87,7 +87,24 @@ def _migrate(data: dict[str, Any], path: Path) -> dict[str, Any]:
     return out
 
 
-def _load_yaml(text: str, path: Path) -> Any:
+def _parse(path: Path) -> Any:
+    """The parsed content of ``path`` (JSON by its suffix, as `accelerate config` may write,
+    else YAML); None for an empty file. Raises ConfigError naming the file and the fix."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {path} does not exist; create one with `nbaccel config`."
+        ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from None
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text) if text.strip() else None
+        except json.JSONDecodeError as err:
+            raise ConfigError(
+                f"config file {path} is not valid JSON (line {err.lineno}): {err.msg}; fix it."
+            ) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -109,23 +126,7 @@ def read_config_values(path: str | os.PathLike[str], valid_keys: Iterable[str]) 
             (the message names the key, the file and the valid keys).
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(
-            f"config file {path} does not exist; create one with `nbaccel config`."
-        ) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read config file {path}: {err}") from None
-    if path.suffix.lower() == ".json":  # `accelerate config` writes JSON too
-        try:
-            data = json.loads(text) if text.strip() else None
-        except json.JSONDecodeError as err:
-            raise ConfigError(
-                f"config file {path} is not valid JSON (line {err.lineno}): {err.msg}; fix it."
-            ) from None
-    else:
-        data = _load_yaml(text, path)
+    data = _parse(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -159,11 +160,9 @@ def is_accelerate_file(path: str | os.PathLike[str]) -> bool:
         >>> is_accelerate_file("/nonexistent.yaml")
         False
     """
-    path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
+        data = _parse(Path(path))
+    except ConfigError:
         return False
     return isinstance(data, dict) and is_accelerate_config(data)
 
