@@ -56,9 +56,12 @@ PANEL_CELL = """\
 from nbaccel.widgets import LaunchPanel
 
 def train(greeting):
+    import os
     import time
     from nbaccel import Accelerator, tqdm
     accelerator = Accelerator()
+    while not os.path.exists("go"):  # the test looks at the kernel while the run is held
+        time.sleep(0.05)
     for _ in tqdm(range(20), desc="steps"):
         time.sleep(0.1)
     print(f"{greeting} from rank {accelerator.process_index} of {accelerator.num_processes}")
@@ -250,7 +253,14 @@ def test_launch_panel_in_browser(lab, tmp_path, ui):
             # in the background: the kernel is free while the workers train
             expect(panel).to_contain_text("running in the background", timeout=120_000)
             expect(panel.locator(".nbaccel-run-monitor table")).to_contain_text("running")
+            # the run waits for "go": the kernel is idle while it trains (a comm message from
+            # the page may keep it busy for a moment: wait for idle, not sample once)
+            deadline = time.monotonic() + 60
+            while _idle_kernels(base, token) != 1 and time.monotonic() < deadline:
+                page.wait_for_timeout(200)
             assert _idle_kernels(base, token) == 1
+            expect(panel.locator(".nbaccel-run-monitor table")).to_contain_text("running")
+            (tmp_path / "root" / "go").touch()
 
             output = panel.locator(".widget-output")
             expect(output).to_contain_text("[rank0] hello from rank 0 of 2", timeout=120_000)
