@@ -12,7 +12,7 @@ Method as bench/README.md: the kernel-side code (bench/scenarios/gpu.py) runs as
 notebook cells in a kernel that never touches CUDA itself; systems are interleaved
 (A B C A B C ...); tables give the median with min–max; ratios are against the
 baseline of the same run. ``--smoke`` runs a tiny model on the CPU (gloo) with one
-sample each: it only proves the script works (tests/test_bench_gpu_smoke.py).
+sample each: it only proves the script works (tests/test_gpu_check_script.py).
 
 Writes ``<out>/gpu_bench.json`` (every sample) and ``<out>/gpu_bench.md`` (the table).
 """

@@ -3,7 +3,9 @@
 The GPU machine gets one run (scarce time, no network), so its plumbing is proved
 here: the imports check, pytest over tests/gpu with a JUnit report (the tests skip
 on the CPU, with their reason), bench/gpu.py --smoke, and the report with every
-test's result and the benchmark table, copied to $OUT.
+test's result and the benchmark table, copied to $OUT. That one run of bench/gpu.py --smoke
+also proves the GPU benchmark's driver still writes every row (it was a second, separate run
+of the same smoke: tests/test_bench_gpu_smoke.py, folded in here).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_check_smoke_writes_the_report(tmp_path: Path) -> None:
     results, out = tmp_path / "results", tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DIR": str(results), "OUT": str(out)}
+    env["NBACCEL_COMMIT"] = "smoke-commit"
     cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--smoke", "--no-install"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
@@ -52,6 +55,34 @@ def test_gpu_check_smoke_writes_the_report(tmp_path: Path) -> None:
             "gpu_tests.xml",
         ]
     )
+    _assert_every_bench_row(out)
+
+
+def _assert_every_bench_row(out: Path) -> None:
+    """bench/gpu.py --smoke (tiny model, CPU, gloo) wrote every row of the GPU benchmark.
+
+    Not a measurement: it keeps bench/gpu.py working on machines without a GPU, so that
+    the one run on a GPU machine does not fail on a typo.
+    """
+    result = json.loads((out / "gpu_bench.json").read_text())
+    assert result["errors"] == [], result["errors"]
+    for key in ("raw", "raw-ddp", "nbaccel"):
+        (sample,) = result["samples"][f"step-bf16/{key}"]
+        assert sample["step_s"] > 0 and len(sample["windows_s"]) == 2, sample
+    assert len(result["samples"]["step-no/nbaccel"]) == 1
+    for key in ("launch/raw", "launch/nbaccel", "spawn/raw-spawn", "spawn/nbaccel-spawn"):
+        (seconds,) = result["samples"][key]
+        assert seconds > 0
+    for key in ("pool/fork", "pool/spawn"):
+        (seconds,) = result["samples"][key]
+        assert seconds > 0
+    assert result["machine"]["commit"] == "smoke-commit", result["machine"]  # NBACCEL_COMMIT
+    table = (out / "gpu_bench.md").read_text()
+    assert "smoke run on the CPU" in table and "n/a (smoke)" in table
+    assert "| bf16 throughput vs hand-written DDP (1 GPU) |" in table
+    assert "fp8 (torchao) speed-up over bf16 | not run: smoke run on the CPU" in table
+    assert "| Spawn launch with CUDA init vs hand-written torch.multiprocessing spawn |" in table
+    assert "| Warm pool call (CUDA tensor, synced), pool started with spawn vs fork |" in table
 
 
 @pytest.mark.timeout(120)
