@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the launcher, runtime, platform, checkpoint and kernel tests on every matrix torch
+# Run the tests marked `matrix` (tests/conftest.py states the rule) on every matrix torch
 # (scripts/torch_matrix.env), each in its .torch-venvs/<version> (made here when missing by
 # scripts/setup_torch_matrix.sh). Prints one line per version, e.g.
 #   torch 2.4.1: 190 passed in 250.1s
@@ -40,11 +40,11 @@ run_version() {
     select=(-k "not fsdp and not deepspeed")
     touch "$tmp/$version.nofsdp"
   fi
-  echo "=== torch $version: ${TESTS[*]} ${IGNORE[*]} ${select[*]}"
+  echo "=== torch $version: -m $TORCH_MATRIX_MARK ${TESTS[*]} ${IGNORE[*]} ${select[*]}"
   # NBACCEL_REQUIRE_ALL=1: a skipped kernel/integration test fails here as in the main run.
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} NBACCEL_REQUIRE_ALL=${NBACCEL_REQUIRE_ALL:-1} \
     ".torch-venvs/$version/bin/python" -m pytest -q -p no:cacheprovider \
-    "${IGNORE[@]}" "${select[@]}" "${TESTS[@]}"
+    -m "$TORCH_MATRIX_MARK" "${IGNORE[@]}" "${select[@]}" "${TESTS[@]}"
 }
 for version in "${VERSIONS[@]}"; do
   (run_version "$version" >"$tmp/$version.log" 2>&1; echo $? >"$tmp/$version.code") &

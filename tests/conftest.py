@@ -155,6 +155,57 @@ def kernel_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
+# The torch matrix (scripts/test_torch_matrix.sh: the oldest torch setup.cfg claims and the
+# newest release) runs the tests marked `matrix`, not the whole suite: the rest of the code
+# does not change with torch's version. The rule: a test is `matrix` when it exercises a
+# torch API whose behaviour has changed between torch releases -- process groups, stores and
+# collectives, DDP, FSDP2, DCP, DTensor/DeviceMesh, autocast and GradScaler, DataLoader and
+# sampler internals, RNG state, torch.load/save, the profiler and flight recorder, dynamo --
+# or a branch on torch's version (nbaccel.platform.torchcompat). Tests of nbaccel's own logic
+# (supervision, messages, output, debugging, pools' bookkeeping, config, CLI, UI, files) run
+# on the dev torch only. Whole modules are listed here; a test elsewhere can carry
+# @pytest.mark.matrix itself. tests/test_torch_matrix.py keeps this list and the README's
+# rule in step.
+MATRIX_MODULES = (
+    "tests/checkpoint/test_checkpoint.py",
+    "tests/checkpoint/test_fsdp_checkpoint.py",
+    "tests/checkpoint/test_resume_patterns.py",
+    "tests/checkpoint/test_who_saves.py",
+    "tests/launch/test_hang_watchdog.py",
+    "tests/launch/test_launcher.py",
+    "tests/launch/test_pool.py",
+    "tests/launch/test_pool_fsdp.py",
+    "tests/launch/test_preload.py",
+    "tests/launch/test_rendezvous.py",
+    "tests/platform/test_cudafork.py",
+    "tests/platform/test_forksafe.py",
+    "tests/platform/test_torchcompat.py",
+    "tests/runtime/test_accelerator.py",
+    "tests/runtime/test_accumulation.py",
+    "tests/runtime/test_clipping.py",
+    "tests/runtime/test_data.py",
+    "tests/runtime/test_ddp_features.py",
+    "tests/runtime/test_dispatch.py",
+    "tests/runtime/test_fsdp.py",
+    "tests/runtime/test_gather_dtypes.py",
+    "tests/runtime/test_ops.py",
+    "tests/runtime/test_packed_gather.py",
+    "tests/runtime/test_parity.py",
+    "tests/runtime/test_precision.py",
+    "tests/runtime/test_rank_check.py",
+    "tests/runtime/test_reproducibility.py",
+    "tests/runtime/test_state.py",
+    "tests/runtime/test_state_cuda.py",
+    "tests/runtime/test_step_path.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("::", 1)[0] in MATRIX_MODULES:
+            item.add_marker(pytest.mark.matrix)
+
+
 # Markers whose tests must really run in the full suite: a skip there (a missing browser,
 # .xla-venv, kernel) would hide that the capability is untested, so it fails instead.
 _REQUIRED_MARKERS = ("browser", "xla", "kernel", "integration", "faults")

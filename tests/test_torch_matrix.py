@@ -46,3 +46,16 @@ def test_readme_states_the_claim_and_every_matrix_torch():
     assert f"`torch>={major}.{minor}`" in section
     for version in _matrix():
         assert f"torch {version}" in section, version
+
+
+def test_every_matrix_module_exists_in_the_matrix_folders():
+    # a module renamed or moved would silently drop out of the matrix
+    from conftest import MATRIX_MODULES
+
+    text = (ROOT / "scripts" / "torch_matrix.env").read_text()
+    match = re.search(r'^TORCH_MATRIX_TESTS="(.+)"$', text, re.M)
+    assert match, "scripts/torch_matrix.env must set TORCH_MATRIX_TESTS"
+    folders = match.group(1).split()
+    for module in MATRIX_MODULES:
+        assert (ROOT / module).is_file(), f"{module} (conftest.MATRIX_MODULES) does not exist"
+        assert any(module.startswith(f"{folder}/") for folder in folders), (module, folders)
