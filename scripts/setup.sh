@@ -3,6 +3,7 @@
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/editable_lock.sh
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -12,7 +13,7 @@ fi
 TORCH_SPEC=${NBACCEL_TORCH_SPEC:-torch==2.13.0}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[notebook,test]"
+editable_turn .venv/bin/python -m pip install -q -e ".[notebook,test]"
 # DeepSpeed (the optional `deepspeed` extra; tests of strategy="deepspeed"): an sdist whose build
 # imports torch, hence --no-build-isolation after torch; pip keeps the built wheel in its cache.
 # Only when missing (measured on a fresh venv: see README, "DeepSpeed").

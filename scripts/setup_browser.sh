@@ -5,6 +5,7 @@
 #     (the `browser` extra in setup.cfg).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/editable_lock.sh
 if [ ! -x /usr/bin/chromium ]; then
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -15,5 +16,5 @@ if [ ! -x .venv/bin/python ]; then
   bash scripts/setup.sh
 fi
 # The pip package only ships the driver; browsers come from `playwright install`, never run here.
-PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 .venv/bin/python -m pip install -q -e ".[browser]"
+PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 editable_turn .venv/bin/python -m pip install -q -e ".[browser]"
 /usr/bin/chromium --version

@@ -16,6 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/stack_lib.sh
+source scripts/editable_lock.sh
 if [ "$#" -gt 0 ]; then NAMES=("$@"); else read -r -a NAMES <<<"$STACKS"; fi
 
 # nbaccel's requirements minus torch and ipywidgets (each stack names its own), from setup.cfg.
@@ -109,7 +110,7 @@ PYEOF
   # shellcheck disable=SC2046  # the stack's pins are words
   stack_exec "$root" "${pip[@]}" "${reqs[@]}" "${DEPS[@]}" "${TEST_DEPS[@]}" \
     $(stack_var "$name" PIP) || return 1
-  stack_exec "$root" "${pip[@]}" --no-deps -e /nbaccel || return 1
+  editable_turn stack_exec "$root" "${pip[@]}" --no-deps -e /nbaccel || return 1
   local lib
   lib=$(stack_exec "$root" "$vpy" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("torch").submodule_search_locations[0], "lib"))')
   stack_exec "$root" "$vpy" scripts/cuda_stubs.py "$lib" >/dev/null || return 1

@@ -20,6 +20,7 @@
 # already imports its torch, this checkout's nbaccel and every requirement is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/editable_lock.sh
 PY=${PYTHON:-python3}
 # Some machines cap pip at the torch they keep on disk (a global `constraint = ...` in
 # /etc/pip.conf, e.g. torch<=2.14.1), which makes the NEWEST release of the matrix
@@ -99,7 +100,7 @@ PYEOF
 )
   "${pip[@]}" "$wheel" --no-deps
   "${pip[@]}" "${torch_deps[@]}" "${DEPS[@]}" "${TEST_DEPS[@]}"
-  "${pip[@]}" --no-deps -e .
+  editable_turn "${pip[@]}" --no-deps -e .
   local torch_lib
   torch_lib=$("$vpy" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("torch").submodule_search_locations[0], "lib"))')
   if [ "${NBACCEL_MATRIX_FULL_TORCH:-0}" != "1" ] && "$vpy" scripts/cuda_stubs.py "$torch_lib" \

@@ -14,6 +14,7 @@
 # requirements, it only prints so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/editable_lock.sh
 PY=${PYTHON:-python3}
 VENV=.xla-venv
 TORCH_VERSION=2.9.0
@@ -73,13 +74,13 @@ WHEELS=${NBACCEL_XLA_WHEELS:-$HOME/.cache/pip/nbaccel-xla-wheels}/$TAG
 
 # One --no-deps install: torch/torch_xla, their pure-Python requirements (torch: filelock,
 # typing-extensions, sympy, networkx, jinja2, fsspec; torch_xla: absl-py, numpy, pyyaml,
-# requests) with theirs, nbaccel's, and nbaccel itself.
+# requests) with theirs and nbaccel's; then nbaccel itself (editable, in turn).
 "${PIP[@]}" --no-deps \
   "$WHEELS"/torch-"$TORCH_VERSION"-*.whl "$WHEELS"/torch_xla-"$TORCH_VERSION"-*.whl \
   filelock "typing-extensions>=4.10" "sympy>=1.13.3" mpmath "networkx>=2.5.1" jinja2 markupsafe \
   "fsspec>=0.8.5" absl-py numpy pyyaml requests charset-normalizer idna urllib3 certifi \
-  "${NBACCEL_DEPS[@]}" dill \
-  -e .
+  "${NBACCEL_DEPS[@]}" dill
+editable_turn "${PIP[@]}" --no-deps -e .
 
 TORCH_LIB=$("$VPY" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("torch").submodule_search_locations[0], "lib"))')
 if [ "${NBACCEL_XLA_FULL_TORCH:-0}" != "1" ] && "$VPY" scripts/cuda_stubs.py "$TORCH_LIB" && check; then
