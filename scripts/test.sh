@@ -1,34 +1,54 @@
 #!/usr/bin/env bash
 # Set everything up, then lint, type-check and run the whole test suite on the pinned dev torch,
-# then the launcher/runtime/platform/checkpoint/kernel tests on every other torch of the matrix
-# (scripts/torch_matrix.env: the oldest torch setup.cfg claims and the newest release), then
-# the hosted-notebook stacks (scripts/stacks.env: Colab-like and Kaggle-like, in Debian roots
-# with their Python, started beside the main run), and print one summary line per torch
-# version and stack at the end.
+# the tests marked `matrix` on every other torch of the matrix (scripts/torch_matrix.env: the
+# oldest torch setup.cfg claims and the newest release; the rule: tests/conftest.py), and the
+# hosted-notebook stacks (scripts/stacks.env: Colab-like and Kaggle-like, in Debian roots with
+# their Python), and print one summary line per torch version and stack at the end.
 # Extra arguments go to the main pytest run (e.g. `bash scripts/test.sh -k launcher`);
 # NBACCEL_TORCH_MATRIX=0 skips the matrix runs, NBACCEL_STACKS=0 the stacks,
 # NBACCEL_TEST_WORKERS=N sets the main run's pytest-xdist workers (default 2; 0: one process).
 #
-# What runs beside what (the tests mostly wait on worker processes and kernels; measured in
-# the README, "Tested matrix"):
+# What runs beside what (the tests mostly wait on worker processes and kernels, so the cores
+# have room for a second lane; the editable installs of this checkout take turns through
+# scripts/editable_lock.sh, so the set-ups need not wait for each other):
 #   setup.sh, setup_browser.sh (.venv)
-#   setup_xla.sh (.xla-venv)              | ruff, mypy
-#   main pytest run, in 2 xdist workers   | setup_torch_matrix.sh, then the stacks (setup + tests)
-#   the matrix versions side by side      | the stacks, if still running
-# The editable installs of this checkout never run at the same time (each rewrites
-# nbaccel.egg-info here): setup.sh, setup_browser.sh, setup_xla.sh, then the matrix venvs,
-# then the stacks'.
+#   ruff, mypy                 | setup_xla.sh | matrix: setup, then its tests | stacks: setup, tests
+#   main pytest run            |              |   (both lanes go on beside the main run)
+#
+# The time guard: every stage prints its wall time and its CPU time (user + system, of all
+# its processes), and a stage that took longer than its share below is named at the end, so
+# the next suite added shows its cost at once. The shares add up to CI's budget on the
+# README's machine: 15 minutes (machines differ about 2x; CI stops at 30). Seconds of wall
+# time, measured from the start of the run for the lanes beside the main run.
+SHARE_SETUP=180    # setup.sh + setup_browser.sh, empty download caches
+SHARE_LINT=90      # ruff + mypy, then waiting for setup_xla.sh beside them
+SHARE_MAIN=540     # the main pytest run (the cluster, parallelism, docs and fork-server suites too)
+SHARE_MATRIX=780   # the torch matrix's set-up and tests, beside the rest (ends by this second)
+SHARE_STACKS=780   # the stacks' set-up and tests, beside the rest (ends by this second)
+SHARE_ALL=900      # the whole run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
-took() { echo "=== test.sh: $1 done at $((SECONDS - started))s"; }
-bash scripts/setup.sh          # .venv: torch==2.13.0 (CPU), nbaccel -e [notebook,test]
-bash scripts/setup_browser.sh  # Debian chromium + playwright + jupyterlab, for tests marked `browser`
-took "setup.sh, setup_browser.sh"
 SUMMARY=$(mktemp)
 LOG=$(mktemp)
 PARTS=$(mktemp -d)
 trap 'rm -rf "$SUMMARY" "$LOG" "$PARTS"' EXIT
+
+# stage NAME SHARE CMD...: run CMD; print and record its wall and CPU time against SHARE
+# (SHARE is measured from the start of the run when NAME ends in "*": the lanes beside).
+stage() {
+  local name=$1 share=$2 code=0 times wall user sys cpu
+  shift 2
+  times=$(mktemp)
+  { TIMEFORMAT='%R %U %S'; time "$@" 2>&4; } 4>&2 2>"$times" || code=$?
+  read -r wall user sys <"$times"
+  rm -f "$times"
+  [[ "$name" != *"*" ]] || wall=$((SECONDS - started))
+  read -r wall cpu < <(awk -v w="$wall" -v u="$user" -v s="$sys" 'BEGIN {printf "%.0f %.0f\n", w, u + s}')
+  echo "$name|$wall|$cpu|$share" >>"$PARTS/stages"
+  echo "=== test.sh: $name: $wall s wall, $cpu s CPU (share $share s) at $((SECONDS - started))s"
+  return "$code"
+}
 # run_part NAME CMD...: CMD's output to $PARTS/NAME.log, its exit status to $PARTS/NAME.code
 # (for the parts that run in the background; `set -e` does not end them half-way)
 run_part() {
@@ -39,36 +59,45 @@ run_part() {
 }
 part_ok() { [ "$(cat "$PARTS/$1.code" 2>/dev/null || echo 1)" -eq 0 ]; }
 
-# .xla-venv (for tests marked `xla`: torch 2.9.0 + torch_xla 2.9.0) is set up beside the
-# linters: it mostly unpacks wheels, they mostly compute. A lint failure still ends the run
-# here, once the setup is done (nothing is left running).
-run_part xla bash scripts/setup_xla.sh &
-lint=0
-.venv/bin/ruff check nbaccel tests bench scripts || lint=1
-.venv/bin/ruff format --check nbaccel tests bench scripts || lint=1
-.venv/bin/mypy nbaccel || lint=1
-wait
-cat "$PARTS/xla.log"
-part_ok xla || exit 1
-[ "$lint" -eq 0 ] || exit 1
-took "setup_xla.sh, ruff, mypy"
+setup() {
+  bash scripts/setup.sh         # .venv: torch==2.13.0 (CPU), nbaccel -e [notebook,test]
+  bash scripts/setup_browser.sh # Debian chromium + playwright + jupyterlab (tests marked browser)
+}
+stage "setup.sh, setup_browser.sh" "$SHARE_SETUP" setup
 
-status=0
-# Beside the main run, one after the other: the torch matrix's venvs (scripts/
-# setup_torch_matrix.sh; its tests run after the main run) and the hosted-notebook stacks
-# (setup and tests). Both mostly download, unpack and wait on kernels. Each log is printed
-# whole at the end.
+# Beside everything from here on: .xla-venv (tests marked `xla`: torch 2.9.0 + torch_xla
+# 2.9.0), the torch matrix (venvs, then its tests) and the stacks (roots and venvs, then their
+# tests). They mostly download, unpack and wait on kernels. Each log is printed whole at the end.
 matrix=${NBACCEL_TORCH_MATRIX:-1}
 stacks=${NBACCEL_STACKS:-1}
-if [ "$matrix" != "0" ] || [ "$stacks" != "0" ]; then
-  (
-    # a failed setup is retried and reported by scripts/test_torch_matrix.sh
-    [ "$matrix" = "0" ] || run_part matrix-setup bash scripts/setup_torch_matrix.sh
-    [ "$stacks" = "0" ] ||
-      NBACCEL_SUMMARY_FILE=$PARTS/stacks.summary run_part stacks bash scripts/test_stacks.sh
-  ) &
-  beside=$!
+run_part xla bash scripts/setup_xla.sh &
+xla=$!
+# a failed matrix setup is retried and reported by scripts/test_torch_matrix.sh
+[ "$matrix" = "0" ] ||
+  stage "torch matrix (set-up + tests) *" "$SHARE_MATRIX" run_part matrix \
+    env NBACCEL_SUMMARY_FILE="$PARTS/matrix.summary" bash scripts/test_torch_matrix.sh &
+[ "$stacks" = "0" ] ||
+  stage "stacks (set-up + tests) *" "$SHARE_STACKS" run_part stacks \
+    env NBACCEL_SUMMARY_FILE="$PARTS/stacks.summary" bash scripts/test_stacks.sh &
+
+lint() {
+  local code=0
+  .venv/bin/ruff check nbaccel tests bench scripts || code=1
+  .venv/bin/ruff format --check nbaccel tests bench scripts || code=1
+  .venv/bin/mypy nbaccel || code=1
+  wait "$xla" || true
+  cat "$PARTS/xla.log"
+  part_ok xla || code=1
+  return "$code"
+}
+# A lint or .xla-venv failure ends the run here, once the lanes beside it are done
+# (nothing is left running).
+if ! stage "ruff, mypy (+ setup_xla.sh beside)" "$SHARE_LINT" lint; then
+  wait
+  exit 1
 fi
+
+status=0
 # The main run in pytest-xdist workers, one test file per worker at a time (--dist loadfile:
 # a module's kernel or pool fixture is started once); tests assume nothing about what runs
 # beside them (tmp_path per test, free ports, no fixed paths).
@@ -76,23 +105,16 @@ fi
 workers=${NBACCEL_TEST_WORKERS:-2}
 xdist=(-n "$workers")
 [ "$workers" = "0" ] || xdist+=(--dist loadfile)
-NBACCEL_REQUIRE_ALL=${NBACCEL_REQUIRE_ALL:-1} .venv/bin/python -m pytest "${xdist[@]}" \
-  --durations=25 "$@" 2>&1 | tee "$LOG" || status=1
-took "main pytest run"
+main_run() {
+  NBACCEL_REQUIRE_ALL=${NBACCEL_REQUIRE_ALL:-1} .venv/bin/python -m pytest "${xdist[@]}" \
+    --durations=25 "$@" 2>&1 | tee "$LOG"
+}
+stage "main pytest run" "$SHARE_MAIN" main_run "$@" || status=1
 DEV_TORCH=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
 main_summary=$(grep -E '^=*\s*[0-9]+ (passed|failed|error)' "$LOG" | tail -n1 | sed -E 's/^=+ //; s/ =+$//')
 echo "torch $DEV_TORCH (dev pin, whole suite): ${main_summary:-no summary}" >"$SUMMARY"
 
-# The torch matrix's versions run side by side (their tests mostly wait on processes and
-# kernels; see scripts/test_torch_matrix.sh), while the stacks may still be running; its
-# venvs were set up beside the main run (the script finds them ready).
-if [ "$matrix" != "0" ]; then
-  while [ ! -e "$PARTS/matrix-setup.code" ] && kill -0 "$beside" 2>/dev/null; do sleep 2; done
-  cat "$PARTS/matrix-setup.log" 2>/dev/null || true
-  NBACCEL_SUMMARY_FILE=$PARTS/matrix.summary run_part matrix bash scripts/test_torch_matrix.sh &
-fi
 wait
-took "torch matrix and stacks"
 for part in matrix stacks; do
   [ -e "$PARTS/$part.log" ] || continue
   cat "$PARTS/$part.log"
@@ -105,5 +127,21 @@ echo "============ test summary: passed tests per torch version and hosted-noteb
 cat "$SUMMARY"
 passed=$({ grep -oE '[0-9]+ passed' "$SUMMARY" || true; } | awk '{s += $1} END {print s + 0}')
 failed=$({ grep -oE '[0-9]+ (failed|errors?)' "$SUMMARY" || true; } | awk '{s += $1} END {print s + 0}')
+echo
+echo "============ time per stage: wall and CPU seconds (user + system), against each stage's share ============"
+# `times` here, in this shell: its second line is the CPU time of every process it waited for
+times >"$PARTS/times"
+cpu=$(sed -n 2p "$PARTS/times" | sed -E 's/([0-9]+)m([0-9.]+)s/\1 \2/g' |
+  awk '{printf "%.0f\n", $1 * 60 + $2 + $3 * 60 + $4}')
+echo "whole run|$((SECONDS - started))|$cpu|$SHARE_ALL" >>"$PARTS/stages"
+over=()
+while IFS='|' read -r name wall cpu share; do
+  printf '  %-42s %5s s wall %6s s CPU   share %4s s\n' "$name" "$wall" "$cpu" "$share"
+  [ "$wall" -le "$share" ] || over+=("$name: ${wall} s, over its share of ${share} s")
+done <"$PARTS/stages"
+if [ "${#over[@]}" -gt 0 ]; then
+  echo "STAGES OVER THEIR SHARE (scripts/test.sh states the shares; CI stops at 30 minutes):"
+  printf '  %s\n' "${over[@]}"
+fi
 echo "all: $passed passed, $failed failed$([ "$status" -eq 0 ] || echo " (exit 1: see the lines above)")"
 exit "$status"
