@@ -91,7 +91,7 @@ def jupyter_lab(
             left = psutil.Process(server.pid).children(recursive=True)
             try:
                 get(f"{base}/api/shutdown", token, method="POST")
-                server.wait(30)
+                server.wait(180)
             except (OSError, subprocess.TimeoutExpired):
                 server.kill()
                 server.wait(10)

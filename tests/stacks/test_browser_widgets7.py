@@ -106,7 +106,7 @@ def notebook6():
             left = psutil.Process(server.pid).children(recursive=True)
             try:
                 _get(f"{base}/api/shutdown", token, method="POST")
-                server.wait(30)
+                server.wait(180)
             except (OSError, subprocess.TimeoutExpired):
                 pass
             for proc in left:
@@ -177,7 +177,7 @@ def test_what_a_notebook_user_sees_on_ipywidgets7_in_notebook6(notebook6, tmp_pa
         _get(f"{base}/api/shutdown", token, method="POST")  # stops its kernels too
     except OSError:
         server.terminate()
-    server.wait(30)
+    server.wait(180)
     alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left after the server stopped: {[p.pid for p in alive]}"
     start = timings.pop("start")

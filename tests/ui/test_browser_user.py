@@ -92,7 +92,7 @@ def test_what_a_notebook_user_sees_in_jupyterlab(lab, tmp_path):
     finally:  # the server stops its kernel (and the kernel its workers) whatever happened
         descendants = psutil.Process(server.pid).children(recursive=True)
         get(f"{base}/api/shutdown", token, method="POST")
-        server.wait(30)
+        server.wait(180)
     alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left after the server stopped: {[p.pid for p in alive]}"
     start = timings.pop("start")
