@@ -18,7 +18,7 @@ from typing import Any
 import nbaccel
 import nbaccel.accelerator
 import nbaccel.launcher
-import nbaccel.runtime.state
+import nbaccel.runtime.process.state
 
 IMPORTED_TORCH_XLA = "torch_xla" in sys.modules  # importing nbaccel must not import it
 
@@ -91,7 +91,7 @@ def launched(num_processes: int | None) -> dict[str, Any]:
         "weight_device": weight.device.type,
         "weight": weight.tolist(),
         "environ_restored": dict(os.environ) == before,
-        "state_left_behind": nbaccel.runtime.state.current_state() is not None,
+        "state_left_behind": nbaccel.runtime.process.state.current_state() is not None,
         "launcher_pid": os.getpid(),
     }
 

@@ -288,7 +288,7 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
     facts = EnvironmentSnapshot(
         use_cpu=cfg.compute_device == "cpu", timeout=cfg.timeout, debug=cfg.debug
     )
-    state = sys.modules.get("nbaccel.runtime.state")
+    state = sys.modules.get("nbaccel.runtime.process.state")
     had_state = state is not None and state.current_state() is not None
     saved = installed_launch_config(), installed_process_facts()
     install_launch_config(cfg)  # this process's launch state for the length of the run
@@ -299,7 +299,7 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
     finally:
         install_launch_config(saved[0])
         install_process_facts(saved[1])
-        state = sys.modules.get("nbaccel.runtime.state")
+        state = sys.modules.get("nbaccel.runtime.process.state")
         if state is not None and not had_state:
             state.reset_state()  # leave the kernel as found: no Accelerator state behind
     return [value] if plan.call.return_all_ranks else value

@@ -1,9 +1,9 @@
 """The TPU backend in the process that trains (imports its runtime on first use).
 
 Thin: every call goes to the active backend of :mod:`nbaccel.platform.tpu` (torch_xla
-today). With several workers, :mod:`nbaccel.runtime.state` joins them in a
+today). With several workers, :mod:`nbaccel.runtime.process.state` joins them in a
 ``torch.distributed`` group with the backend's process-group backend (``"xla"``), so DDP
-and :mod:`nbaccel.runtime.ops` need no TPU-specific collectives.
+and :mod:`nbaccel.runtime.collectives.ops` need no TPU-specific collectives.
 
 Example:
     >>> import torch

@@ -29,7 +29,7 @@ def _diffusers_style(root):
     from packaging import version
 
     from nbaccel import Accelerator, accelerate
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     accelerator = Accelerator(cpu=True)
@@ -234,7 +234,7 @@ def _join_worker():
     from unittest.mock import Mock
 
     from nbaccel import Accelerator, DistributedType
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     accelerator = Accelerator(cpu=True)
@@ -346,7 +346,7 @@ def _evaluation_mode_worker():
     from torch.nn.parallel import DistributedDataParallel
 
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     accelerator = Accelerator(cpu=True)
@@ -369,7 +369,7 @@ def _init_kwargs_timeout_worker(root):
     from pathlib import Path
 
     from nbaccel import Accelerator, InitProcessGroupKwargs
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     handler = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=3))

@@ -265,7 +265,7 @@ def test_plugin_fields_build_the_config_accelerate_documents():
 
 
 def test_hf_ds_config_file_fills_its_auto_values(tmp_path, monkeypatch):
-    from nbaccel.runtime import _deepspeed_config as fill
+    from nbaccel.runtime.strategy.deepspeed import _deepspeed_config as fill
     from nbaccel.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
 
     path = tmp_path / "ds_config.json"
@@ -344,7 +344,7 @@ def test_bad_plugin_values_name_the_fix(kwargs, message):
 
 
 def test_auto_values_that_cannot_be_derived_are_named():
-    from nbaccel.runtime import _deepspeed_config as fill
+    from nbaccel.runtime.strategy.deepspeed import _deepspeed_config as fill
 
     with pytest.raises(ConfigError, match="pass the training DataLoader"):
         fill.fill_batch_sizes(
@@ -415,7 +415,7 @@ def test_the_hang_watchdog_sees_a_rank_stuck_inside_the_engine():
 @deepspeed_missing
 def test_prepare_model_alone_cannot_build_the_engine_and_says_how():
     from nbaccel import Accelerator, DeepSpeedPlugin
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     try:  # one process, this one: no engine is built (deepspeed is not even imported)
         acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2), cpu=True)

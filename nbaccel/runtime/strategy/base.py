@@ -7,7 +7,7 @@ produces/consumes the model and optimizer state dicts that checkpoints hold. The
 
 Example:
     >>> import torch
-    >>> from nbaccel.runtime.state import get_state
+    >>> from nbaccel.runtime.process.state import get_state
     >>> strategy = SingleProcess(get_state(cpu=True))
     >>> model = strategy.wrap_model(torch.nn.Linear(2, 2))
     >>> sorted(strategy.model_state_dict(model))
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..state import ProcessState
-from ..wrappers import unwrap_model
+from ..process.state import ProcessState
+from ..training.wrappers import unwrap_model
 
 
 class SingleProcess:
