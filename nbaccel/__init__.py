@@ -22,8 +22,8 @@ from ._version import __version__
 # public name -> submodule that defines it (one source of truth for lazy loading)
 _EXPORTS: dict[str, str] = {
     "Accelerator": "runtime.facade.accelerator",
-    "AcceleratorState": "runtime.process.partial_state",
-    "PartialState": "runtime.process.partial_state",
+    "AcceleratorState": "runtime.facade.partial_state",
+    "PartialState": "runtime.facade.partial_state",
     "GradientAccumulationPlugin": "runtime.facade.options",
     "find_executable_batch_size": "runtime.accelerate_utils.compat",
     "prepare_data_loader": "runtime.accelerate_utils.compat",
@@ -101,9 +101,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .runtime.facade.options import GradScalerKwargs as GradScalerKwargs
     from .runtime.facade.options import InitProcessGroupKwargs as InitProcessGroupKwargs
     from .runtime.facade.options import ProjectConfiguration as ProjectConfiguration
+    from .runtime.facade.partial_state import AcceleratorState as AcceleratorState
+    from .runtime.facade.partial_state import PartialState as PartialState
     from .runtime.loading.data import skip_first_batches as skip_first_batches
-    from .runtime.process.partial_state import AcceleratorState as AcceleratorState
-    from .runtime.process.partial_state import PartialState as PartialState
     from .runtime.process.rng import set_seed as set_seed
     from .runtime.process.state import DistributedType as DistributedType
     from .runtime.process.state import ProcessState as ProcessState

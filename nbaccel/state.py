@@ -1,7 +1,7 @@
 """Process state, at the path scripts know from ``accelerate.state``.
 
 The implementation is :mod:`nbaccel.runtime.process.state` (the frozen process state) and
-:mod:`nbaccel.runtime.process.partial_state` (``PartialState``, ``AcceleratorState``); this module
+:mod:`nbaccel.runtime.facade.partial_state` (``PartialState``, ``AcceleratorState``); this module
 only re-exports them.
 
 Example:
@@ -10,7 +10,7 @@ Example:
     'MULTI_CPU'
 """
 
-from .runtime.process.partial_state import AcceleratorState, PartialState, is_initialized
+from .runtime.facade.partial_state import AcceleratorState, PartialState, is_initialized
 from .runtime.process.state import (
     DistributedType,
     EnvironmentSnapshot,

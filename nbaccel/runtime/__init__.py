@@ -11,9 +11,9 @@
 * :mod:`~nbaccel.runtime.saving.checkpointing`, :mod:`~nbaccel.runtime.saving.model_io` -- what a
   checkpoint holds, written through :mod:`nbaccel.checkpoint`; :mod:`~nbaccel.runtime.saving.hooks`
   -- save/load pre-hooks;
-* :mod:`~nbaccel.runtime.process.partial_state` -- ``PartialState`` / ``AcceleratorState``;
-  :mod:`~nbaccel.runtime.loading.dispatch` -- ``dispatch_batches``; :mod:`~nbaccel.runtime.training.join`,
-  :mod:`~nbaccel.runtime.process.triggers`, :mod:`~nbaccel.runtime.compute.dynamo`,
+* :mod:`~nbaccel.runtime.facade.partial_state` -- ``PartialState`` / ``AcceleratorState``;
+  :mod:`~nbaccel.runtime.loading.dispatch` -- ``dispatch_batches``; :mod:`~nbaccel.runtime.loading.join`,
+  :mod:`~nbaccel.runtime.collectives.triggers`, :mod:`~nbaccel.runtime.compute.dynamo`,
   :mod:`~nbaccel.runtime.accelerate_utils.compat` -- the rest of the peer's documented API (the facade's
   thin methods are grouped in ``_process_api`` and ``_collective_api``).
 

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ...platform.process_env import distributed_active
-from ..loading.splitting import split_between_processes
 from ..process import rank_check
 from ..process.state import barrier_kwargs
 from . import _packed_gather as packing
+from .splitting import split_between_processes
 from .tree import _leaves, _rebuild, is_tensor_tree, recursively_apply, send_to_device
 
 # ----------------------------------------------------------------------------- group helpers

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...tracking import events
-from ..process._process_api import ProcessAPI
+from ._process_api import ProcessAPI
 
 
 class TrackingAPI(ProcessAPI):

@@ -40,18 +40,17 @@ from ...config import launch_config, normalize_precision
 from ...errors import ConfigError
 from ...tracking import steps as step_clock
 from ..accelerate_utils.compat import empty_cuda_caches
+from ..collectives.triggers import Trigger
 from ..compute import dynamo
 from ..compute.precision import autocast_context, make_precision
+from ..loading import join
 from ..loading.data import PreparedDataLoader, prepare_data_loader, skip_first_batches
-from ..process.partial_state import AcceleratorState
 from ..process.rng import set_seed, validate_rng_types
 from ..process.state import DistributedType, ProcessState, get_state
-from ..process.triggers import Trigger
 from ..saving.hooks import HookRegistry
 from ..strategy import Strategy, select_strategy
 from ..strategy.deepspeed.deepspeed_plugin import DeepSpeedPlugin, check_deepspeed_argument
 from ..strategy.fsdp.fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
-from ..training import join
 from ..training.accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
 from ..training.wrappers import PreparedOptimizer, PreparedScheduler, is_scheduler, prepare_model
 from ._accelerate_attrs import AccelerateAttributes
@@ -72,6 +71,7 @@ from .options import (
     parse_kwargs_handlers,
     resolve_dataloader_config,
 )
+from .partial_state import AcceleratorState
 
 _SERIALS = itertools.count()
 

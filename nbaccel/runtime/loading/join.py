@@ -31,8 +31,8 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from ...platform.process_env import distributed_active
-from ..loading.sharding import BatchSamplerShard
 from ..process.state import DistributedType
+from .sharding import BatchSamplerShard
 
 _JOINABLE_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 

@@ -24,9 +24,9 @@ import torch
 
 from ...config import normalize_precision
 from ...platform import torchcompat
-from . import rank_check
+from ..process import rank_check
+from ..process.state import DistributedType, ProcessState, get_state, reset_state
 from ._process_api import ProcessAPI
-from .state import DistributedType, ProcessState, get_state, reset_state
 
 _INIT_KEYWORDS = ("backend", "init_method", "timeout")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import ops
+from . import ops
 
 
 class Trigger:

@@ -6,7 +6,7 @@ of it (``process_index``, ``is_main_process``, ``wait_for_everyone``,
 ``main_process_first``, ``split_between_processes``, ``on_main_process``, ``print``...).
 
 Example:
-    >>> from nbaccel.runtime.process.partial_state import PartialState
+    >>> from nbaccel.runtime.facade.partial_state import PartialState
     >>> state = PartialState(cpu=True)
     >>> state.on_main_process(lambda: "only here")()
     'only here'
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..collectives import ops
-from .state import DistributedType, ProcessState
+from ..process.state import DistributedType, ProcessState
 
 F = TypeVar("F", bound=Callable[..., Any])
 
