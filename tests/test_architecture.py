@@ -201,3 +201,63 @@ def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
     found = set(imports_of("nbaccel.runtime.x", fake, {"nbaccel.launch.launcher"}))
     assert ("nbaccel.launch.launcher", 2) in found
     assert layer("nbaccel.launch.launcher") not in ALLOWED["runtime"]
+
+
+def strategy_door_problems(name: str, path: Path, known: set[str]) -> list[str]:
+    """Side doors into the strategies from ``name`` (a runtime module outside strategy/):
+    a ``getattr`` probe on a strategy, or an import of one strategy's own modules (only
+    the ``nbaccel.runtime.strategy`` package, the interface, may be imported)."""
+    problems = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in {"getattr", "hasattr"}
+            and node.args
+            and "strategy" in ast.unparse(node.args[0])
+        ):
+            problems.append(f"{name}:{node.lineno} probes a strategy: {ast.unparse(node)}")
+    for target, line in imports_of(name, path, known):
+        if target.startswith("nbaccel.runtime.strategy."):
+            problems.append(
+                f"{name}:{line} imports {target}: use the interface in runtime.strategy"
+            )
+    return problems
+
+
+def private_list_problems(name: str, path: Path) -> list[str]:
+    """Where a strategy module touches another object's ``_models``/``_optimizers``/
+    ``_schedulers`` (the Accelerator's lists: a strategy hands back what it made)."""
+    return [
+        f"{name}:{node.lineno} touches {ast.unparse(node)}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Attribute)
+        and node.attr in {"_models", "_optimizers", "_schedulers"}
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+
+
+def test_strategies_have_no_side_doors(tmp_path: Path) -> None:
+    """The facade (and every runtime module outside ``strategy/``) reaches a strategy only
+    through its interface: no getattr probes, no import of one strategy's modules; and a
+    strategy never writes the Accelerator's private lists."""
+    found = modules()
+    known = set(found)
+    problems = []
+    for name, path in found.items():
+        if name.startswith("nbaccel.runtime.strategy"):
+            problems += private_list_problems(name, path)
+        elif name.startswith("nbaccel.runtime."):
+            problems += strategy_door_problems(name, path, known)
+    assert not problems, "side doors into the strategies:\n" + "\n".join(problems)
+    # the checkers can fail: each side door the issue found is seen
+    fake = tmp_path / "nbaccel" / "runtime" / "facade" / "x.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(
+        "from ..strategy.deepspeed._deepspeed_prepare import prepare_deepspeed\n"
+        "def f(self):\n    return getattr(self.strategy, 'prepares_together', False)\n"
+    )
+    module = "nbaccel.runtime.strategy.deepspeed._deepspeed_prepare"
+    assert len(strategy_door_problems("nbaccel.runtime.facade.x", fake, {module})) == 2
+    fake.write_text("def f(acc, engine):\n    acc._models.append(engine)\n")
+    assert private_list_problems("x", fake)

@@ -408,7 +408,7 @@ def test_the_hang_watchdog_sees_a_rank_stuck_inside_the_engine():
     assert "rank 0: waiting in torch.distributed.all_reduce" in message
     # where rank 0 was: the user's line first, then nbaccel's strategy, then DeepSpeed's engine
     where = message[message.index("where rank 0 was") :]
-    assert where.index("acc.backward") < where.index("strategy/deepspeed.py")
+    assert where.index("acc.backward") < where.index("strategy/deepspeed/deepspeed.py")
     assert "deepspeed/runtime/engine.py" in where
 
 

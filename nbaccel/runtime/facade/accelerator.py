@@ -31,7 +31,7 @@ import gc
 import inspect
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,11 +48,17 @@ from ..loading.data import PreparedDataLoader, prepare_data_loader, skip_first_b
 from ..process.rng import set_seed, validate_rng_types
 from ..process.state import DistributedType, ProcessState, get_state
 from ..saving.hooks import HookRegistry
-from ..strategy import Strategy, select_strategy
-from ..strategy.deepspeed.deepspeed_plugin import DeepSpeedPlugin, check_deepspeed_argument
-from ..strategy.fsdp.fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
+from ..strategy import (
+    DeepSpeedPlugin,
+    FullyShardedDataParallelPlugin,
+    PrepareContext,
+    Strategy,
+    check_deepspeed_argument,
+    check_fsdp_arguments,
+    select_strategy,
+)
 from ..training.accumulation import GradientState, accumulate, clip_grad_norm, clip_grad_value
-from ..training.wrappers import PreparedOptimizer, PreparedScheduler, is_scheduler, prepare_model
+from ..training.wrappers import PreparedOptimizer, PreparedScheduler, prepare_model
 from ._accelerate_attrs import AccelerateAttributes
 from ._checkpoint_api import CheckpointAPI
 from ._collective_api import CollectiveAPI
@@ -209,7 +215,7 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         )
         self.mixed_precision: str = mixed_precision
         self.state = AcceleratorState.for_accelerator(self._process, mixed_precision)
-        self.state.deepspeed_plugin = getattr(self.strategy, "deepspeed_plugin", None)
+        self.state.deepspeed_plugin = self.strategy.deepspeed_plugin
         ddp = handlers.get(DistributedDataParallelKwargs)
         self.ddp_kwargs: dict[str, Any] = ddp.to_kwargs() if ddp else {}
         self.device_placement = device_placement
@@ -290,36 +296,25 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects."
             )
         placement = device_placement or [self.device_placement] * len(args)
-        if getattr(self.strategy, "prepares_together", False):  # DeepSpeed: one engine of all
-            from ..strategy.deepspeed._deepspeed_prepare import prepare_deepspeed
-
-            together = prepare_deepspeed(self, args, placement)
-            return together[0] if len(together) == 1 else tuple(together)
-        kinds = [self._kind(obj) for obj in args]
-        steps: dict[str, Callable[[Any, bool], Any]] = {
-            "model": self.prepare_model,
-            "optimizer": self.prepare_optimizer,
-            "scheduler": lambda obj, _placement: self.prepare_scheduler(obj),
-            "dataloader": self.prepare_data_loader,
-        }
-        result: list[Any] = list(args)
-        for kind, prepare_one in steps.items():  # models first: optimizers follow their params
-            for i, obj in enumerate(args):
-                if kinds[i] == kind:
-                    result[i] = prepare_one(obj, placement[i])
+        ctx = PrepareContext(
+            placement=placement,
+            prepare_one={  # in this order: optimizers follow their models' parameters
+                "model": self.prepare_model,
+                "optimizer": self.prepare_optimizer,
+                "scheduler": lambda obj, _placement: self.prepare_scheduler(obj),
+                "dataloader": self.prepare_data_loader,
+            },
+            gradient_state=self.gradient_state,
+            num_processes=self.num_processes,
+            split_batches=self.split_batches,
+            step_scheduler_with_optimizer=self.step_scheduler_with_optimizer,
+        )
+        done = self.strategy.prepare(args, ctx)  # DeepSpeed: one engine of all three
+        self._models.extend(done.models)
+        self._optimizers.extend(done.optimizers)
+        self._schedulers.extend(done.schedulers)
+        result = done.objects
         return result[0] if len(result) == 1 else tuple(result)
-
-    @staticmethod
-    def _kind(obj: Any) -> str:
-        if isinstance(obj, torch.nn.Module):
-            return "model"
-        if isinstance(obj, torch.optim.Optimizer):
-            return "optimizer"
-        if isinstance(obj, torch.utils.data.DataLoader):
-            return "dataloader"
-        if isinstance(obj, PreparedScheduler) or is_scheduler(obj):
-            return "scheduler"
-        return "other"  # passed through unchanged
 
     def prepare_model(
         self,

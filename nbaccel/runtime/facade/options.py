@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from ...errors import ConfigError
-from ..strategy.ddp.comm_hooks import DDPCommunicationHookType, check_hook_options
+from ..strategy import DDPCommunicationHookType, check_hook_options
 
 
 class KwargsHandler:

@@ -25,37 +25,89 @@ import torch
 
 from ...checkpoint.sharded import is_dcp, load_dcp, read_rows, save_dcp, weight_locations
 from ...checkpoint.weights import CheckpointError
+from ...errors import ConfigError
 from ...platform import torchcompat
-from ..strategy.deepspeed.deepspeed import holds_engine_state
-from ..strategy.fsdp.fsdp import owner_model
+
+#: the folder (per prepared model) and tag of DeepSpeed's engine files inside a checkpoint
+ENGINE_FOLDER, TAG = "pytorch_model", "state"
 
 
 def _suffix(i: int) -> str:
     return "" if i == 0 else f"_{i}"
 
 
-def _modules(acc: Any) -> list[torch.nn.Module]:
-    return [acc.strategy.unwrap_model(model) for model in acc._models]
+def engine_folder(i: int) -> str:
+    """The folder of the ``i``-th prepared engine's files (DeepSpeed's own layout)."""
+    return ENGINE_FOLDER if i == 0 else f"{ENGINE_FOLDER}_{i}"
 
 
-def save_sharded(acc: Any, directory: Path) -> None:
-    """Every rank writes its shard of each prepared model and optimizer (call on all ranks)."""
+def holds_engine_state(source: str | os.PathLike[str]) -> bool:
+    """True if the checkpoint at ``source`` holds DeepSpeed engine files."""
+    return (Path(source) / ENGINE_FOLDER / TAG).is_dir()
+
+
+def owner_model(models: Any, optimizer: Any) -> torch.nn.Module:
+    """The prepared model whose parameters ``optimizer`` updates (torch's optimizer
+    state-dict helpers key the state by that model's parameter names)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # a PreparedOptimizer's torch one
+    params = {id(p) for group in inner.param_groups for p in group["params"]}
+    owners = [m for m in models if any(id(p) in params for p in m.parameters())]
+    if len(owners) != 1:
+        raise ConfigError(
+            f"an optimizer must update the parameters of exactly one prepared model for FSDP "
+            f"checkpoints; this one updates {len(owners)}. Use one optimizer per model."
+        )
+    return owners[0]
+
+
+def save_dcp_shards(modules: list[torch.nn.Module], optimizers: list[Any], directory: Path) -> None:
+    """Every rank writes its shard of each module and optimizer with DCP (call on all ranks)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    own = getattr(acc.strategy, "save_shards", None)
-    if own is not None:  # DeepSpeed: the engine writes its own per-rank files
-        own(acc._models, directory)
-        return
-    modules = _modules(acc)
     for i, module in enumerate(modules):
         save_dcp({"model": get_model_state_dict(module)}, directory / f"model{_suffix(i)}.dcp")
-    for i, optimizer in enumerate(acc._optimizers):
+    for i, optimizer in enumerate(optimizers):
         inner = optimizer.optimizer
         state = get_optimizer_state_dict(owner_model(modules, inner), inner)
         save_dcp({"optimizer": state}, directory / f"optimizer{_suffix(i)}.dcp")
+
+
+def load_dcp_shards(
+    modules: list[torch.nn.Module], optimizers: list[Any], source: Path, *, strict: bool = True
+) -> None:
+    """Restore what :func:`save_dcp_shards` wrote, resharded to this run (all ranks)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    for i, module in enumerate(modules):
+        state = get_model_state_dict(module)
+        load_dcp({"model": state}, source / f"model{_suffix(i)}.dcp")
+        set_model_state_dict(module, state, options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        inner = optimizer.optimizer
+        model = owner_model(modules, inner)
+        optim_state: Any = get_optimizer_state_dict(model, inner)
+        load_dcp({"optimizer": optim_state}, source / f"optimizer{_suffix(i)}.dcp")
+        set_optimizer_state_dict(model, inner, optim_state)
+
+
+def shard_format_of(source: str | os.PathLike[str]) -> str:
+    """``"engine"`` for DeepSpeed's engine files, else ``"dcp"`` (the strategies' ``shard_format``)."""
+    return "engine" if holds_engine_state(source) else "dcp"
+
+
+def save_sharded(acc: Any, directory: Path) -> None:
+    """Every rank writes its shard of each prepared model and optimizer (call on all ranks):
+    the strategy writes them in its own format."""
+    acc.strategy.save_shards(acc._models, acc._optimizers, directory)
 
 
 def holds_sharded(source: str | os.PathLike[str]) -> bool:
@@ -68,36 +120,15 @@ def holds_sharded(source: str | os.PathLike[str]) -> bool:
 
 def load_sharded(acc: Any, source: Path, *, strict: bool = True) -> None:
     """Restore what :func:`save_sharded` wrote, resharded to this run (call on all ranks)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    own = getattr(acc.strategy, "load_shards", None)
-    if holds_engine_state(source) != (own is not None):
+    saved_as = shard_format_of(source)
+    if saved_as != acc.strategy.shard_format:
         raise CheckpointError(
             f"{str(source)!r} was saved under "
-            f"{'DeepSpeed' if holds_engine_state(source) else 'FSDP'} and this Accelerator "
+            f"{'DeepSpeed' if saved_as == 'engine' else 'FSDP'} and this Accelerator "
             f"runs {acc.strategy.name}: load it with the strategy that saved it (DeepSpeed "
             "checkpoints convert to full weights with the zero_to_fp32.py script inside them)."
         )
-    if own is not None:
-        own(acc._models, source, strict=strict)
-        return
-    modules = _modules(acc)
-    for i, module in enumerate(modules):
-        state = get_model_state_dict(module)
-        load_dcp({"model": state}, source / f"model{_suffix(i)}.dcp")
-        set_model_state_dict(module, state, options=StateDictOptions(strict=strict))
-    for i, optimizer in enumerate(acc._optimizers):
-        inner = optimizer.optimizer
-        model = owner_model(modules, inner)
-        optim_state: Any = get_optimizer_state_dict(model, inner)
-        load_dcp({"optimizer": optim_state}, source / f"optimizer{_suffix(i)}.dcp")
-        set_optimizer_state_dict(model, inner, optim_state)
+    acc.strategy.load_shards(acc._models, acc._optimizers, source, strict=strict)
 
 
 def _local_part(tensor: Any, location: tuple[Path, str]) -> torch.Tensor:
@@ -158,9 +189,17 @@ def is_sharded_model(module: torch.nn.Module) -> bool:
 
 
 __all__ = [
+    "ENGINE_FOLDER",
+    "TAG",
+    "engine_folder",
+    "holds_engine_state",
     "holds_sharded",
     "is_sharded_model",
+    "load_dcp_shards",
     "load_sharded",
     "load_weights_into_sharded",
+    "owner_model",
+    "save_dcp_shards",
     "save_sharded",
+    "shard_format_of",
 ]

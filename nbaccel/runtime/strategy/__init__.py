@@ -20,12 +20,13 @@ from typing import Any
 
 from ...config import launch_config
 from ..process.state import DistributedType, ProcessState
-from .base import SingleProcess
+from .base import PrepareContext, Prepared, SingleProcess
+from .ddp.comm_hooks import DDPCommunicationHookType, check_hook_options
 from .ddp.ddp import DDP
 from .deepspeed.deepspeed import DeepSpeed
-from .deepspeed.deepspeed_plugin import DeepSpeedPlugin
+from .deepspeed.deepspeed_plugin import DeepSpeedPlugin, check_deepspeed_argument
 from .fsdp.fsdp import FSDP
-from .fsdp.fsdp_plugin import FullyShardedDataParallelPlugin
+from .fsdp.fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
 from .xla.xla import XLA
 
 Strategy = SingleProcess  # the interface every strategy implements
@@ -63,4 +64,20 @@ def select_strategy(
     return _BY_TYPE[state.distributed_type](state)
 
 
-__all__ = ["DDP", "FSDP", "XLA", "DeepSpeed", "SingleProcess", "Strategy", "select_strategy"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "XLA",
+    "DDPCommunicationHookType",
+    "DeepSpeed",
+    "DeepSpeedPlugin",
+    "FullyShardedDataParallelPlugin",
+    "PrepareContext",
+    "Prepared",
+    "SingleProcess",
+    "Strategy",
+    "check_deepspeed_argument",
+    "check_fsdp_arguments",
+    "check_hook_options",
+    "select_strategy",
+]

@@ -302,6 +302,23 @@ class PreparedScheduler:
         return getattr(self.scheduler, name)
 
 
+def object_kind(
+    obj: Any, *, optimizers: tuple[type, ...] = (), schedulers: tuple[type, ...] = ()
+) -> str:
+    """What ``prepare`` sees in ``obj``: ``"model"``, ``"optimizer"``, ``"dataloader"``,
+    ``"scheduler"`` or ``"other"`` (passed through unchanged); ``optimizers`` and
+    ``schedulers``: more types a strategy counts as such (DeepSpeed's placeholders)."""
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, (torch.optim.Optimizer, *optimizers)):
+        return "optimizer"
+    if isinstance(obj, torch.utils.data.DataLoader):
+        return "dataloader"
+    if isinstance(obj, (PreparedScheduler, *schedulers)) or is_scheduler(obj):
+        return "scheduler"
+    return "other"
+
+
 def is_scheduler(obj: Any) -> bool:
     """True for torch LR schedulers (and look-alikes with ``step`` and ``optimizer``)."""
     lr = torch.optim.lr_scheduler
@@ -319,6 +336,7 @@ __all__ = [
     "PreparedScheduler",
     "convert_to_fp32",
     "is_scheduler",
+    "object_kind",
     "prepare_model",
     "unwrap_model",
 ]

@@ -23,7 +23,8 @@ import torch
 
 from ....errors import ConfigError
 from ....tracking import steps
-from ...training.wrappers import PreparedOptimizer, PreparedScheduler, is_scheduler
+from ...training.wrappers import PreparedOptimizer, PreparedScheduler, object_kind
+from ..base import PrepareContext, Prepared
 from . import _deepspeed_config as fill
 from .deepspeed_plugin import DummyOptim, DummyScheduler
 
@@ -65,15 +66,7 @@ class DeepSpeedScheduler(PreparedScheduler):
 
 
 def _kind(obj: Any) -> str:
-    if isinstance(obj, torch.nn.Module):
-        return "model"
-    if isinstance(obj, torch.optim.Optimizer | DummyOptim):
-        return "optimizer"
-    if isinstance(obj, torch.utils.data.DataLoader):
-        return "dataloader"
-    if isinstance(obj, DummyScheduler | PreparedScheduler) or is_scheduler(obj):
-        return "scheduler"
-    return "other"
+    return object_kind(obj, optimizers=(DummyOptim,), schedulers=(DummyScheduler,))
 
 
 def _one(found: list[Any], kind: str) -> Any:
@@ -128,15 +121,16 @@ def _offload_optimizer(config: dict[str, Any], optimizer: Any) -> Any:
     )
 
 
-def prepare_deepspeed(acc: Any, args: tuple[Any, ...], placement: list[bool]) -> list[Any]:
-    """What ``acc.prepare(*args)`` returns under DeepSpeed (see the module docstring)."""
-    strategy, config = acc.strategy, acc.strategy.config
+def prepare_deepspeed(strategy: Any, args: tuple[Any, ...], ctx: PrepareContext) -> Prepared:
+    """What ``accelerator.prepare(*args)`` returns under DeepSpeed (see the module
+    docstring), and the engine, optimizer and scheduler for the Accelerator to keep."""
+    config = strategy.config
     kinds = [_kind(obj) for obj in args]
     result: list[Any] = list(args)
     loaders = [obj for obj, k in zip(args, kinds, strict=True) if k == "dataloader"]
     for i, obj in enumerate(args):
         if kinds[i] == "dataloader":
-            result[i] = acc.prepare_data_loader(obj, placement[i])
+            result[i] = ctx.prepare_one["dataloader"](obj, ctx.placement[i])
     model = _one([o for o, k in zip(args, kinds, strict=True) if k == "model"], "model")
     optimizer = _one([o for o, k in zip(args, kinds, strict=True) if k == "optimizer"], "optimizer")
     scheduler = _one([o for o, k in zip(args, kinds, strict=True) if k == "scheduler"], "scheduler")
@@ -146,17 +140,17 @@ def prepare_deepspeed(acc: Any, args: tuple[Any, ...], placement: list[bool]) ->
                 "under DeepSpeed pass the model, optimizer and scheduler to one prepare() call "
                 "(DeepSpeed builds its engine from all three)."
             )
-        return result
+        return Prepared(result)
     _check_pairing(config, optimizer, scheduler)
     if config.get("gradient_accumulation_steps", "auto") == "auto":
-        config["gradient_accumulation_steps"] = acc.gradient_state.num_steps
+        config["gradient_accumulation_steps"] = ctx.gradient_state.num_steps
     else:  # the config's number wins, as in Accelerate (the engine scales the loss by it)
-        acc.gradient_state.num_steps = int(config["gradient_accumulation_steps"])
+        ctx.gradient_state.num_steps = int(config["gradient_accumulation_steps"])
     fill.fill_batch_sizes(
         config,
         batch_sizes=[getattr(loader, "batch_size", None) for loader in loaders],
-        num_processes=acc.num_processes,
-        split_batches=acc.split_batches,
+        num_processes=ctx.num_processes,
+        split_batches=ctx.split_batches,
         train_batch_min=strategy.plugin.is_train_batch_min,
     )
     fill.fill_model_sizes(config, model)
@@ -164,8 +158,8 @@ def prepare_deepspeed(acc: Any, args: tuple[Any, ...], placement: list[bool]) ->
         config,
         dummy_optimizer=optimizer if isinstance(optimizer, DummyOptim) else None,
         dummy_scheduler=scheduler if isinstance(scheduler, DummyScheduler) else None,
-        num_processes=acc.num_processes,
-        split_batches=acc.split_batches,
+        num_processes=ctx.num_processes,
+        split_batches=ctx.split_batches,
     )
     fill.fill_remaining(config)
     kwargs: dict[str, Any] = {"model": model}
@@ -179,30 +173,30 @@ def prepare_deepspeed(acc: Any, args: tuple[Any, ...], placement: list[bool]) ->
         if scheduler is not None and kwargs["optimizer"] is not optimizer:
             scheduler.optimizer = kwargs["optimizer"]  # the schedule follows the new optimizer
     engine, ds_optimizer, ds_scheduler = strategy.initialize(**kwargs)
-    acc._models.append(engine)
+    done = Prepared(result, models=[engine])
     prepared_optimizer = None
     if ds_optimizer is not None:
         prepared_optimizer = DeepSpeedOptimizer(
-            ds_optimizer, engine=engine, gradient_state=acc.gradient_state, counts=True
+            ds_optimizer, engine=engine, gradient_state=ctx.gradient_state, counts=True
         )
-        acc._optimizers.append(prepared_optimizer)
+        done.optimizers.append(prepared_optimizer)
     prepared_scheduler = None
     if scheduler is not None:
         kind = DeepSpeedScheduler if isinstance(scheduler, DummyScheduler) else PreparedScheduler
         prepared_scheduler = kind(
             ds_scheduler if kind is DeepSpeedScheduler else scheduler,
             [prepared_optimizer] if prepared_optimizer is not None else [],
-            gradient_state=acc.gradient_state,
-            step_with_optimizer=acc.step_scheduler_with_optimizer,
-            split_batches=acc.split_batches,
-            num_processes=acc.num_processes,
+            gradient_state=ctx.gradient_state,
+            step_with_optimizer=ctx.step_scheduler_with_optimizer,
+            split_batches=ctx.split_batches,
+            num_processes=ctx.num_processes,
         )
-        acc._schedulers.append(prepared_scheduler)
+        done.schedulers.append(prepared_scheduler)
     by_kind = {"model": engine, "optimizer": prepared_optimizer, "scheduler": prepared_scheduler}
     for i, kind_of in enumerate(kinds):
         if kind_of in by_kind:
             result[i] = by_kind[kind_of]
-    return result
+    return done
 
 
 __all__ = ["DeepSpeedOptimizer", "DeepSpeedScheduler", "prepare_deepspeed"]

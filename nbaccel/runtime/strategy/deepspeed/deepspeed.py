@@ -34,27 +34,16 @@ import torch.distributed as dist
 from ....checkpoint.weights import CheckpointError
 from ....errors import ConfigError
 from ...process.state import DistributedType, ProcessState
-from ..base import SingleProcess
+from ...saving.sharded_state import TAG, engine_folder
+from ..base import PrepareContext, Prepared, SingleProcess
 from ._deepspeed_config import precision_from_config
 from .deepspeed_plugin import DeepSpeedPlugin, require_deepspeed
-
-#: the folder (per prepared model) and tag of DeepSpeed's files inside a checkpoint
-ENGINE_FOLDER, TAG = "pytorch_model", "state"
 
 
 def _is_engine(model: Any) -> bool:
     # no import: before deepspeed is imported nothing can be one of its engines
     deepspeed = sys.modules.get("deepspeed")
     return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
-
-
-def _folder(i: int) -> str:
-    return ENGINE_FOLDER if i == 0 else f"{ENGINE_FOLDER}_{i}"
-
-
-def holds_engine_state(source: str | os.PathLike[str]) -> bool:
-    """True if the checkpoint at ``source`` holds DeepSpeed engine files."""
-    return (Path(source) / ENGINE_FOLDER / TAG).is_dir()
 
 
 class DeepSpeed(SingleProcess):
@@ -69,7 +58,7 @@ class DeepSpeed(SingleProcess):
     sharded_checkpoints = True
     collective_state = True
     #: prepare() hands model, optimizer and scheduler to the engine together
-    prepares_together = True
+    shard_format = "engine"  # DeepSpeed's own per-rank files (save_shards)
 
     def __init__(
         self, state: ProcessState, plugin: DeepSpeedPlugin, *, mixed_precision: str = "no"
@@ -88,6 +77,13 @@ class DeepSpeed(SingleProcess):
         return self.mixed_precision, "no"
 
     # -- the engine ------------------------------------------------------------------------
+
+    def prepare(self, objects: tuple[Any, ...], ctx: PrepareContext) -> Prepared:
+        """One engine from the model, optimizer and scheduler given together (loaders as
+        always): :func:`~nbaccel.runtime.strategy.deepspeed._deepspeed_prepare.prepare_deepspeed`."""
+        from ._deepspeed_prepare import prepare_deepspeed
+
+        return prepare_deepspeed(self, objects, ctx)
 
     def initialize(self, **kwargs: Any) -> tuple[Any, Any, Any]:
         """``deepspeed.initialize`` with this strategy's config; returns (engine, optimizer,
@@ -213,15 +209,17 @@ class DeepSpeed(SingleProcess):
 
     # -- checkpoints: DeepSpeed's own files, inside nbaccel's durable directory ---------
 
-    def save_shards(self, models: list[Any], directory: Path) -> None:
+    def save_shards(self, models: list[Any], optimizers: list[Any], directory: Path) -> None:
         """Every rank writes its part of each engine with ``engine.save_checkpoint``."""
         for i, engine in enumerate(models):
-            engine.save_checkpoint(str(directory / _folder(i)), tag=TAG, save_latest=False)
+            engine.save_checkpoint(str(directory / engine_folder(i)), tag=TAG, save_latest=False)
 
-    def load_shards(self, models: list[Any], source: Path, *, strict: bool = True) -> None:
+    def load_shards(
+        self, models: list[Any], optimizers: list[Any], source: Path, *, strict: bool = True
+    ) -> None:
         """Restore each engine (weights, optimizer partitions, the engine's scheduler)."""
         for i, engine in enumerate(models):
-            folder = source / _folder(i)
+            folder = source / engine_folder(i)
             loaded, _ = engine.load_checkpoint(
                 str(folder), tag=TAG, load_module_strict=strict, load_lr_scheduler_states=True
             )
@@ -249,4 +247,4 @@ def _ensure_group(state: ProcessState) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-__all__ = ["DeepSpeed", "holds_engine_state"]
+__all__ = ["DeepSpeed"]

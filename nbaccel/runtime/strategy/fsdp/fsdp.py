@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ....errors import ConfigError
 from ....platform import torchcompat
 from ...process.state import DistributedType, ProcessState
+from ...saving.sharded_state import owner_model
 from ..base import SingleProcess
 from ._fsdp_wrap import checkpoint_activations, materialize, wrap_targets
 from .fsdp_plugin import FullyShardedDataParallelPlugin
@@ -246,17 +247,4 @@ def _no_gradient_sync(model: Any) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
 
 
-def owner_model(models: Any, optimizer: Any) -> torch.nn.Module:
-    """The prepared model whose parameters ``optimizer`` updates (torch's optimizer
-    state-dict helpers key the state by that model's parameter names)."""
-    params = {id(p) for group in _inner(optimizer).param_groups for p in group["params"]}
-    owners = [m for m in models if any(id(p) in params for p in m.parameters())]
-    if len(owners) != 1:
-        raise ConfigError(
-            f"an optimizer must update the parameters of exactly one prepared model for FSDP "
-            f"checkpoints; this one updates {len(owners)}. Use one optimizer per model."
-        )
-    return owners[0]
-
-
-__all__ = ["FSDP", "owner_model"]
+__all__ = ["FSDP"]
