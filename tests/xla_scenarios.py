@@ -172,6 +172,7 @@ def main(path: str) -> None:
     }
     steps = [
         ("colab_8", colab_refuses_8),  # refused before the runtime or a worker starts
+        ("cpu_2", lambda: expect_error(train, args=(1,), num_processes=2)),  # 1 CPU device
         ("spawned", lambda: launched(None)),  # a worker of the engine, set up by the backend
         ("runtime_after_spawn", xla.runtime_initialized),
         ("failure", lambda: expect_error(fail, args=(7,), num_processes=None)),

@@ -182,6 +182,13 @@ def test_a_launch_after_the_kernel_started_the_runtime_is_refused_clearly(scenar
 
 
 @pytest.mark.xla
+def test_two_processes_on_the_one_xla_cpu_device_are_refused_before_start(scenarios) -> None:
+    # not two ranks that each see num_processes == 1: refused, naming both counts
+    refused = scenarios["cpu_2"]
+    assert "ConfigError" in refused["types"], refused
+    assert "num_processes=2" in refused["message"] and "gives 1 XLA CPU" in refused["message"]
+
+
 def test_colab_v5e_1_refuses_8_processes_naming_the_runtime(scenarios: dict[str, Any]) -> None:
     refused = scenarios["colab_8"]
     assert refused["types"][0] == "ConfigError", refused

@@ -202,6 +202,20 @@ def test_check_process_count_reads_the_markers() -> None:
         tpu.check_process_count(16, KAGGLE_TPU)
 
 
+def test_the_xla_cpu_runtime_refuses_more_processes_than_its_devices() -> None:
+    # PJRT_DEVICE=CPU, no TPU markers: 2 processes on 1 CPU device would each see a world
+    # of one (two separate trainings, both rank 0 of 1): refused before start, both counts named
+    cpu = {"PJRT_DEVICE": "CPU"}
+    with pytest.raises(ConfigError, match=r"num_processes=2, but PJRT_DEVICE=CPU gives 1 XLA "
+                       r"CPU device.*CPU_NUM_DEVICES=2"):  # fmt: skip
+        tpu.check_process_count(2, cpu)
+    assert tpu.check_process_count(1, cpu) == 1
+    assert tpu.check_process_count(None, cpu) is None  # one process, as before
+    assert tpu.check_process_count(2, {**cpu, "CPU_NUM_DEVICES": "2"}) == 2
+    with pytest.raises(ConfigError, match=r"num_processes=3, but PJRT_DEVICE=CPU gives 2 XLA"):
+        tpu.check_process_count(3, {**cpu, "CPU_NUM_DEVICES": "2"})
+
+
 @pytest.mark.parametrize(
     ("environ", "devices", "host"),
     [(COLAB_TPU, "1 x TPU (v5e, faketpu 0.1)", "Google Colab, TPU v5e-1"),

@@ -13,11 +13,12 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from ...errors import ConfigError, LaunchError
 from ..hosts import detect_host
-from .base import TpuBackend
+from .base import TpuBackend, tpu_present
 
 _BACKENDS: list[TpuBackend] = []
 
@@ -121,9 +122,18 @@ def check_process_count(
     devices = backend.device_count(environ)
     if devices is None:
         return num_processes
+    env = os.environ if environ is None else environ
+    cpu_runtime = env.get("PJRT_DEVICE", "").strip().upper() == "CPU" and not tpu_present(env)
     if num_processes is None:
-        return devices
+        return None if cpu_runtime else devices  # the CPU runtime: one process, as always
     if num_processes not in (1, devices):  # the backend starts 1, or one per device
+        if cpu_runtime:
+            raise ConfigError(
+                f"num_processes={num_processes}, but PJRT_DEVICE=CPU gives {devices} XLA CPU "
+                f"device(s) (CPU_NUM_DEVICES, default 1), and each process needs one of its "
+                f"own: use num_processes={devices} or set CPU_NUM_DEVICES={num_processes} "
+                "(or unset PJRT_DEVICE to train on the CPU without XLA)."
+            )
         runtime = runtime or detect_host(environ).label
         other = " or num_processes=1 (in this process)" if devices != 1 else ""
         raise ConfigError(
