@@ -164,7 +164,7 @@ def colab_refuses_8() -> dict[str, Any]:
 def main(path: str) -> None:
     import torch_xla
 
-    from nbaccel.platform import xla
+    from nbaccel.platform import tpu
 
     out: dict[str, Any] = {
         "imported_torch_xla_at_import": IMPORTED_TORCH_XLA,
@@ -174,11 +174,11 @@ def main(path: str) -> None:
         ("colab_8", colab_refuses_8),  # refused before the runtime or a worker starts
         ("cpu_2", lambda: expect_error(train, args=(1,), num_processes=2)),  # 1 CPU device
         ("spawned", lambda: launched(None)),  # a worker of the engine, set up by the backend
-        ("runtime_after_spawn", xla.runtime_initialized),
+        ("runtime_after_spawn", tpu.runtime_initialized),
         ("failure", lambda: expect_error(fail, args=(7,), num_processes=None)),
         ("one_worker", lambda: launched(1)),  # one process: a worker too, never the kernel
         ("engine", background_pool_and_debug),
-        ("runtime_after_workers", xla.runtime_initialized),
+        ("runtime_after_workers", tpu.runtime_initialized),
         ("runtime_started_here", start_the_runtime_here),
         ("refused", lambda: expect_error(train, args=(1,), num_processes=None)),
     ]

@@ -133,7 +133,7 @@ def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = Fals
 
 def is_tpu_available(check_device: bool = True) -> bool:
     """True if torch_xla is installed and ``PJRT_DEVICE`` asks for TPUs."""
-    from ...platform.xla import xla_requested
+    from ...platform.tpu import xla_requested
 
     return _installed("torch_xla") and xla_requested()
 

@@ -31,10 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError, LaunchError, too_few_gpus_error
-from ...platform import torchcompat
+from ...platform import torchcompat, tpu
 from ...platform.process_env import EnvironmentSnapshot, read_environment
-from ...platform.xla import xla_requested
-from .. import xla
 from . import rank_check
 
 
@@ -137,10 +135,12 @@ def _select_device_and_backend(
     ``backend`` is an explicit request (``InitProcessGroupKwargs.backend``) or the
     backend of a process group that is already initialised.
     """
-    tpu_group = xla.process_group_backend()  # the TPU backend's ("xla" for torch_xla)
-    if not (cpu or env.use_cpu) and backend in (None, tpu_group) and xla_requested():
-        device = xla.xla_device()  # TPU, or PJRT_DEVICE=CPU; ranks come from the XLA runtime
-        chosen = tpu_group if xla.xla_world().world_size > 1 else None
+    tpu_group = tpu.process_group_backend()  # the TPU backend's ("xla" for torch_xla)
+    if not (cpu or env.use_cpu) and backend in (None, tpu_group) and tpu.xla_requested():
+        device = (
+            tpu.require_backend().device()
+        )  # TPU, or PJRT_DEVICE=CPU; ranks come from the XLA runtime
+        chosen = tpu_group if tpu.training_backend().world().world_size > 1 else None
         return device, chosen, DistributedType.XLA
     distributed = env.world_size > 1
     # The backend picks the collective library, not the device: gloo moves CUDA tensors
@@ -171,7 +171,7 @@ def _select_device_and_backend(
 
 def _xla_environment(env: EnvironmentSnapshot) -> EnvironmentSnapshot:
     """Rank and world size on XLA come from the torch_xla runtime, not from RANK/WORLD_SIZE."""
-    world = xla.xla_world()
+    world = tpu.training_backend().world()
     return dataclasses.replace(
         env,
         rank=world.rank,
@@ -212,8 +212,8 @@ def _init_kwargs(
     """
     kwargs: dict[str, Any] = {k: v for k, v in init_kwargs.items() if v is not None}
     kwargs.pop("backend", None)
-    if backend == xla.process_group_backend():
-        kwargs = {**xla.init_process_group_kwargs(), **kwargs}
+    if backend == tpu.process_group_backend():
+        kwargs = {**tpu.training_backend().init_process_group_kwargs(), **kwargs}
     kwargs.setdefault("init_method", "env://")
     if timeout is not None:
         kwargs["timeout"] = timeout

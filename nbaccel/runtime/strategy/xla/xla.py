@@ -1,7 +1,7 @@
 """torch_xla devices: DDP over the ``"xla"`` process-group backend, plus graph cuts.
 
 XLA tensors are lazy graphs until cut, so every real optimizer step ends with
-``torch_xla.sync()`` (:func:`nbaccel.runtime.xla.mark_step`).
+``torch_xla.sync()`` (:func:`nbaccel.platform.tpu.after_step`).
 
 Example:
     >>> XLA.name
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...xla import mark_step
+from ....platform import tpu
 from ..ddp.ddp import DDP
 
 
@@ -27,7 +27,7 @@ class XLA(DDP):
         return super().wrap_model(model, ddp_kwargs=ddp_kwargs)
 
     def after_optimizer_step(self, optimizer: Any) -> None:
-        mark_step()  # run the update now: XLA tensors are lazy graphs until cut
+        tpu.after_step()  # run the update now: XLA tensors are lazy graphs until cut
 
 
 __all__ = ["XLA"]
