@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -83,20 +83,26 @@ def recursively_apply(
     return _apply(lambda x: func(x, *args, **kwargs), data, leaf)
 
 
-def _leaves(data: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
+#: how a tree is walked: ``walk(fn, data)`` applies ``fn`` to each leaf, rebuilding containers
+Walk = Callable[[Callable[[Any], Any], Any], Any]
 
-    def collect(t: torch.Tensor) -> torch.Tensor:
+
+def _leaves(data: Any, walk: Walk = recursively_apply) -> list[Any]:
+    """The leaves of ``data`` in the order ``walk`` visits them (tensors, by default)."""
+    found: list[Any] = []
+
+    def collect(t: Any) -> Any:
         found.append(t)
         return t
 
-    recursively_apply(collect, data)
+    walk(collect, data)
     return found
 
 
-def _rebuild(data: Any, values: Sequence[Any]) -> Any:
+def _rebuild(data: Any, values: Iterable[Any], walk: Walk = recursively_apply) -> Any:
+    """``data`` with its leaves replaced by ``values``, in :func:`_leaves`' order."""
     it = iter(values)
-    return recursively_apply(lambda _t: next(it), data)
+    return walk(lambda _t: next(it), data)
 
 
 def is_tensor_tree(data: Any) -> bool:

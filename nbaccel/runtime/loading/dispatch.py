@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives import tree
+
 _CONTAINERS = (torch.Tensor, Mapping, list, tuple)
 
 
@@ -57,19 +59,11 @@ def _map(fn: Callable[[Any], Any], batch: Any) -> Any:
 
 
 def _leaves(batch: Any) -> list[Any]:
-    found: list[Any] = []
-
-    def collect(leaf: Any) -> Any:
-        found.append(leaf)
-        return leaf
-
-    _map(collect, batch)
-    return found
+    return tree._leaves(batch, _map)
 
 
 def _rebuild(batch: Any, values: Iterable[Any]) -> Any:
-    it = iter(values)
-    return _map(lambda _leaf: next(it), batch)
+    return tree._rebuild(batch, values, _map)
 
 
 def concatenate(data: list[Any], dim: int = 0) -> Any:

@@ -33,14 +33,15 @@ class DeepSpeedOptimizer(PreparedOptimizer):
     """DeepSpeed's optimizer as ``prepare`` returns it: the engine steps it in ``backward``."""
 
     def __init__(self, optimizer: Any, *, engine: Any, gradient_state: Any, counts: bool) -> None:
-        # PreparedOptimizer.__init__ is skipped: no precision, no device moves (the engine's)
-        self.optimizer = optimizer
+        # no precision and no device moves: the engine casts, scales and places itself
+        super().__init__(
+            optimizer,
+            precision=None,
+            gradient_state=gradient_state,
+            counts_updates=counts,
+            device_placement=False,
+        )
         self.engine = engine
-        self.gradient_state = gradient_state
-        self.counts_updates = counts
-        self.step_was_skipped = False
-        self.precision = None
-        self.after_step = None
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Nothing to do: ``engine.step()`` (inside ``accelerator.backward``) zeroed them."""
