@@ -1,21 +1,25 @@
 """What runs inside the training function, on every rank: the ``Accelerator`` and its parts.
 
-* :mod:`~nbaccel.runtime.facade.accelerator` -- the facade; it delegates to the modules below;
-* :mod:`~nbaccel.runtime.process.state` -- the frozen process state and the process group;
-* :mod:`~nbaccel.runtime.strategy` -- single process, DDP, XLA: wrap, sync, clip, state dicts;
-* :mod:`~nbaccel.runtime.compute.precision`, :mod:`~nbaccel.runtime.training.accumulation`,
-  :mod:`~nbaccel.runtime.training.wrappers` -- mixed precision, micro-steps, prepared optimizers;
-* :mod:`~nbaccel.runtime.loading.data`, :mod:`~nbaccel.runtime.loading.sharding` -- prepared dataloaders;
-* :mod:`~nbaccel.runtime.collectives.ops`, :mod:`~nbaccel.runtime.collectives.tree`, :mod:`~nbaccel.runtime.process.rng` --
-  collectives, tensor trees, RNG synchronisation;
-* :mod:`~nbaccel.runtime.saving.checkpointing`, :mod:`~nbaccel.runtime.saving.model_io` -- what a
-  checkpoint holds, written through :mod:`nbaccel.checkpoint`; :mod:`~nbaccel.runtime.saving.hooks`
-  -- save/load pre-hooks;
-* :mod:`~nbaccel.runtime.facade.partial_state` -- ``PartialState`` / ``AcceleratorState``;
-  :mod:`~nbaccel.runtime.loading.dispatch` -- ``dispatch_batches``; :mod:`~nbaccel.runtime.loading.join`,
-  :mod:`~nbaccel.runtime.collectives.triggers`, :mod:`~nbaccel.runtime.compute.dynamo`,
-  :mod:`~nbaccel.runtime.accelerate_utils.compat` -- the rest of the peer's documented API (the facade's
-  thin methods are grouped in ``_process_api`` and ``_collective_api``).
+One folder per concept (each ``__init__`` names its job):
+
+* :mod:`~nbaccel.runtime.facade` -- ``Accelerator`` (and its method groups), ``PartialState``
+  / ``AcceleratorState``, the option objects, the self-check;
+* :mod:`~nbaccel.runtime.strategy` -- how a model trains across processes, one sub-folder per
+  strategy (``ddp``, ``fsdp``, ``deepspeed``, ``xla``; the single process and the interface
+  in ``strategy/base.py``), reached only through that interface;
+* :mod:`~nbaccel.runtime.process` -- the frozen process state and the process group, RNG,
+  all-ranks checks;
+* :mod:`~nbaccel.runtime.loading` -- prepared dataloaders, sharding, ``dispatch_batches``,
+  uneven inputs;
+* :mod:`~nbaccel.runtime.collectives` -- gather/reduce/broadcast on tensor trees, triggers,
+  ``split_between_processes``;
+* :mod:`~nbaccel.runtime.training` -- gradient accumulation, prepared optimizers and
+  schedulers, local SGD;
+* :mod:`~nbaccel.runtime.saving` -- what a checkpoint holds (the files are written by
+  :mod:`nbaccel.checkpoint`, the layer below: directory protocol, weights, DCP);
+* :mod:`~nbaccel.runtime.compute` -- mixed precision, fp8, ``torch.compile``;
+* :mod:`~nbaccel.runtime.accelerate_utils` -- the names ported scripts import from
+  Accelerate's ``utils``.
 
 The runtime never imports :mod:`nbaccel.launch`, :mod:`nbaccel.ui` or :mod:`nbaccel.cli`:
 it talks to a launcher only through :mod:`nbaccel.tracking.events`.
