@@ -261,3 +261,49 @@ def test_strategies_have_no_side_doors(tmp_path: Path) -> None:
     assert len(strategy_door_problems("nbaccel.runtime.facade.x", fake, {module})) == 2
     fake.write_text("def f(acc, engine):\n    acc._models.append(engine)\n")
     assert private_list_problems("x", fake)
+
+
+def runtime_folder_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles between the runtime's folders (``strategy/`` and its sub-folders are one)."""
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        if parts[:2] != ["nbaccel", "runtime"] or len(parts) < 4:
+            return None  # outside the runtime, its door, or a module left at its top
+        return parts[2]
+
+    arrows: dict[str, set[str]] = {}
+    for source, targets in edges.items():
+        if (a := folder(source)) is not None:
+            arrows.setdefault(a, set()).update(
+                b for t in targets if (b := folder(t)) is not None and b != a
+            )
+    cycles, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(arrows.get(node, ())):
+            if nxt in path:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in done:
+                visit(nxt, [*path, nxt])
+        done.add(node)
+
+    for node in sorted(arrows):
+        visit(node, [node])
+    return cycles
+
+
+def test_the_runtime_folders_import_each_other_in_one_direction() -> None:
+    """The folders by concept form layers (the house has floors, no loops): a module that
+    imports 'up' belongs in another folder (scripts/runtime_house.py draws them)."""
+    edges = {name: {t for t, _ in targets} for name, targets in graph().items()}
+    cycles = runtime_folder_cycles(edges)
+    assert not cycles, "runtime folders importing each other:\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
+    # the checker can fail: process/ importing facade/ back (selfcheck once sat in process/)
+    fake = {
+        "nbaccel.runtime.facade.accelerator": {"nbaccel.runtime.process.state"},
+        "nbaccel.runtime.process.selfcheck": {"nbaccel.runtime.facade.accelerator"},
+    }
+    assert runtime_folder_cycles(fake)
