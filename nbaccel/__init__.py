@@ -21,31 +21,31 @@ from ._version import __version__
 
 # public name -> submodule that defines it (one source of truth for lazy loading)
 _EXPORTS: dict[str, str] = {
-    "Accelerator": "runtime.accelerator",
-    "AcceleratorState": "runtime.partial_state",
-    "PartialState": "runtime.partial_state",
-    "GradientAccumulationPlugin": "runtime.options",
-    "find_executable_batch_size": "runtime.compat",
-    "prepare_data_loader": "runtime.compat",
+    "Accelerator": "runtime.facade.accelerator",
+    "AcceleratorState": "runtime.facade.partial_state",
+    "PartialState": "runtime.facade.partial_state",
+    "GradientAccumulationPlugin": "runtime.facade.options",
+    "find_executable_batch_size": "runtime.accelerate_utils.compat",
+    "prepare_data_loader": "runtime.accelerate_utils.compat",
     "notebook_launcher": "launch.launcher",
     "debug_launcher": "launch.launcher",
     "debug": "launch.debugger",
     "LaunchHandle": "launch.launcher",
     "start_workers": "launch.pool",
     "WorkerPool": "launch.pool",
-    "DistributedType": "runtime.state",
-    "ProcessState": "runtime.state",
+    "DistributedType": "runtime.process.state",
+    "ProcessState": "runtime.process.state",
     "LaunchConfig": "config",
-    "AutocastKwargs": "runtime.options",
-    "DataLoaderConfiguration": "runtime.options",
-    "DistributedDataParallelKwargs": "runtime.options",
-    "GradScalerKwargs": "runtime.options",
-    "InitProcessGroupKwargs": "runtime.options",
-    "ProjectConfiguration": "runtime.options",
-    "FullyShardedDataParallelPlugin": "runtime.fsdp_plugin",
-    "set_seed": "runtime.rng",
-    "skip_first_batches": "runtime.data",
-    "load_checkpoint_in_model": "runtime.model_io",
+    "AutocastKwargs": "runtime.facade.options",
+    "DataLoaderConfiguration": "runtime.facade.options",
+    "DistributedDataParallelKwargs": "runtime.facade.options",
+    "GradScalerKwargs": "runtime.facade.options",
+    "InitProcessGroupKwargs": "runtime.facade.options",
+    "ProjectConfiguration": "runtime.facade.options",
+    "FullyShardedDataParallelPlugin": "runtime.strategy.fsdp.fsdp_plugin",
+    "set_seed": "runtime.process.rng",
+    "skip_first_batches": "runtime.loading.data",
+    "load_checkpoint_in_model": "runtime.saving.model_io",
     "tqdm": "tracking.progress",
     "GeneralTracker": "tracking.base",
     "NbaccelError": "errors",
@@ -56,19 +56,19 @@ _EXPORTS: dict[str, str] = {
     "RanksMissingError": "errors",
     "WorkerTimeoutError": "errors",
     # more of Accelerate's top-level names (issue 25)
-    "DDPCommunicationHookType": "runtime.comm_hooks",
-    "ProfileKwargs": "runtime.options",
-    "synchronize_rng_states": "runtime.rng",
-    "init_empty_weights": "runtime.not_applicable",
-    "init_on_device": "runtime.not_applicable",
-    "DeepSpeedPlugin": "runtime.deepspeed_plugin",
-    "dispatch_model": "runtime.not_applicable",
-    "infer_auto_device_map": "runtime.not_applicable",
-    "load_checkpoint_and_dispatch": "runtime.not_applicable",
-    "cpu_offload": "runtime.not_applicable",
-    "cpu_offload_with_hook": "runtime.not_applicable",
-    "disk_offload": "runtime.not_applicable",
-    "prepare_pippy": "runtime.not_applicable",
+    "DDPCommunicationHookType": "runtime.strategy.ddp.comm_hooks",
+    "ProfileKwargs": "runtime.facade.options",
+    "synchronize_rng_states": "runtime.process.rng",
+    "init_empty_weights": "runtime.accelerate_utils.not_applicable",
+    "init_on_device": "runtime.accelerate_utils.not_applicable",
+    "DeepSpeedPlugin": "runtime.strategy.deepspeed.deepspeed_plugin",
+    "dispatch_model": "runtime.accelerate_utils.not_applicable",
+    "infer_auto_device_map": "runtime.accelerate_utils.not_applicable",
+    "load_checkpoint_and_dispatch": "runtime.accelerate_utils.not_applicable",
+    "cpu_offload": "runtime.accelerate_utils.not_applicable",
+    "cpu_offload_with_hook": "runtime.accelerate_utils.not_applicable",
+    "disk_offload": "runtime.accelerate_utils.not_applicable",
+    "prepare_pippy": "runtime.accelerate_utils.not_applicable",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__", "load_ipython_extension"]
@@ -87,27 +87,31 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .launch.launcher import notebook_launcher as notebook_launcher
     from .launch.pool import WorkerPool as WorkerPool
     from .launch.pool import start_workers as start_workers
-    from .runtime.accelerator import Accelerator as Accelerator
-    from .runtime.compat import find_executable_batch_size as find_executable_batch_size
-    from .runtime.compat import prepare_data_loader as prepare_data_loader
-    from .runtime.data import skip_first_batches as skip_first_batches
-    from .runtime.deepspeed_plugin import DeepSpeedPlugin as DeepSpeedPlugin
-    from .runtime.fsdp_plugin import (
+    from .runtime.accelerate_utils.compat import (
+        find_executable_batch_size as find_executable_batch_size,
+    )
+    from .runtime.accelerate_utils.compat import prepare_data_loader as prepare_data_loader
+    from .runtime.facade.accelerator import Accelerator as Accelerator
+    from .runtime.facade.options import AutocastKwargs as AutocastKwargs
+    from .runtime.facade.options import DataLoaderConfiguration as DataLoaderConfiguration
+    from .runtime.facade.options import (
+        DistributedDataParallelKwargs as DistributedDataParallelKwargs,
+    )
+    from .runtime.facade.options import GradientAccumulationPlugin as GradientAccumulationPlugin
+    from .runtime.facade.options import GradScalerKwargs as GradScalerKwargs
+    from .runtime.facade.options import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from .runtime.facade.options import ProjectConfiguration as ProjectConfiguration
+    from .runtime.facade.partial_state import AcceleratorState as AcceleratorState
+    from .runtime.facade.partial_state import PartialState as PartialState
+    from .runtime.loading.data import skip_first_batches as skip_first_batches
+    from .runtime.process.rng import set_seed as set_seed
+    from .runtime.process.state import DistributedType as DistributedType
+    from .runtime.process.state import ProcessState as ProcessState
+    from .runtime.saving.model_io import load_checkpoint_in_model as load_checkpoint_in_model
+    from .runtime.strategy.deepspeed.deepspeed_plugin import DeepSpeedPlugin as DeepSpeedPlugin
+    from .runtime.strategy.fsdp.fsdp_plugin import (
         FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin,
     )
-    from .runtime.model_io import load_checkpoint_in_model as load_checkpoint_in_model
-    from .runtime.options import AutocastKwargs as AutocastKwargs
-    from .runtime.options import DataLoaderConfiguration as DataLoaderConfiguration
-    from .runtime.options import DistributedDataParallelKwargs as DistributedDataParallelKwargs
-    from .runtime.options import GradientAccumulationPlugin as GradientAccumulationPlugin
-    from .runtime.options import GradScalerKwargs as GradScalerKwargs
-    from .runtime.options import InitProcessGroupKwargs as InitProcessGroupKwargs
-    from .runtime.options import ProjectConfiguration as ProjectConfiguration
-    from .runtime.partial_state import AcceleratorState as AcceleratorState
-    from .runtime.partial_state import PartialState as PartialState
-    from .runtime.rng import set_seed as set_seed
-    from .runtime.state import DistributedType as DistributedType
-    from .runtime.state import ProcessState as ProcessState
     from .tracking.base import GeneralTracker as GeneralTracker
     from .tracking.progress import tqdm as tqdm
 

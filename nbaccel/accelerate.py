@@ -17,7 +17,7 @@ Example:
     >>> accelerate.__version__ == ACCELERATE_API_VERSION
     True
     >>> accelerate.utils.set_seed.__module__
-    'nbaccel.runtime.rng'
+    'nbaccel.runtime.process.rng'
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Alias of :mod:`nbaccel.runtime.accelerator`, kept so ``import nbaccel.accelerator`` works."""
+"""Alias of :mod:`nbaccel.runtime.facade.accelerator`, kept so ``import nbaccel.accelerator`` works."""
 
-from .runtime.accelerator import Accelerator, DistributedType
+from .runtime.facade.accelerator import Accelerator, DistributedType
 
 __all__ = ["Accelerator", "DistributedType"]

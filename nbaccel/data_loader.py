@@ -3,7 +3,7 @@
 Names only: :func:`prepare_data_loader` (the peer's positional signature),
 :func:`skip_first_batches`, the shard classes and ``SeedableRandomSampler``.
 ``DataLoaderShard`` and ``DataLoaderDispatcher`` are nbaccel's one prepared loader class,
-:class:`~nbaccel.runtime.data.PreparedDataLoader` (``isinstance`` checks work; build
+:class:`~nbaccel.runtime.loading.data.PreparedDataLoader` (``isinstance`` checks work; build
 loaders with ``prepare`` rather than with these constructors).
 
 Example:
@@ -12,10 +12,10 @@ Example:
     [[0, 1], [2, 3]]
 """
 
-from .runtime._loader_parts import SeedableRandomSampler
-from .runtime.compat import prepare_data_loader
-from .runtime.data import PreparedDataLoader, skip_first_batches
-from .runtime.sharding import BatchSamplerShard, IterableDatasetShard
+from .runtime.accelerate_utils.compat import prepare_data_loader
+from .runtime.loading._loader_parts import SeedableRandomSampler
+from .runtime.loading.data import PreparedDataLoader, skip_first_batches
+from .runtime.loading.sharding import BatchSamplerShard, IterableDatasetShard
 
 DataLoaderShard = PreparedDataLoader
 DataLoaderDispatcher = PreparedDataLoader

@@ -7,6 +7,6 @@ Example:
 """
 
 from .launch.launcher import debug_launcher, notebook_launcher
-from .runtime.compat import PrepareForLaunch
+from .runtime.accelerate_utils.compat import PrepareForLaunch
 
 __all__ = ["PrepareForLaunch", "debug_launcher", "notebook_launcher"]

@@ -3,9 +3,9 @@
 Example:
     >>> from nbaccel.local_sgd import LocalSGD
     >>> LocalSGD.__module__
-    'nbaccel.runtime.local_sgd'
+    'nbaccel.runtime.training.local_sgd'
 """
 
-from .runtime.local_sgd import LocalSGD
+from .runtime.training.local_sgd import LocalSGD
 
 __all__ = ["LocalSGD"]

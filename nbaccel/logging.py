@@ -6,6 +6,6 @@ Example:
     'nbaccel.logging'
 """
 
-from .runtime.logging_adapter import MultiProcessAdapter, get_logger
+from .runtime.accelerate_utils.logging_adapter import MultiProcessAdapter, get_logger
 
 __all__ = ["MultiProcessAdapter", "get_logger"]

@@ -1,7 +1,7 @@
 """Process state, at the path scripts know from ``accelerate.state``.
 
-The implementation is :mod:`nbaccel.runtime.state` (the frozen process state) and
-:mod:`nbaccel.runtime.partial_state` (``PartialState``, ``AcceleratorState``); this module
+The implementation is :mod:`nbaccel.runtime.process.state` (the frozen process state) and
+:mod:`nbaccel.runtime.facade.partial_state` (``PartialState``, ``AcceleratorState``); this module
 only re-exports them.
 
 Example:
@@ -10,9 +10,8 @@ Example:
     'MULTI_CPU'
 """
 
-from .runtime.accumulation import GradientState
-from .runtime.partial_state import AcceleratorState, PartialState, is_initialized
-from .runtime.state import (
+from .runtime.facade.partial_state import AcceleratorState, PartialState, is_initialized
+from .runtime.process.state import (
     DistributedType,
     EnvironmentSnapshot,
     ProcessState,
@@ -21,6 +20,7 @@ from .runtime.state import (
     read_environment,
     reset_state,
 )
+from .runtime.training.accumulation import GradientState
 
 __all__ = [
     "AcceleratorState",

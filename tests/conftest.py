@@ -134,7 +134,7 @@ def _forget_accelerator_state():
     modules, so every module starts without another's state.
     """
     yield
-    state = sys.modules.get("nbaccel.runtime.state")
+    state = sys.modules.get("nbaccel.runtime.process.state")
     if state is not None:
         state.reset_state()
 

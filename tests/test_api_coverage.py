@@ -219,7 +219,7 @@ def _forget_the_accelerator():
     """Later tests launch processes from this one: leave no Accelerator state behind."""
     yield
     instances.cache_clear()
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
 

@@ -173,7 +173,7 @@ def test_each_module_has_one_job_named_in_its_docstring(tmp_path: Path) -> None:
     grew into several jobs. Split along a concept, never to pass a number."""
     problems = [p for name, path in modules().items() for p in one_job_problems(name, path)]
     assert not problems, "modules that do not show one job:\n" + "\n".join(problems)
-    facade = len((PACKAGE / "runtime" / "accelerator.py").read_text().splitlines())
+    facade = len((PACKAGE / "runtime" / "facade" / "accelerator.py").read_text().splitlines())
     assert facade < 600, f"the Accelerator facade has {facade} lines; delegate to runtime modules"
     # the checker can fail: no docstring, a summary that lists jobs, a file past the ceiling
     bad = tmp_path / "bad.py"
@@ -183,7 +183,7 @@ def test_each_module_has_one_job_named_in_its_docstring(tmp_path: Path) -> None:
 
 
 def test_facade_has_no_distributed_type_ladder() -> None:
-    tree = ast.parse((PACKAGE / "runtime" / "accelerator.py").read_text())
+    tree = ast.parse((PACKAGE / "runtime" / "facade" / "accelerator.py").read_text())
     comparisons = [
         node.lineno
         for node in ast.walk(tree)
@@ -201,3 +201,109 @@ def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
     found = set(imports_of("nbaccel.runtime.x", fake, {"nbaccel.launch.launcher"}))
     assert ("nbaccel.launch.launcher", 2) in found
     assert layer("nbaccel.launch.launcher") not in ALLOWED["runtime"]
+
+
+def strategy_door_problems(name: str, path: Path, known: set[str]) -> list[str]:
+    """Side doors into the strategies from ``name`` (a runtime module outside strategy/):
+    a ``getattr`` probe on a strategy, or an import of one strategy's own modules (only
+    the ``nbaccel.runtime.strategy`` package, the interface, may be imported)."""
+    problems = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in {"getattr", "hasattr"}
+            and node.args
+            and "strategy" in ast.unparse(node.args[0])
+        ):
+            problems.append(f"{name}:{node.lineno} probes a strategy: {ast.unparse(node)}")
+    for target, line in imports_of(name, path, known):
+        if target.startswith("nbaccel.runtime.strategy."):
+            problems.append(
+                f"{name}:{line} imports {target}: use the interface in runtime.strategy"
+            )
+    return problems
+
+
+def private_list_problems(name: str, path: Path) -> list[str]:
+    """Where a strategy module touches another object's ``_models``/``_optimizers``/
+    ``_schedulers`` (the Accelerator's lists: a strategy hands back what it made)."""
+    return [
+        f"{name}:{node.lineno} touches {ast.unparse(node)}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Attribute)
+        and node.attr in {"_models", "_optimizers", "_schedulers"}
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+
+
+def test_strategies_have_no_side_doors(tmp_path: Path) -> None:
+    """The facade (and every runtime module outside ``strategy/``) reaches a strategy only
+    through its interface: no getattr probes, no import of one strategy's modules; and a
+    strategy never writes the Accelerator's private lists."""
+    found = modules()
+    known = set(found)
+    problems = []
+    for name, path in found.items():
+        if name.startswith("nbaccel.runtime.strategy"):
+            problems += private_list_problems(name, path)
+        elif name.startswith("nbaccel.runtime."):
+            problems += strategy_door_problems(name, path, known)
+    assert not problems, "side doors into the strategies:\n" + "\n".join(problems)
+    # the checkers can fail: each side door the issue found is seen
+    fake = tmp_path / "nbaccel" / "runtime" / "facade" / "x.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(
+        "from ..strategy.deepspeed._deepspeed_prepare import prepare_deepspeed\n"
+        "def f(self):\n    return getattr(self.strategy, 'prepares_together', False)\n"
+    )
+    module = "nbaccel.runtime.strategy.deepspeed._deepspeed_prepare"
+    assert len(strategy_door_problems("nbaccel.runtime.facade.x", fake, {module})) == 2
+    fake.write_text("def f(acc, engine):\n    acc._models.append(engine)\n")
+    assert private_list_problems("x", fake)
+
+
+def runtime_folder_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles between the runtime's folders (``strategy/`` and its sub-folders are one)."""
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        if parts[:2] != ["nbaccel", "runtime"] or len(parts) < 4:
+            return None  # outside the runtime, its door, or a module left at its top
+        return parts[2]
+
+    arrows: dict[str, set[str]] = {}
+    for source, targets in edges.items():
+        if (a := folder(source)) is not None:
+            arrows.setdefault(a, set()).update(
+                b for t in targets if (b := folder(t)) is not None and b != a
+            )
+    cycles, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(arrows.get(node, ())):
+            if nxt in path:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in done:
+                visit(nxt, [*path, nxt])
+        done.add(node)
+
+    for node in sorted(arrows):
+        visit(node, [node])
+    return cycles
+
+
+def test_the_runtime_folders_import_each_other_in_one_direction() -> None:
+    """The folders by concept form layers (the house has floors, no loops): a module that
+    imports 'up' belongs in another folder (scripts/runtime_house.py draws them)."""
+    edges = {name: {t for t, _ in targets} for name, targets in graph().items()}
+    cycles = runtime_folder_cycles(edges)
+    assert not cycles, "runtime folders importing each other:\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
+    # the checker can fail: process/ importing facade/ back (selfcheck once sat in process/)
+    fake = {
+        "nbaccel.runtime.facade.accelerator": {"nbaccel.runtime.process.state"},
+        "nbaccel.runtime.process.selfcheck": {"nbaccel.runtime.facade.accelerator"},
+    }
+    assert runtime_folder_cycles(fake)

@@ -58,7 +58,7 @@ def test_import_runtime_modules_initialises_no_cuda_thread_or_logging():
     result = _probe(
         "import nbaccel\n"
         "from nbaccel import Accelerator, DistributedType, ProcessState, set_seed\n"
-        "import nbaccel.runtime.data, nbaccel.runtime.ops, nbaccel.runtime.wrappers, nbaccel.runtime.accumulation, nbaccel.runtime.rng"
+        "import nbaccel.runtime.loading.data, nbaccel.runtime.collectives.ops, nbaccel.runtime.training.wrappers, nbaccel.runtime.training.accumulation, nbaccel.runtime.process.rng"
     )
     assert result["torch_imported"] is True
     assert result["cuda_initialized"] is False

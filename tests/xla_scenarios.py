@@ -18,7 +18,7 @@ from typing import Any
 import nbaccel
 import nbaccel.accelerator
 import nbaccel.launcher
-import nbaccel.runtime.state
+import nbaccel.runtime.process.state
 
 IMPORTED_TORCH_XLA = "torch_xla" in sys.modules  # importing nbaccel must not import it
 
@@ -91,7 +91,7 @@ def launched(num_processes: int | None) -> dict[str, Any]:
         "weight_device": weight.device.type,
         "weight": weight.tolist(),
         "environ_restored": dict(os.environ) == before,
-        "state_left_behind": nbaccel.runtime.state.current_state() is not None,
+        "state_left_behind": nbaccel.runtime.process.state.current_state() is not None,
         "launcher_pid": os.getpid(),
     }
 
@@ -164,7 +164,7 @@ def colab_refuses_8() -> dict[str, Any]:
 def main(path: str) -> None:
     import torch_xla
 
-    from nbaccel.platform import xla
+    from nbaccel.platform import tpu
 
     out: dict[str, Any] = {
         "imported_torch_xla_at_import": IMPORTED_TORCH_XLA,
@@ -172,12 +172,13 @@ def main(path: str) -> None:
     }
     steps = [
         ("colab_8", colab_refuses_8),  # refused before the runtime or a worker starts
+        ("cpu_2", lambda: expect_error(train, args=(1,), num_processes=2)),  # 1 CPU device
         ("spawned", lambda: launched(None)),  # a worker of the engine, set up by the backend
-        ("runtime_after_spawn", xla.runtime_initialized),
+        ("runtime_after_spawn", tpu.runtime_initialized),
         ("failure", lambda: expect_error(fail, args=(7,), num_processes=None)),
         ("one_worker", lambda: launched(1)),  # one process: a worker too, never the kernel
         ("engine", background_pool_and_debug),
-        ("runtime_after_workers", xla.runtime_initialized),
+        ("runtime_after_workers", tpu.runtime_initialized),
         ("runtime_started_here", start_the_runtime_here),
         ("refused", lambda: expect_error(train, args=(1,), num_processes=None)),
     ]

@@ -3,5 +3,5 @@
 * :mod:`~nbaccel.checkpoint.directory` -- temporary name, fsync, manifest, rename, pruning;
 * :mod:`~nbaccel.checkpoint.weights` -- safetensors/torch files, shards plus index, tied weights.
 
-What goes into a checkpoint is decided by :mod:`nbaccel.runtime.checkpointing`.
+What goes into a checkpoint is decided by :mod:`nbaccel.runtime.saving.checkpointing`.
 """

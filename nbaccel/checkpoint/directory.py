@@ -3,7 +3,7 @@
 Also the two collectives checkpointing needs (agree on a value, exchange success
 flags) and a weights-only-safe encoding of state dicts that contain numpy arrays
 (numpy RNG states), so every file loads with ``torch.load(weights_only=True)``.
-Used by :mod:`nbaccel.runtime.checkpointing`; nothing here is public API.
+Used by :mod:`nbaccel.runtime.saving.checkpointing`; nothing here is public API.
 """
 
 from __future__ import annotations

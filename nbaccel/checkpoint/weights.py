@@ -1,6 +1,6 @@
 """Reading and writing model weights: safetensors, shards, tied weights, safe torch.load.
 
-The functions here know nothing about processes; :mod:`nbaccel.runtime.checkpointing` decides
+The functions here know nothing about processes; :mod:`nbaccel.runtime.saving.checkpointing` decides
 who writes. Loading never runs pickled code unless the caller opts in with
 ``weights_only=False``.
 

@@ -26,7 +26,7 @@ examples:
 """
 
 # the workload is runtime code; it runs as a script under the launcher
-_SELF_CHECK = Path(__file__).resolve().parents[1] / "runtime" / "selfcheck.py"
+_SELF_CHECK = Path(__file__).resolve().parents[1] / "runtime" / "facade" / "selfcheck.py"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

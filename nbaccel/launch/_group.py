@@ -58,7 +58,7 @@ def _preload() -> None:
     imports above, then the OpenMP pool released (a child would hang in its first
     multi-threaded op). No CUDA, no threads; a failure is left for the worker to report."""
     with contextlib.suppress(Exception):
-        from ..runtime import accelerator  # noqa: F401
+        from ..runtime.facade import accelerator  # noqa: F401
     with contextlib.suppress(Exception):  # a cache every worker's Accelerator() reads
         field_kind("mixed_precision")
     torch = sys.modules.get("torch")

@@ -38,13 +38,13 @@ from ._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
 
 
 def check_no_state_in_kernel() -> None:
-    state = sys.modules.get("nbaccel.runtime.state")
+    state = sys.modules.get("nbaccel.runtime.process.state")
     if state is not None and state.current_state() is not None:
         raise ConfigError(
             "an Accelerator was already created in this kernel, so it cannot launch several "
             "processes: its process state would be copied into every worker. Create the "
             "Accelerator inside the training function; restart the kernel (or call "
-            "nbaccel.runtime.state.reset_state()) and launch again."
+            "nbaccel.runtime.process.state.reset_state()) and launch again."
         )
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
@@ -325,7 +325,7 @@ def _tpu_processes(cfg: LaunchConfig) -> int:
 def _check_deepspeed(cfg: LaunchConfig, args: tuple[Any, ...]) -> None:
     """DeepSpeed asked for (strategy, or a plugin among the arguments) but not installed:
     one error naming the install command, in the kernel, before any worker starts."""
-    from ..runtime.deepspeed_plugin import DeepSpeedPlugin, require_deepspeed
+    from ..runtime.strategy.deepspeed.deepspeed_plugin import DeepSpeedPlugin, require_deepspeed
 
     if cfg.strategy == "deepspeed" or any(isinstance(a, DeepSpeedPlugin) for a in args):
         require_deepspeed("strategy='deepspeed' (or a DeepSpeedPlugin)")

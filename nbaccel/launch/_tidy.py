@@ -305,7 +305,7 @@ def trim_stack(stack: str) -> str:
     Example:
         >>> text = (
         ...     '  File "/home/me/train.py", line 3, in train\n    barrier()\n'
-        ...     f'  File "{_PACKAGE}/runtime/ops.py", line 9, in barrier\n    dist.barrier()\n'
+        ...     f'  File "{_PACKAGE}/runtime/collectives/ops.py", line 9, in barrier\n    dist.barrier()\n'
         ...     "  (waiting in torch.distributed.barrier)"
         ... )
         >>> print(trim_stack(text))

@@ -118,7 +118,7 @@ def _setup(spec: WorkerSpec, channel: Channel) -> None:
     with contextlib.suppress(Exception):  # never fail a launch over a progress bar
         progress.use_text_bars_in_worker()  # tqdm.auto bars: text on rank 0, into the cell
     os.register_at_fork(after_in_child=functools.partial(_forget_channel, channel.fileno()))
-    if (state := sys.modules.get("nbaccel.runtime.state")) is not None:
+    if (state := sys.modules.get("nbaccel.runtime.process.state")) is not None:
         state.reset_state()  # never the kernel's inherited process state
     threading.Thread(target=_read, args=(channel, spec.rank), daemon=True).start()
 

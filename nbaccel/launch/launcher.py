@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import LaunchConfig, install_launch_config, installed_launch_config
 from ..config.choices import PrecisionType, RdzvBackendType
-from ..config.keywords import LaunchKeywords, documented, split
+from ..config.keywords import LaunchKeywords, documented, named_arguments, split
 from ..config.options import START
 from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from ..platform import environment
@@ -104,21 +104,7 @@ def notebook_launcher(
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
     __tracebackhide__ = True  # IPython shows the user's cell, then the error: not this frame
-    accelerate = dict(
-        num_processes=num_processes,
-        mixed_precision=mixed_precision,
-        use_port=use_port,
-        master_addr=master_addr,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_conf=rdzv_conf,
-        rdzv_id=rdzv_id,
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        log_line_prefix_template=log_line_prefix_template,
-    )
+    accelerate = named_arguments(notebook_launcher, locals())  # Accelerate's, by the signature
     settings, start, call = split(accelerate, options, LaunchKeywords, "notebook_launcher()")
     return launch(plan_launch(function, args, settings, start, call))
 
@@ -288,7 +274,7 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
     facts = EnvironmentSnapshot(
         use_cpu=cfg.compute_device == "cpu", timeout=cfg.timeout, debug=cfg.debug
     )
-    state = sys.modules.get("nbaccel.runtime.state")
+    state = sys.modules.get("nbaccel.runtime.process.state")
     had_state = state is not None and state.current_state() is not None
     saved = installed_launch_config(), installed_process_facts()
     install_launch_config(cfg)  # this process's launch state for the length of the run
@@ -299,7 +285,7 @@ def _run_in_kernel(plan: LaunchPlan) -> Any:
     finally:
         install_launch_config(saved[0])
         install_process_facts(saved[1])
-        state = sys.modules.get("nbaccel.runtime.state")
+        state = sys.modules.get("nbaccel.runtime.process.state")
         if state is not None and not had_state:
             state.reset_state()  # leave the kernel as found: no Accelerator state behind
     return [value] if plan.call.return_all_ranks else value

@@ -26,7 +26,7 @@ from collections.abc import Container
 from typing import Any
 
 from .hosts import tpu_devices
-from .xla import tpu_present, xla_requested
+from .tpu import tpu_present, xla_requested
 
 # Environment variables that indicate a TPU host (Colab, Kaggle, Cloud TPU VMs).
 

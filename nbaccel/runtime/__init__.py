@@ -1,21 +1,25 @@
 """What runs inside the training function, on every rank: the ``Accelerator`` and its parts.
 
-* :mod:`~nbaccel.runtime.accelerator` -- the facade; it delegates to the modules below;
-* :mod:`~nbaccel.runtime.state` -- the frozen process state and the process group;
-* :mod:`~nbaccel.runtime.strategy` -- single process, DDP, XLA: wrap, sync, clip, state dicts;
-* :mod:`~nbaccel.runtime.precision`, :mod:`~nbaccel.runtime.accumulation`,
-  :mod:`~nbaccel.runtime.wrappers` -- mixed precision, micro-steps, prepared optimizers;
-* :mod:`~nbaccel.runtime.data`, :mod:`~nbaccel.runtime.sharding` -- prepared dataloaders;
-* :mod:`~nbaccel.runtime.ops`, :mod:`~nbaccel.runtime.tree`, :mod:`~nbaccel.runtime.rng` --
-  collectives, tensor trees, RNG synchronisation;
-* :mod:`~nbaccel.runtime.checkpointing`, :mod:`~nbaccel.runtime.model_io` -- what a
-  checkpoint holds, written through :mod:`nbaccel.checkpoint`; :mod:`~nbaccel.runtime.hooks`
-  -- save/load pre-hooks;
-* :mod:`~nbaccel.runtime.partial_state` -- ``PartialState`` / ``AcceleratorState``;
-  :mod:`~nbaccel.runtime.dispatch` -- ``dispatch_batches``; :mod:`~nbaccel.runtime.join`,
-  :mod:`~nbaccel.runtime.triggers`, :mod:`~nbaccel.runtime.dynamo`,
-  :mod:`~nbaccel.runtime.compat` -- the rest of the peer's documented API (the facade's
-  thin methods are grouped in ``_process_api`` and ``_collective_api``).
+One folder per concept (each ``__init__`` names its job):
+
+* :mod:`~nbaccel.runtime.facade` -- ``Accelerator`` (and its method groups), ``PartialState``
+  / ``AcceleratorState``, the option objects, the self-check;
+* :mod:`~nbaccel.runtime.strategy` -- how a model trains across processes, one sub-folder per
+  strategy (``ddp``, ``fsdp``, ``deepspeed``, ``xla``; the single process and the interface
+  in ``strategy/base.py``), reached only through that interface;
+* :mod:`~nbaccel.runtime.process` -- the frozen process state and the process group, RNG,
+  all-ranks checks;
+* :mod:`~nbaccel.runtime.loading` -- prepared dataloaders, sharding, ``dispatch_batches``,
+  uneven inputs;
+* :mod:`~nbaccel.runtime.collectives` -- gather/reduce/broadcast on tensor trees, triggers,
+  ``split_between_processes``;
+* :mod:`~nbaccel.runtime.training` -- gradient accumulation, prepared optimizers and
+  schedulers, local SGD;
+* :mod:`~nbaccel.runtime.saving` -- what a checkpoint holds (the files are written by
+  :mod:`nbaccel.checkpoint`, the layer below: directory protocol, weights, DCP);
+* :mod:`~nbaccel.runtime.compute` -- mixed precision, fp8, ``torch.compile``;
+* :mod:`~nbaccel.runtime.accelerate_utils` -- the names ported scripts import from
+  Accelerate's ``utils``.
 
 The runtime never imports :mod:`nbaccel.launch`, :mod:`nbaccel.ui` or :mod:`nbaccel.cli`:
 it talks to a launcher only through :mod:`nbaccel.tracking.events`.

@@ -21,15 +21,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from nbaccel.errors import ConfigError, WorkerError
 from nbaccel.launch.testing import run_on_workers
-from nbaccel.runtime.checkpointing import MANIFEST
-from nbaccel.runtime.options import ProjectConfiguration
+from nbaccel.runtime.facade.options import ProjectConfiguration
+from nbaccel.runtime.saving.checkpointing import MANIFEST
 
 pytestmark = pytest.mark.integration
 
 
 def _accelerator(**kwargs):
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     return Accelerator(cpu=True, **kwargs)
@@ -79,7 +79,7 @@ def _weights(acc, model):
 
 
 def _stateful():
-    from nbaccel.runtime.options import DataLoaderConfiguration
+    from nbaccel.runtime.facade.options import DataLoaderConfiguration
 
     # load_state restores the position inside the epoch only when asked (Accelerate's rule)
     return DataLoaderConfiguration(use_stateful_dataloader=True)
@@ -196,7 +196,7 @@ def _save_and_get_killed(root, ready):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
     torch.set_num_threads(1)  # a fresh OpenMP pool, as run_on_workers does
-    import nbaccel.runtime._checkpoint_write as checkpoint
+    import nbaccel.runtime.saving._checkpoint_write as checkpoint
 
     acc, model, optimizer, scheduler, loader = _build(0, project_config=_auto(root))
     batches = _stream(loader)
@@ -219,7 +219,7 @@ def _save_and_get_killed(root, ready):
 
 
 def _after_kill_worker(root, leftover):
-    from nbaccel.runtime.checkpointing import CheckpointError
+    from nbaccel.runtime.saving.checkpointing import CheckpointError
 
     acc, *_ = _build(0, project_config=_auto(root))
     loaded = Path(acc.load_state()).name
@@ -319,7 +319,7 @@ def test_total_limit_zero_is_rejected():
 
 
 def _bad_inputs_worker(root):
-    from nbaccel.runtime.checkpointing import CheckpointError
+    from nbaccel.runtime.saving.checkpointing import CheckpointError
 
     acc, *_ = _build(0)
     errors = {}
@@ -366,7 +366,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
 
 
 def _unsafe_worker(root):
-    from nbaccel.runtime.checkpointing import CheckpointError
+    from nbaccel.runtime.saving.checkpointing import CheckpointError
 
     acc = _accelerator()
     acc.register_for_checkpointing(Pickles())

@@ -11,7 +11,7 @@ import torch
 from nbaccel import load_checkpoint_in_model
 from nbaccel.checkpoint.weights import CheckpointError, parse_size, read_weights, save_model_files
 from nbaccel.errors import ConfigError
-from nbaccel.runtime.checkpointing import MANIFEST, latest_checkpoint, read_manifest
+from nbaccel.runtime.saving.checkpointing import MANIFEST, latest_checkpoint, read_manifest
 
 
 class Tied(torch.nn.Module):

@@ -16,7 +16,7 @@ from nbaccel.checkpoint import durable, weights
 from nbaccel.checkpoint.directory import latest_checkpoint, prune, read_manifest
 from nbaccel.checkpoint.weights import CheckpointError, read_weights, save_model_files
 from nbaccel.launch.testing import run_on_workers
-from nbaccel.runtime.checkpointing import MANIFEST
+from nbaccel.runtime.saving.checkpointing import MANIFEST
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -177,7 +177,7 @@ def test_exchange_swaps_directories_atomically(tmp_path):
 
 def _separate_nodes_worker(root):
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     rank = os.environ["RANK"]
     # one process per "node", each with its own disk: a directory of its own (the launcher

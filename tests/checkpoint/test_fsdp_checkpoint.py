@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from nbaccel.errors import WorkerError
 from nbaccel.launch.testing import run_on_workers
-from nbaccel.runtime.checkpointing import MANIFEST
-from nbaccel.runtime.options import ProjectConfiguration
+from nbaccel.runtime.facade.options import ProjectConfiguration
+from nbaccel.runtime.saving.checkpointing import MANIFEST
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def _plugin(state_dict_type="SHARDED_STATE_DICT", **kwargs):
 def _build(seed, state_dict_type="SHARDED_STATE_DICT", fsdp=True, **kwargs):
     """A fresh FSDP Accelerator with a dropout model, AdamW, a scheduler, a shuffled loader."""
     from nbaccel import Accelerator, DataLoaderConfiguration
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     # the tests resume mid-epoch without skipping: the stateful loader restores the position
@@ -118,7 +118,7 @@ def test_save_load_continue_equals_uninterrupted(tmp_path, state_dict_type):
 
 
 def _killed_save_worker(root):
-    import nbaccel.runtime.sharded_state as sharded_state
+    import nbaccel.runtime.saving.sharded_state as sharded_state
 
     config = ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True)
     acc, model, optimizer, scheduler, loader = _build(0, project_config=config)
@@ -233,7 +233,7 @@ def _kib(field):
 
 def _meta_worker(folder):
     from nbaccel import Accelerator, load_checkpoint_in_model
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(fsdp_plugin=_plugin(min_num_params=_WIDTH * _WIDTH))
@@ -273,7 +273,7 @@ def test_a_meta_model_loads_shard_by_shard_below_the_full_size_and_trains(tmp_pa
 
 def _ram_efficient_worker():
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     plugin = _plugin(cpu_ram_efficient_loading=True)

@@ -32,7 +32,7 @@ INTERRUPT_AT = 8  # 48 samples, batch 4, 2 ranks: 6 steps per epoch; step 8 is m
 
 def _build(seed, stateful):
     from nbaccel import Accelerator, DataLoaderConfiguration
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from nbaccel.errors import WorkerError
 from nbaccel.launch.testing import run_on_workers
-from nbaccel.runtime.checkpointing import MANIFEST
+from nbaccel.runtime.saving.checkpointing import MANIFEST
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ SHORT = {"NBACCEL_TIMEOUT": "20"}
 
 def _build(seed=0, **kwargs):
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(cpu=True, **kwargs)
@@ -205,7 +205,7 @@ def _own_directory_worker():
     import tempfile
 
     from nbaccel import Accelerator, DataLoaderConfiguration
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(cpu=True)
@@ -243,7 +243,7 @@ def _busy_until(flag, limit=60.0):
 
 def _fsdp_main_only_worker(root):
     from nbaccel import Accelerator, FullyShardedDataParallelPlugin
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(auto_wrap_policy="no_wrap"))
@@ -276,7 +276,7 @@ def test_fsdp_save_state_on_the_main_process_alone_names_the_missing_rank(tmp_pa
 
 def _barrier_main_only_worker(root):
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(cpu=True)

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch._dynamo
 
-import nbaccel.runtime.accelerator  # noqa: F401  (likewise: forked children inherit it)
+import nbaccel.runtime.facade.accelerator  # noqa: F401  (likewise: forked children inherit it)
 from nbaccel.launch.testing import run_on_workers
 from nbaccel.platform.forksafe import release_openmp_threads
 
@@ -48,8 +48,8 @@ class Counter:
 
 def _build(root: str, total_limit: int | None = 2):
     from nbaccel import Accelerator
-    from nbaccel.runtime.options import ProjectConfiguration
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.facade.options import ProjectConfiguration
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     config = ProjectConfiguration(

@@ -444,7 +444,7 @@ def test_mixed_precision_reaches_the_accelerator_and_kernel_is_left_as_found(ker
 
 # ---------------------------------------------------------------------------- 9
 EXISTING_ACCELERATOR_CELL = """
-import nbaccel.runtime.state
+import nbaccel.runtime.process.state
 
 def worker_pid():
     return os.getpid()
@@ -461,7 +461,7 @@ try:
     existing["forks"] = FORKS[0] - forks_before
 finally:
     del kernel_accelerator
-    nbaccel.runtime.state.reset_state()
+    nbaccel.runtime.process.state.reset_state()
 existing["after_reset"] = notebook_launcher(worker_pid, num_processes=2) != os.getpid()
 """
 

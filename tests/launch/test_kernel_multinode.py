@@ -36,8 +36,8 @@ node_results = notebook_launcher(all_reduce_ranks, num_processes={nproc}, num_no
                                  node_rank={node_rank}, master_addr="127.0.0.1",
                                  use_port={port}, return_all_ranks=True)
 # Even with one process per node the work ran in a worker, not in the kernel itself.
-import nbaccel.runtime.state
-kernel_untouched = [not torch.distributed.is_initialized(), nbaccel.runtime.state.current_state() is None]
+import nbaccel.runtime.process.state
+kernel_untouched = [not torch.distributed.is_initialized(), nbaccel.runtime.process.state.current_state() is None]
 """
 
 LONELY_CELL = """

@@ -169,7 +169,7 @@ def fails_first_time(marker):
 
 def world_size_from_state():
     from nbaccel.config import launch_config
-    from nbaccel.runtime.state import get_state
+    from nbaccel.runtime.process.state import get_state
 
     state = get_state()
     return state.world_size, state.device.type, launch_config().compute_device
@@ -385,7 +385,7 @@ def test_a_call_result_is_not_a_function(no_workers, function):
 
 
 def test_accelerator_already_in_kernel_is_refused(no_workers):
-    from nbaccel.runtime import state
+    from nbaccel.runtime.process import state
 
     state.reset_state()
     state.get_state(cpu=True)

@@ -352,6 +352,23 @@ def spy(function, *args, **kwargs):
     return register(function, *args, **kwargs)
 
 
+import psutil
+
+
+def after_the_hooks():
+    # registered before nbaccel's hook, so it runs after it (LIFO): the hook itself must
+    # have ended every worker by now -- not PR_SET_PDEATHSIG or the closed channel later
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    print("alive after the exit hooks:", alive, flush=True)
+
+
+register(after_the_hooks)
 atexit.register = spy
 from nbaccel import notebook_launcher, start_workers
 
@@ -387,4 +404,5 @@ def test_one_exit_hook_ends_pools_background_runs_and_kept_ranks(tmp_path):
                           timeout=150, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "hooks: ['nbaccel.launch._lifetimes._at_exit']" in proc.stdout, proc.stdout
+    assert "alive after the exit hooks: []" in proc.stdout, proc.stdout  # ended by the hook
     # and no worker outlived the "kernel" (the autouse fixture fails on any left behind)

@@ -1,6 +1,6 @@
 """The torch_xla (TPU) path.
 
-Unit tests of :mod:`nbaccel.platform.xla` and :mod:`nbaccel.runtime.xla` run here, without
+Unit tests of :mod:`nbaccel.platform.tpu`'s answers run here, without
 torch_xla. The tests marked ``xla`` run ``tests/xla_scenarios.py`` with
 ``PJRT_DEVICE=CPU`` in an interpreter that has torch_xla: this one when it does (the
 Kaggle-like stack: torch/torch_xla 2.8, scripts/stacks.env), else the separate ``.xla-venv``
@@ -28,9 +28,8 @@ import pytest
 
 from nbaccel import LaunchConfig, notebook_launcher
 from nbaccel.errors import LaunchError
-from nbaccel.platform import xla
+from nbaccel.platform import tpu
 from nbaccel.platform.tpu.torch_xla_backend import TorchXlaBackend
-from nbaccel.runtime import xla as xla_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 # torch_xla here (a stack), else the .xla-venv of scripts/setup_xla.sh
@@ -59,12 +58,12 @@ def test_xla_requested_reads_the_given_environment(
     monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], expected: bool
 ) -> None:
     monkeypatch.setattr(TorchXlaBackend, "available", lambda self: True)
-    assert xla.xla_requested(environ) is expected
+    assert tpu.xla_requested(environ) is expected
 
 
 def test_nothing_is_requested_without_torch_xla(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TorchXlaBackend, "available", lambda self: False)
-    assert xla.xla_requested({"PJRT_DEVICE": "TPU", "COLAB_TPU_ADDR": "x"}) is False
+    assert tpu.xla_requested({"PJRT_DEVICE": "TPU", "COLAB_TPU_ADDR": "x"}) is False
 
 
 def test_launch_without_torch_xla_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,11 +78,11 @@ def test_helpers_do_nothing_when_torch_xla_is_not_loaded() -> None:
 
     if "torch_xla" in __import__("sys").modules:
         pytest.skip("torch_xla is loaded in this interpreter")
-    assert xla.runtime_initialized() is False
-    xla_runtime.mark_step()  # no-op
-    assert not xla_runtime.is_xla(torch.device("cpu"))
-    assert not xla_runtime.is_xla(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
-    assert xla_runtime.is_xla(torch.device("xla", 0))
+    assert tpu.runtime_initialized() is False
+    tpu.after_step()  # no-op
+    assert tpu.loaded_backend() is None
+    assert tpu.backend_for(torch.device("cpu").type) is None
+    assert tpu.backend_for(torch.device("xla", 0).type) is tpu.backends()[0]
 
 
 # ---------------------------------------------------------------- the real thing, in .xla-venv
@@ -182,6 +181,13 @@ def test_a_launch_after_the_kernel_started_the_runtime_is_refused_clearly(scenar
 
 
 @pytest.mark.xla
+def test_two_processes_on_the_one_xla_cpu_device_are_refused_before_start(scenarios) -> None:
+    # not two ranks that each see num_processes == 1: refused, naming both counts
+    refused = scenarios["cpu_2"]
+    assert "ConfigError" in refused["types"], refused
+    assert "num_processes=2" in refused["message"] and "gives 1 XLA CPU" in refused["message"]
+
+
 def test_colab_v5e_1_refuses_8_processes_naming_the_runtime(scenarios: dict[str, Any]) -> None:
     refused = scenarios["colab_8"]
     assert refused["types"][0] == "ConfigError", refused

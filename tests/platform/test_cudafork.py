@@ -61,6 +61,7 @@ def test_the_cause_is_guessed_from_the_history_when_nbaccel_was_not_watching(mon
         "import torch",
         'x = 1\nmarker = torch.zeros(1, device="cuda")',
         "import torchao",
+        'def later():\n    return torch.ones(1, device="cuda")',  # defined, never called
     ]
     shell = types.SimpleNamespace(user_ns={"In": history})
     monkeypatch.setattr(cudatrace, "_shell", lambda: shell)

@@ -104,7 +104,7 @@ out = {
     "in_kernel": notebook_launcher(plus_one, args=(1,), num_processes=1),
     "started_before_launch": list(STARTED),
 }
-from nbaccel.runtime.state import reset_state
+from nbaccel.runtime.process.state import reset_state
 reset_state()  # the one-process Accelerator above must not block multi-process launches
 errors = {}
 for kwargs in ({}, {"start_method": "fork"}, {"start_method": "spawn"}):

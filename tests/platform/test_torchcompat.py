@@ -64,8 +64,8 @@ def test_destroy_without_a_group_is_a_no_op():
 
 def test_fsdp_on_a_torch_below_its_floor_is_a_clear_error(monkeypatch):
     from nbaccel.errors import ConfigError
-    from nbaccel.runtime.state import get_state, reset_state
-    from nbaccel.runtime.strategy.fsdp import FSDP
+    from nbaccel.runtime.process.state import get_state, reset_state
+    from nbaccel.runtime.strategy.fsdp.fsdp import FSDP
 
     reset_state()
     monkeypatch.setattr(torch, "__version__", "2.8.0+cu128")

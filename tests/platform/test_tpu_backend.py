@@ -21,9 +21,8 @@ import torch
 import nbaccel
 from nbaccel import notebook_launcher, start_workers
 from nbaccel.errors import ConfigError
-from nbaccel.platform import hardware, tpu, xla
+from nbaccel.platform import hardware, tpu
 from nbaccel.platform.tpu.torch_xla_backend import TorchXlaBackend
-from nbaccel.runtime import xla as runtime_xla
 
 COLAB_TPU = {"COLAB_RELEASE_TAG": "release-colab_20251101-060000_RC00",
              "TPU_ACCELERATOR_TYPE": "v5litepod-1"}  # fmt: skip
@@ -116,11 +115,11 @@ def test_torch_xla_is_the_first_backend_and_implements_the_protocol() -> None:
 
 def test_a_registered_backend_is_what_every_layer_uses(fake: FakeTpu, monkeypatch) -> None:
     assert [b.name for b in tpu.backends()][:2] == ["faketpu", "torch_xla"]
-    assert not xla.xla_requested({})
+    assert not tpu.xla_requested({})
     _markers(monkeypatch, KAGGLE_TPU)
-    assert xla.xla_requested() and tpu.active_backend() is fake  # platform
-    assert runtime_xla.xla_device() == torch.device("cpu")  # runtime: the device
-    assert runtime_xla.is_xla(torch.empty(1, device="meta")) is False
+    assert tpu.xla_requested() and tpu.active_backend() is fake  # platform
+    assert tpu.require_backend().device() == torch.device("cpu")  # runtime: the device
+    assert tpu.training_backend() is fake and tpu.backend_for("meta") is None
     assert hardware.tpu_device_count() == 8  # `nbaccel env` and the panel count its devices
     assert hardware.detect_hardware().summary().startswith("8 x TPU (v5e, faketpu 0.1)")
 
@@ -200,6 +199,20 @@ def test_check_process_count_reads_the_markers() -> None:
     assert tpu.check_process_count(None, {}) is None  # unknown: the backend decides
     with pytest.raises(ConfigError, match=r"Kaggle, TPU v5e-8 has 8 TPU device"):
         tpu.check_process_count(16, KAGGLE_TPU)
+
+
+def test_the_xla_cpu_runtime_refuses_more_processes_than_its_devices() -> None:
+    # PJRT_DEVICE=CPU, no TPU markers: 2 processes on 1 CPU device would each see a world
+    # of one (two separate trainings, both rank 0 of 1): refused before start, both counts named
+    cpu = {"PJRT_DEVICE": "CPU"}
+    with pytest.raises(ConfigError, match=r"num_processes=2, but PJRT_DEVICE=CPU gives 1 XLA "
+                       r"CPU device.*CPU_NUM_DEVICES=2"):  # fmt: skip
+        tpu.check_process_count(2, cpu)
+    assert tpu.check_process_count(1, cpu) == 1
+    assert tpu.check_process_count(None, cpu) is None  # one process, as before
+    assert tpu.check_process_count(2, {**cpu, "CPU_NUM_DEVICES": "2"}) == 2
+    with pytest.raises(ConfigError, match=r"num_processes=3, but PJRT_DEVICE=CPU gives 2 XLA"):
+        tpu.check_process_count(3, {**cpu, "CPU_NUM_DEVICES": "2"})
 
 
 @pytest.mark.parametrize(

@@ -283,7 +283,7 @@ def training_loop(mixed_precision: str = "no", seed: int = 42, batch_size: int =
 
 def test_notebook_launcher_example_on_one_and_two_processes():
     from nbaccel import notebook_launcher
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()  # an Accelerator made in this process by an earlier test is not launched
     args = ("no", 42, 8)

@@ -20,7 +20,7 @@ from nbaccel import (
 )
 from nbaccel.errors import ConfigError
 from nbaccel.launch.testing import run_on_workers
-from nbaccel.runtime.state import reset_state
+from nbaccel.runtime.process.state import reset_state
 
 
 @pytest.fixture(autouse=True)

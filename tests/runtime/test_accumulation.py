@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 def _accelerator(**kwargs):
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     return Accelerator(cpu=True, **kwargs)

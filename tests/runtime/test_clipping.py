@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 def _accelerator(**kwargs):
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     return Accelerator(cpu=True, **kwargs)
@@ -49,7 +49,7 @@ def _norm(grads):
 
 
 def _clip_worker(mixed_precision):
-    from nbaccel.runtime.options import GradScalerKwargs
+    from nbaccel.runtime.facade.options import GradScalerKwargs
 
     # a modest loss scale: 65536 would overflow fp16 gradients of this size (norm ~4.6)
     acc = _accelerator(
@@ -89,7 +89,7 @@ def test_clip_grad_norm_returns_the_true_norm_and_clips(num_processes, mixed_pre
 
 
 def _micro_step_worker(clip_every_micro_step):
-    from nbaccel.runtime.options import GradScalerKwargs
+    from nbaccel.runtime.facade.options import GradScalerKwargs
 
     acc = _accelerator(
         mixed_precision="fp16",

@@ -1,4 +1,4 @@
-"""nbaccel.runtime.data: sharding any (batch) sampler, even batches, shuffles, resume; real 2-process runs."""
+"""nbaccel.runtime.loading.data: sharding any (batch) sampler, even batches, shuffles, resume; real 2-process runs."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch.utils.data import (
 
 from nbaccel.errors import ConfigError
 from nbaccel.launch.testing import run_on_workers
-from nbaccel.runtime.data import (
+from nbaccel.runtime.loading.data import (
     BatchSamplerShard,
     IterableDatasetShard,
     prepare_data_loader,
@@ -327,7 +327,7 @@ def _loader_for(n, bs, shuffle, drop_last, kind):
 
 def _shard_everything():
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     out = []

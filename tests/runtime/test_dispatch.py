@@ -1,4 +1,4 @@
-"""nbaccel.runtime.dispatch: concatenating and slicing collated batches (pure, one process)."""
+"""nbaccel.runtime.loading.dispatch: concatenating and slicing collated batches (pure, one process)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from nbaccel.runtime.dispatch import BatchDispatcher, concatenate
+from nbaccel.runtime.loading.dispatch import BatchDispatcher, concatenate
 
 Pair = namedtuple("Pair", ["x", "names"])
 

@@ -30,7 +30,7 @@ def _plugin(**kwargs):
 def _train(fsdp, accumulation=1, precision="no", model_first=True, plugin_kwargs=None):
     """Train 2 epochs; return (full weights on rank 0, steps, type, local numel, norms)."""
     from nbaccel import Accelerator, set_seed
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(
@@ -117,7 +117,7 @@ def test_two_process_fsdp_matches_one_unsharded_process(
 
 def _shard_sizes():
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(fsdp_plugin=_plugin(min_num_params=1000))
@@ -139,7 +139,7 @@ def test_each_rank_holds_half_of_the_parameters():
 
 def _api_under_fsdp():
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(fsdp_plugin=_plugin())
@@ -171,7 +171,7 @@ def test_gather_unwrap_and_free_memory_work_under_fsdp():
 
 def _fp16_overflow_on_one_rank():
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator(mixed_precision="fp16", fsdp_plugin=_plugin())
@@ -194,7 +194,7 @@ def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank():
 
 def _launch_config_picks_fsdp():
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     acc = Accelerator()  # no plugin: NBACCEL_STRATEGY=fsdp (as the launcher sets it) decides
@@ -213,7 +213,7 @@ def test_the_launch_configuration_switches_accelerator_to_fsdp():
 
 def test_fsdp_with_one_process_is_refused():
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     try:
@@ -279,7 +279,7 @@ def _prepare_bad(kind):
     from torch.nn.parallel import DistributedDataParallel
 
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     if kind == "ddp":

@@ -1,4 +1,4 @@
-"""nbaccel.runtime.ops: structure handling in one process, collectives over a real 2-process group."""
+"""nbaccel.runtime.collectives.ops: structure handling in one process, collectives over a real 2-process group."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nbaccel.launch.testing import run_on_workers
-from nbaccel.runtime import ops
-from nbaccel.runtime.state import get_state, reset_state
+from nbaccel.runtime.collectives import ops
+from nbaccel.runtime.process.state import get_state, reset_state
 
 Pair = namedtuple("Pair", ["x", "y"])
 

@@ -19,8 +19,8 @@ from nbaccel.launch.testing import run_on_workers
 def _counting_gathers() -> dict[str, Any]:
     import torch.distributed as dist
 
-    from nbaccel.runtime import ops
-    from nbaccel.runtime.state import get_state, reset_state
+    from nbaccel.runtime.collectives import ops
+    from nbaccel.runtime.process.state import get_state, reset_state
 
     reset_state()
     rank = get_state().rank

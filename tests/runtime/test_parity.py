@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from nbaccel.launch.testing import run_on_workers
-from nbaccel.runtime.state import reset_state
+from nbaccel.runtime.process.state import reset_state
 
 
 def _train(batch_size, split_batches=False, accumulation=1):

@@ -1,4 +1,4 @@
-"""Precision modes: unit tests of nbaccel.runtime.precision, then Accelerator-level training.
+"""Precision modes: unit tests of nbaccel.runtime.compute.precision, then Accelerator-level training.
 
 The Accelerator-level tests run real 1- and 2-process gloo groups on CPU.
 """
@@ -10,7 +10,7 @@ import torch
 import torch._dynamo  # optimizers import it lazily (~3 s): once here, not in every forked worker
 
 from nbaccel.errors import ConfigError
-from nbaccel.runtime.precision import FullPrecision, make_precision
+from nbaccel.runtime.compute.precision import FullPrecision, make_precision
 
 CPU = torch.device("cpu")
 
@@ -148,7 +148,7 @@ def test_fp16_disabled_scaler_steps_plainly():
 
 def _accelerator(**kwargs):
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     return Accelerator(cpu=True, **kwargs)
@@ -196,7 +196,7 @@ def test_bf16_training_step_on_cpu_and_the_loss_decreases(num_processes):
 
 
 def _fp16_overflow_worker():
-    from nbaccel.runtime.options import GradScalerKwargs
+    from nbaccel.runtime.facade.options import GradScalerKwargs
 
     acc = _accelerator(
         mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)]
@@ -287,7 +287,7 @@ def test_accelerator_rejects_unknown_and_unavailable_precisions():
 
 def _two_optimizer_updates(mixed_precision):
     """One GAN-style iteration: one loss, two models with their own optimizers, clipping."""
-    from nbaccel.runtime.options import GradScalerKwargs
+    from nbaccel.runtime.facade.options import GradScalerKwargs
 
     scaler = [GradScalerKwargs(init_scale=1024.0)] if mixed_precision == "fp16" else None
     acc = _accelerator(mixed_precision=mixed_precision, kwargs_handlers=scaler)
@@ -332,7 +332,7 @@ def test_fp16_updates_the_scale_once_after_all_optimizers_stepped():
 
 
 def test_fp8_keeps_the_first_and_last_linear_in_bf16_as_accelerate_does():
-    from nbaccel.runtime.fp8 import fp8_layers
+    from nbaccel.runtime.compute.fp8 import fp8_layers
 
     with torch.device("meta"):  # shapes only
         big, mlp = _fp8_shapes()
@@ -359,7 +359,7 @@ def test_fp8_conversion_takes_ao_recipe_kwargs_filter_and_config(monkeypatch):
     import sys
     import types
 
-    from nbaccel.runtime import fp8
+    from nbaccel.runtime.compute import fp8
     from nbaccel.utils import AORecipeKwargs
 
     seen = {}

@@ -30,7 +30,7 @@ def _busy_until(flag, limit=60.0):
 
 def _gather_main_only_worker(root):
     from nbaccel import Accelerator
-    from nbaccel.runtime.state import reset_state
+    from nbaccel.runtime.process.state import reset_state
 
     reset_state()
     accelerator = Accelerator(cpu=True)

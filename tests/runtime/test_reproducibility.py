@@ -106,7 +106,7 @@ def test_prepared_loader_keeps_the_unprepared_global_order():
 def test_user_generator_order_resumes_from_a_state_dict():
     from torch.utils.data import DataLoader
 
-    from nbaccel.runtime.data import prepare_data_loader
+    from nbaccel.runtime.loading.data import prepare_data_loader
 
     def make(seed):
         data = list(range(12))

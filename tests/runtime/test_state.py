@@ -1,4 +1,4 @@
-"""nbaccel.runtime.state: environment parsing, device/backend choice, the cached process group."""
+"""nbaccel.runtime.process.state: environment parsing, device/backend choice, the cached process group."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from nbaccel.errors import ConfigError, LaunchError
 from nbaccel.launch.testing import find_free_port, run_on_workers
-from nbaccel.runtime.state import (
+from nbaccel.runtime.process.state import (
     DistributedType,
     ProcessState,
     current_state,
@@ -169,7 +169,7 @@ def test_two_processes_form_one_real_gloo_group():
 def _exit_handlers_destroy_the_group() -> tuple[int, bool, bool]:
     import atexit
 
-    from nbaccel.runtime import state
+    from nbaccel.runtime.process import state
 
     reset_state()
     handlers = atexit._ncallbacks()

@@ -12,8 +12,8 @@ import torch
 
 from nbaccel import ConfigError
 from nbaccel.platform.process_env import EnvironmentSnapshot
-from nbaccel.runtime import state
-from nbaccel.runtime.state import DistributedType
+from nbaccel.runtime.process import state
+from nbaccel.runtime.process.state import DistributedType
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ from collections import namedtuple
 import pytest
 import torch
 
-from nbaccel.runtime.accumulation import GradientState, accumulate
-from nbaccel.runtime.tree import send_to_device
-from nbaccel.runtime.wrappers import convert_to_fp32
+from nbaccel.runtime.collectives.tree import send_to_device
+from nbaccel.runtime.training.accumulation import GradientState, accumulate
+from nbaccel.runtime.training.wrappers import convert_to_fp32
 
 Pair = namedtuple("Pair", "x y")
 

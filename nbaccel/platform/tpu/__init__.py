@@ -1,47 +1,216 @@
-"""The TPU backend: one small protocol, one module per implementation, a registry.
+"""The TPU backend: one small protocol, one module per implementation, and which one is used.
 
 * :mod:`.base` -- the :class:`TpuBackend` protocol (detect, count devices, start the
-  processes, the device and world, the collectives' mapping, the after-step hook,
-  save/load) and the TPU host markers;
-* :mod:`.torch_xla_backend` -- torch_xla, the first implementation;
-* :mod:`.registry` -- which backends exist and which one is used here.
+  processes, the device and world, the after-step hook, save/load) and the TPU host markers;
+* :mod:`.torch_xla_backend` -- torch_xla, the implementation today (its successor is a new
+  module here and one :func:`register_backend` call);
+* here -- which backends exist, which one is used, how many processes it allows, and the
+  answers the layers above ask (``xla_requested``, ``process_group_backend``, ``after_step``).
 
-Layers: this package is part of ``platform/`` and imports only ``errors`` and
-``platform``; the layers above call it, each for its part (``runtime``: device, world,
-process group, after-step hook, RNG state; ``checkpoint``: tensor ids; ``launch``:
-start). A second TPU backend is a new module here and one :func:`register_backend` call.
+Backends are tried in registration order; torch_xla is registered first, on first use (no
+import-time side effects). Detection is pure: a backend's package is located, never
+imported, so asking costs nothing and starts no runtime. Layers: this package is part of
+``platform/`` and imports only ``errors`` and ``platform``; ``runtime`` (device, world,
+process group, after-step hook, RNG state), ``checkpoint`` (tensor ids) and ``launch``
+(start) call it, each for its part.
 
 Example:
-    >>> from nbaccel.platform import tpu
-    >>> tpu.backends()[0].name
-    'torch_xla'
+    >>> [b.name for b in backends()]
+    ['torch_xla']
+    >>> active_backend({}) is None, xla_requested({})     # no PJRT_DEVICE, no TPU markers
+    (True, False)
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
+from ...errors import ConfigError, LaunchError
+from ..hosts import detect_host
 from .base import TPU_ENV_MARKERS, TpuBackend, TpuWorld, tpu_present
-from .registry import (
-    active_backend,
-    backend_for,
-    backends,
-    check_process_count,
-    loaded_backend,
-    register_backend,
-    require_backend,
-    unregister_backend,
-)
+
+_BACKENDS: list[TpuBackend] = []
+
+
+def _ensure_builtin() -> None:
+    if not _BACKENDS:
+        from .torch_xla_backend import TorchXlaBackend
+
+        _BACKENDS.append(TorchXlaBackend())
+
+
+def register_backend(backend: TpuBackend, *, first: bool = False) -> None:
+    """Make ``backend`` one of the TPU backends nbaccel tries.
+
+    Args:
+        backend: an object implementing :class:`~nbaccel.platform.tpu.TpuBackend`.
+        first: try it before the ones already registered (e.g. a successor of torch_xla).
+
+    Raises:
+        TypeError: ``backend`` does not implement the protocol.
+    """
+    if not isinstance(backend, TpuBackend):
+        raise TypeError(
+            f"register_backend({backend!r}): not a TpuBackend (see nbaccel.platform.tpu.base)."
+        )
+    _ensure_builtin()
+    _BACKENDS[:] = [b for b in _BACKENDS if b.name != backend.name]
+    _BACKENDS.insert(0 if first else len(_BACKENDS), backend)
+
+
+def unregister_backend(name: str) -> None:
+    """Forget the backend called ``name`` (the built-in one comes back when none is left)."""
+    _BACKENDS[:] = [b for b in _BACKENDS if b.name != name]
+
+
+def backends() -> tuple[TpuBackend, ...]:
+    """The registered backends, in the order they are tried."""
+    _ensure_builtin()
+    return tuple(_BACKENDS)
+
+
+def active_backend(environ: Mapping[str, str] | None = None) -> TpuBackend | None:
+    """The backend training should run on here (installed and requested), or None."""
+    return next((b for b in backends() if b.requested(environ)), None)
+
+
+def loaded_backend() -> TpuBackend | None:
+    """The backend whose runtime is imported in this process (for hooks that must be
+    no-ops otherwise: the after-step hook, RNG state), or None."""
+    return next((b for b in backends() if b.loaded()), None)
+
+
+def backend_for(device_type: str) -> TpuBackend | None:
+    """The backend whose tensors have ``device_type`` (e.g. ``"xla"``), or None."""
+    return next((b for b in backends() if b.device_type == device_type), None)
+
+
+def require_backend(environ: Mapping[str, str] | None = None) -> TpuBackend:
+    """The active backend, or a ``LaunchError`` that says what to install.
+
+    Raises:
+        LaunchError: no backend is installed (or none is requested here).
+    """
+    backend = active_backend(environ)
+    if backend is not None:
+        return backend
+    names = " or ".join(b.package for b in backends())
+    raise LaunchError(
+        f"TPU/XLA launch requested (PJRT_DEVICE or a TPU host) but {names} is not "
+        f"installed: pip install {names} matching your torch version, or unset "
+        "PJRT_DEVICE / pass compute_device='cpu'."
+    )
+
+
+def xla_available() -> bool:
+    """True when a TPU backend's package is installed (located, not imported)."""
+    return any(b.available() for b in backends())
+
+
+def xla_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """True when training should run on a TPU backend: installed and ``PJRT_DEVICE`` set
+    (``CPU`` counts: it is how the XLA path runs without a TPU) or a TPU host.
+
+    Args:
+        environ: mapping to read; ``os.environ`` by default.
+    """
+    return active_backend(environ) is not None
+
+
+def runtime_initialized() -> bool:
+    """True when this process has already started a TPU backend's runtime."""
+    backend = loaded_backend()
+    return backend is not None and backend.runtime_initialized()
+
+
+def training_backend() -> TpuBackend:
+    """In the process that trains: the backend whose runtime is loaded, else the active one
+    (or the ``LaunchError`` of :func:`require_backend`)."""
+    return loaded_backend() or require_backend()
+
+
+def process_group_backend() -> str:
+    """The ``torch.distributed`` backend of the TPU backend in use (``"xla"``: torch_xla's)."""
+    backend = loaded_backend() or active_backend()
+    return backend.process_group_backend if backend is not None else "xla"
+
+
+def after_step() -> None:
+    """Run what the step recorded (lazy tensors); a no-op when no TPU runtime is loaded."""
+    backend = loaded_backend()
+    if backend is not None:
+        backend.after_step()
+
+
+def check_process_count(
+    num_processes: int | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    runtime: str | None = None,
+) -> int | None:
+    """The number of TPU processes to start, checked against the host's devices.
+
+    Args:
+        num_processes: what was asked for (``None``: one per local device).
+        environ: the environment to read markers from (``os.environ`` by default).
+        runtime: how to name the host in the error (default: from its markers, e.g.
+            ``"Google Colab, TPU v5e-1"``).
+
+    Returns:
+        ``num_processes``, or the device count when it is ``None`` and known.
+
+    Raises:
+        ConfigError: a count the backend cannot start here: neither 1 nor one process
+            per device (e.g. 4 or 16 on a v5e-8), before any process starts.
+
+    Example:
+        >>> check_process_count(None, {"TPU_ACCELERATOR_TYPE": "v5litepod-8"})
+        8
+    """
+    backend = active_backend(environ) or backends()[0]
+    devices = backend.device_count(environ)
+    if devices is None:
+        return num_processes
+    env = os.environ if environ is None else environ
+    cpu_runtime = env.get("PJRT_DEVICE", "").strip().upper() == "CPU" and not tpu_present(env)
+    if num_processes is None:
+        return None if cpu_runtime else devices  # the CPU runtime: one process, as always
+    if num_processes not in (1, devices):  # the backend starts 1, or one per device
+        if cpu_runtime:
+            raise ConfigError(
+                f"num_processes={num_processes}, but PJRT_DEVICE=CPU gives {devices} XLA CPU "
+                f"device(s) (CPU_NUM_DEVICES, default 1), and each process needs one of its "
+                f"own: use num_processes={devices} or set CPU_NUM_DEVICES={num_processes} "
+                "(or unset PJRT_DEVICE to train on the CPU without XLA)."
+            )
+        runtime = runtime or detect_host(environ).label
+        other = " or num_processes=1 (in this process)" if devices != 1 else ""
+        raise ConfigError(
+            f"num_processes={num_processes}, but {runtime} has {devices} TPU device(s) and "
+            f"{backend.name} runs one process per device (or one alone): use num_processes="
+            f"{devices} (or None for one per device){other}."
+        )
+    return num_processes
+
 
 __all__ = [
     "TPU_ENV_MARKERS",
     "TpuBackend",
     "TpuWorld",
     "active_backend",
+    "after_step",
     "backend_for",
     "backends",
     "check_process_count",
     "loaded_backend",
+    "process_group_backend",
     "register_backend",
     "require_backend",
+    "runtime_initialized",
     "tpu_present",
+    "training_backend",
     "unregister_backend",
+    "xla_available",
+    "xla_requested",
 ]

@@ -76,7 +76,14 @@ class TorchXlaBackend:
         if "COLAB_TPU_ADDR" in env:
             return 8  # the retired Colab TPU node (v2-8)
         value = env.get("TPU_NUM_DEVICES", "").strip()  # torch_xla's own limit
-        return int(value) if value.isdigit() else None
+        if value.isdigit():
+            return int(value)
+        if env.get("PJRT_DEVICE", "").strip().upper() == "CPU":
+            # the CPU runtime has CPU_NUM_DEVICES devices (torch_xla's default: 1); more
+            # processes than that would each see a world of one: N separate trainings
+            value = env.get("CPU_NUM_DEVICES", "").strip()
+            return int(value) if value.isdigit() and int(value) > 0 else 1
+        return None
 
     # ------------------------------------------------------------------ processes
     def setup_process(self, local_rank: int, local_world_size: int) -> None:

@@ -9,7 +9,7 @@ wraps the model, controls gradient sync, clips, and makes state dicts; the
 facade calls them and never compares distributed types.
 
 Example:
-    >>> from nbaccel.runtime.state import get_state
+    >>> from nbaccel.runtime.process.state import get_state
     >>> select_strategy(get_state(cpu=True)).name
     'single'
 """
@@ -19,14 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import launch_config
-from ..deepspeed_plugin import DeepSpeedPlugin
-from ..fsdp_plugin import FullyShardedDataParallelPlugin
-from ..state import DistributedType, ProcessState
-from .base import SingleProcess
-from .ddp import DDP
-from .deepspeed import DeepSpeed
-from .fsdp import FSDP
-from .xla import XLA
+from ..process.state import DistributedType, ProcessState
+from .base import PrepareContext, Prepared, SingleProcess
+from .ddp.comm_hooks import DDPCommunicationHookType, check_hook_options
+from .ddp.ddp import DDP
+from .deepspeed.deepspeed import DeepSpeed
+from .deepspeed.deepspeed_plugin import DeepSpeedPlugin, check_deepspeed_argument
+from .fsdp.fsdp import FSDP
+from .fsdp.fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
+from .xla.xla import XLA
 
 Strategy = SingleProcess  # the interface every strategy implements
 
@@ -63,4 +64,20 @@ def select_strategy(
     return _BY_TYPE[state.distributed_type](state)
 
 
-__all__ = ["DDP", "FSDP", "XLA", "DeepSpeed", "SingleProcess", "Strategy", "select_strategy"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "XLA",
+    "DDPCommunicationHookType",
+    "DeepSpeed",
+    "DeepSpeedPlugin",
+    "FullyShardedDataParallelPlugin",
+    "PrepareContext",
+    "Prepared",
+    "SingleProcess",
+    "Strategy",
+    "check_deepspeed_argument",
+    "check_fsdp_arguments",
+    "check_hook_options",
+    "select_strategy",
+]

@@ -1,0 +1,1 @@
+"""Collective operations on tensor trees: gather, reduce, broadcast, pad, and the trees they walk."""

@@ -1,0 +1,1 @@
+"""How the model computes: mixed precision, fp8 layers and ``torch.compile``."""

@@ -1,0 +1,1 @@
+"""Data loading: prepared dataloaders, sharding across ranks, dispatching batches, resumable state."""

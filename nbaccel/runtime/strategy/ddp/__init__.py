@@ -1,0 +1,1 @@
+"""DistributedDataParallel: the strategy and its gradient communication hooks."""

@@ -1,0 +1,1 @@
+"""DeepSpeed: the strategy, its plugin, filling its configuration and preparing its engine."""

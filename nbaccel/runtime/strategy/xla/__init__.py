@@ -1,0 +1,1 @@
+"""torch_xla devices: DDP over the ``"xla"`` process-group backend."""

@@ -1,0 +1,1 @@
+"""The training step: gradient accumulation, prepared optimizers/schedulers, uneven inputs, local SGD."""
