@@ -43,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "InitProcessGroupKwargs": "runtime.options",
     "ProjectConfiguration": "runtime.options",
     "FullyShardedDataParallelPlugin": "runtime.fsdp_plugin",
+    "ParallelismConfig": "runtime.parallel.config",
     "set_seed": "runtime.rng",
     "skip_first_batches": "runtime.data",
     "load_checkpoint_in_model": "runtime.model_io",

@@ -76,6 +76,10 @@ _EXPORTS: dict[str, str] = {
     "DeepSpeedPlugin": "runtime.deepspeed_plugin",
     "DummyOptim": "runtime.deepspeed_plugin",
     "DummyScheduler": "runtime.deepspeed_plugin",
+    # ParallelismConfig's handlers
+    "TorchTensorParallelConfig": "runtime.parallel.config",
+    "TorchContextParallelConfig": "runtime.parallel.config",
+    "ParallelismConfig": "runtime.parallel.config",
     # building models without memory
     "init_empty_weights": "runtime.not_applicable",
     "init_on_device": "runtime.not_applicable",

@@ -1,0 +1,100 @@
+"""Tensor parallel on the ``tp`` sub-mesh: apply a user's plan, or check a model that
+transformers already parallelised.
+
+A plain module is parallelised with torch's ``parallelize_module`` and parallel styles
+(``ColwiseParallel``, ``RowwiseParallel``, ...) given as
+``TorchTensorParallelConfig(plan={...})``. A model whose parameters are DTensors already
+(``from_pretrained(tp_plan="auto", device_mesh=...)``, or the user's own
+``parallelize_module`` call) is checked: its tensor-parallel mesh must be this mesh's
+``tp`` dimension, else FSDP would shard across the wrong ranks and training would give
+wrong numbers -- transformers versions that build their own mesh from the world size are
+refused here, before the first step, saying so.
+
+Example:
+    >>> import torch
+    >>> is_tensor_parallel(torch.nn.Linear(2, 2))
+    False
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError
+
+
+def _dtensor_type() -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_tensor_parallel(model: torch.nn.Module) -> bool:
+    """Whether some parameter of ``model`` is a DTensor (parallelised already)."""
+    dtensor = _dtensor_type()
+    return any(isinstance(p, dtensor) for p in model.parameters())
+
+
+def _mesh_ranks(mesh: Any) -> list[int]:
+    return sorted(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def check_tp_mesh(model: torch.nn.Module, tp_mesh: Any) -> None:
+    """Raise unless every DTensor parameter lives on ``tp_mesh`` (the same ranks).
+
+    Raises:
+        ConfigError: a parameter on another mesh (transformers' own, typically).
+    """
+    dtensor = _dtensor_type()
+    want = _mesh_ranks(tp_mesh)
+    for name, param in model.named_parameters():
+        if not isinstance(param, dtensor):
+            continue
+        got = _mesh_ranks(param.device_mesh)
+        if got != want:
+            raise ConfigError(
+                f"tensor parallel: parameter {name!r} is sharded over ranks {got}, but this "
+                f"process's 'tp' mesh is ranks {want}. The model was parallelised on another "
+                "mesh (transformers versions that ignore device_mesh= build their own from the "
+                "world size). Build it with from_pretrained(..., tp_plan='auto', "
+                "device_mesh=accelerator.torch_device_mesh['tp']) where transformers honours "
+                "it, or load it plainly and pass a plan: ParallelismConfig(tp_handler="
+                "TorchTensorParallelConfig(plan={...})), which nbaccel applies on the 'tp' mesh."
+            )
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, plan: Any) -> torch.nn.Module:
+    """Parallelise ``model`` on ``tp_mesh``: check it if it is a DTensor model already,
+    else apply ``plan`` with ``parallelize_module``.
+
+    Raises:
+        ConfigError: no plan for a plain module, or a model on another mesh.
+    """
+    if is_tensor_parallel(model):
+        check_tp_mesh(model, tp_mesh)
+        return model
+    if not plan:
+        raise ConfigError(
+            f"tp_size={tp_mesh.size()} but this {type(model).__name__} is not tensor-parallel "
+            "and no plan was given: pass ParallelismConfig(tp_handler=TorchTensorParallelConfig("
+            "plan={'layer': ColwiseParallel(), ...})) with torch's parallel styles, or build a "
+            "transformers model with from_pretrained(..., tp_plan='auto', device_mesh=...)."
+        )
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if not isinstance(plan, dict):
+        plan = dict(plan)
+    names = {n for n, _ in model.named_modules()}
+    missing = sorted(k for k in plan if "*" not in k and k not in names)
+    if missing:
+        raise ConfigError(
+            f"TorchTensorParallelConfig(plan=...) names {missing}, which this model does not "
+            f"contain; its submodules are {sorted(n for n in names if n)[:20]}."
+        )
+    parallelize_module(model, tp_mesh, plan)
+    return model
+
+
+__all__ = ["apply_tensor_parallel", "check_tp_mesh", "is_tensor_parallel"]
