@@ -38,7 +38,7 @@ _SUBMODULES = {
     "launchers": "launchers",
     "local_sgd": "local_sgd",
     "logging": "logging",
-    "parallelism_config": "runtime.parallel.config",
+    "parallelism_config": "parallelism_config",
     "state": "state",
     "tracking": "tracking",
     "utils": "utils",

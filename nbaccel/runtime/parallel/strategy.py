@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +28,13 @@ from ..fsdp_plugin import FullyShardedDataParallelPlugin
 from ..state import ProcessState
 from ..strategy.fsdp import FSDP, _options
 from .config import ParallelismConfig
-from .tensor_parallel import apply_tensor_parallel, is_tensor_parallel
+from .export import route_save_pretrained
+from .tensor_parallel import (
+    TRANSFORMERS_MESH_WARNING,
+    apply_tensor_parallel,
+    is_tensor_parallel,
+    transformers_builds_its_own_mesh,
+)
 
 
 class MeshParallel(FSDP):
@@ -51,8 +58,17 @@ class MeshParallel(FSDP):
             self.state = dataclasses.replace(self.state, distributed_type=state.distributed_type)
             self.name = "tp"
         self.device_mesh = config.get_device_mesh(state.device.type)
+        tp_with_dp = config.tp_enabled and config.data_parallel_size > 1
+        if tp_with_dp and state.is_main_process and transformers_builds_its_own_mesh():
+            warnings.warn(TRANSFORMERS_MESH_WARNING, UserWarning, stacklevel=3)
         if config.fsdp_enabled:
-            self._mesh = self.device_mesh[tuple(config.fsdp_dim_names)]
+            # without cp, dp_shard_cp is dp_shard: slice the real dimensions (torch deprecates
+            # slicing flattened ones from the root mesh)
+            dims = [
+                "dp_shard" if d == "dp_shard_cp" and not config.cp_enabled else d
+                for d in config.fsdp_dim_names
+            ]
+            self._mesh = self.device_mesh[tuple(dims)]
 
     def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.config.fsdp_enabled or any(p.is_meta for p in model.parameters()):
@@ -73,6 +89,7 @@ class MeshParallel(FSDP):
             apply_tensor_parallel(model, self.device_mesh["tp"], getattr(handler, "plan", None))
         if not self.config.fsdp_enabled:
             self._models.add(model)
+            route_save_pretrained(model, strategy=self)  # its own would die on the shards
             return model
         return super().wrap_model(model, ddp_kwargs=ddp_kwargs)
 

@@ -65,6 +65,30 @@ def check_tp_mesh(model: torch.nn.Module, tp_mesh: Any) -> None:
             )
 
 
+def transformers_builds_its_own_mesh() -> bool:
+    """Whether the transformers imported here builds its tensor-parallel mesh from the world
+    size and ignores ``from_pretrained(device_mesh=...)`` (5.x's ``DistributedConfig``)."""
+    import sys
+
+    if "transformers" not in sys.modules:  # never import it for this
+        return False
+    try:
+        from transformers.distributed import utils
+    except ImportError:
+        return False
+    return hasattr(utils, "initialize_distributed_mesh")
+
+
+TRANSFORMERS_MESH_WARNING = (
+    "tp_size > 1 with dp_shard/dp_replicate: this transformers builds its own tensor-parallel "
+    "mesh from tp_size and the world size and ignores device_mesh=, so from_pretrained(..., "
+    "tp_plan='auto', tp_size=...) fails with 'The parallel mesh requires N processes, but "
+    "world_size is M'. Load the model without tp_plan and give nbaccel a plan instead: "
+    "ParallelismConfig(tp_handler=TorchTensorParallelConfig(plan={...})) (torch's "
+    "ColwiseParallel/RowwiseParallel on the 'tp' mesh)."
+)
+
+
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, plan: Any) -> torch.nn.Module:
     """Parallelise ``model`` on ``tp_mesh``: check it if it is a DTensor model already,
     else apply ``plan`` with ``parallelize_module``.
@@ -97,4 +121,10 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, plan: Any) -> to
     return model
 
 
-__all__ = ["apply_tensor_parallel", "check_tp_mesh", "is_tensor_parallel"]
+__all__ = [
+    "TRANSFORMERS_MESH_WARNING",
+    "apply_tensor_parallel",
+    "check_tp_mesh",
+    "is_tensor_parallel",
+    "transformers_builds_its_own_mesh",
+]
