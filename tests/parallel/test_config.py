@@ -7,7 +7,7 @@ import pytest
 
 from nbaccel import Accelerator, ParallelismConfig
 from nbaccel.errors import ConfigError
-from nbaccel.runtime.parallel.api import check_runnable
+from nbaccel.runtime.parallel.checks import check_runnable
 from nbaccel.utils import TorchContextParallelConfig, TorchTensorParallelConfig
 
 
@@ -93,3 +93,29 @@ def test_importable_where_accelerate_scripts_look():
 
     assert accelerate.parallelism_config.ParallelismConfig is ParallelismConfig
     assert accelerate.utils.TorchTensorParallelConfig is TorchTensorParallelConfig
+
+
+def test_nbaccel_launch_reads_accelerates_section_and_checks_it_before_starting(tmp_path):
+    """Accelerate's tp_hsdp.yaml (8 processes' sizes) with --num_processes 4: refused by the
+    launcher, naming the sizes; the script never runs."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "tp_hsdp.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n"
+        "  fsdp_version: 2\n  fsdp_state_dict_type: SHARDED_STATE_DICT\nnum_processes: 4\n"
+        "parallelism_config:\n  parallelism_config_cp_size: 1\n"
+        "  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 2\n"
+        "  parallelism_config_tp_size: 2\nuse_cpu: true\n"
+    )
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NBACCEL_", "ACCELERATE_"))}
+    cmd = [sys.executable, "-m", "nbaccel", "launch", "--config_file", str(config), str(script)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0
+    assert "multiplies to 8, but the launch has 4 process(es)" in out.stderr + out.stdout
+    assert not marker.exists()

@@ -229,3 +229,72 @@ def test_resume_from_a_sharded_checkpoint_continues_exactly(layout):
         assert r["second"][1] == r["first"][1][2:]
     for key, value in results[0]["full"].items():
         assert torch.equal(results[0]["again"][key], value)
+
+
+def _tensor_parallel_from_the_launch_configuration(directory):
+    """2 ranks, sizes from NBACCEL_PARALLELISM_CONFIG_TP_SIZE; the user parallelises on the
+    ``tp`` mesh before prepare (Accelerate's way), nbaccel checks it is that mesh."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from nbaccel import Accelerator
+
+    acc = Accelerator()
+    config, mesh = acc.parallelism_config, acc.torch_device_mesh
+    model = parallelize_module(
+        _model(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model, optimizer = acc.prepare(model, optimizer)
+    x, y = _data()
+    losses = []
+    for step in range(STEPS):
+        xb, yb = x[step * GLOBAL_BATCH :][:GLOBAL_BATCH], y[step * GLOBAL_BATCH :][:GLOBAL_BATCH]
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+        if step == 1:
+            acc.save_state(directory)
+    full = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    acc.load_state(directory)
+    after = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    return {
+        "sizes": (config.tp_size, config.dp_shard_size, acc.distributed_type.value),
+        "dims": mesh.mesh_dim_names,
+        "losses": losses,
+        "full": full,
+        "restored_step": acc.step,
+        "restored_differs": any(not torch.equal(after[k], full[k]) for k in full),
+    }
+
+
+def test_tensor_parallel_alone_from_the_launch_configuration(tmp_path):
+    env = {"NBACCEL_PARALLELISM_CONFIG_TP_SIZE": "2"}
+    results = run_on_workers(
+        _tensor_parallel_from_the_launch_configuration, 2, args=(str(tmp_path / "c"),), env=env
+    )
+    first = results[0]
+    assert first["sizes"] == (2, 1, "MULTI_CPU") and first["dims"] == ("tp",)
+    # the whole global batch on both ranks (no data parallel): one process's numbers
+    x, y = _data()
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    expected = []
+    for step in range(STEPS):
+        xb, yb = x[step * GLOBAL_BATCH :][:GLOBAL_BATCH], y[step * GLOBAL_BATCH :][:GLOBAL_BATCH]
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(float(loss.detach()))
+    assert all(r["losses"] == pytest.approx(expected, rel=1e-5) for r in results)
+    for key, value in model.state_dict().items():  # full tensors gathered from the TP shards
+        torch.testing.assert_close(first["full"][key], value, rtol=1e-5, atol=1e-6)
+    assert first["restored_step"] == 2 and first["restored_differs"]  # back at step 2

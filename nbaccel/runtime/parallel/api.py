@@ -22,37 +22,8 @@ from typing import Any
 
 from ...errors import ConfigError
 from ..state import ProcessState
+from .checks import check_runnable
 from .config import ParallelismConfig
-
-_CP_WHY = (
-    "context parallel (cp_size > 1) splits attention over the sequence with torch's "
-    "context_parallel, whose ring attention has kernels for CUDA's flash/efficient attention "
-    "only (on the CPU torch stops at 'aten._scaled_dot_product_flash_attention_for_cpu does "
-    "not have a sharding strategy'); set cp_size=1 here and shard with dp_shard_size/tp_size, "
-    "or run on several CUDA GPUs"
-)
-_SP_WHY = (
-    "sequence parallel (sp_size > 1) is Accelerate's ALST/Ulysses, run by DeepSpeed's "
-    "sequence-parallel engine on GPUs, which nbaccel does not drive; set sp_size=1 and use "
-    "tp_size/dp_shard_size (or cp_size on CUDA GPUs)"
-)
-
-
-def check_runnable(config: ParallelismConfig, *, device_type: str, num_processes: int) -> None:
-    """Refuse, before anything starts, a layout this machine cannot run.
-
-    Raises:
-        ConfigError: sizes against ``num_processes``; context parallel off CUDA;
-            sequence parallel.
-    """
-    if config.total_size > 1:  # all sizes 1: replicate over however many there are
-        config.check_world_size(num_processes, where="the launch")
-    if config.sp_enabled:
-        raise ConfigError(f"ParallelismConfig(sp_size={config.sp_size}): {_SP_WHY}.")
-    if config.cp_enabled and device_type != "cuda":
-        raise ConfigError(
-            f"ParallelismConfig(cp_size={config.cp_size}) on {device_type!r}: {_CP_WHY}."
-        )
 
 
 def resolve_parallelism(
@@ -72,8 +43,18 @@ def resolve_parallelism(
         ConfigError: see :func:`check_runnable`; DeepSpeed with a mesh; ``fsdp_plugin``
             without a dimension to shard over.
     """
-    if config is None:
-        return None, None
+    if config is None:  # the launch configuration's sizes (config file, CLI, panel)
+        from ...config import launch_config
+        from .from_launch import parallelism_from_launch
+
+        cfg = launch_config()
+        config = parallelism_from_launch(cfg)
+        if config is None:
+            return None, None
+        if fsdp_plugin is None and cfg.strategy == "fsdp" and config.fsdp_enabled:
+            from ..fsdp_plugin import FullyShardedDataParallelPlugin
+
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_config(cfg)
     if not isinstance(config, ParallelismConfig):
         raise TypeError(
             f"parallelism_config={config!r}: pass a ParallelismConfig(dp_shard_size=..., "
@@ -175,4 +156,4 @@ class ParallelAPI:
         )
 
 
-__all__ = ["ParallelAPI", "check_runnable", "resolve_parallelism"]
+__all__ = ["ParallelAPI", "resolve_parallelism"]
