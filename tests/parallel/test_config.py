@@ -119,3 +119,16 @@ def test_nbaccel_launch_reads_accelerates_section_and_checks_it_before_starting(
     assert out.returncode != 0
     assert "multiplies to 8, but the launch has 4 process(es)" in out.stderr + out.stdout
     assert not marker.exists()
+
+
+def test_an_older_torch_is_refused_naming_the_version_to_install(monkeypatch):
+    import dataclasses
+
+    from nbaccel.platform import torchcompat
+    from nbaccel.runtime.parallel.api import resolve_parallelism
+    from nbaccel.runtime.state import get_state
+
+    monkeypatch.setattr(torchcompat, "fsdp_supported", lambda: False)
+    two = dataclasses.replace(get_state(cpu=True), world_size=2)
+    with pytest.raises(ConfigError, match=r"parallelism_config needs torch>=2\.9"):
+        resolve_parallelism(ParallelismConfig(dp_shard_size=2), two)

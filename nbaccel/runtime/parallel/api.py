@@ -65,6 +65,15 @@ def resolve_parallelism(
     if config.total_size == 1:  # Accelerate's rule: all 1 on many processes = replicate
         config.dp_replicate_size = state.world_size
     check_runnable(config, device_type=state.device.type, num_processes=state.world_size)
+    from ...platform import torchcompat
+
+    if not torchcompat.fsdp_supported():  # DeviceMesh._flatten, FSDP2 with DTensor TP
+        major, minor = torchcompat.FSDP_MIN_TORCH
+        raise ConfigError(
+            f"parallelism_config needs torch>={major}.{minor} (DeviceMesh._flatten, FSDP2 over "
+            f"a mesh); this is torch {torch_version()}. Upgrade torch (pip install "
+            f"'torch>={major}.{minor}'), or drop parallelism_config and train with DDP."
+        )
     if deepspeed_plugin is not None:
         raise ConfigError(
             "parallelism_config together with deepspeed_plugin: DeepSpeed shards on its own; "
@@ -81,6 +90,12 @@ def resolve_parallelism(
     from .strategy import MeshParallel
 
     return config, MeshParallel(state, config, fsdp_plugin, mixed_precision=mixed_precision)
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 class ParallelAPI:
