@@ -152,3 +152,58 @@ def test_tensor_parallel_through_transformers_own_mesh_is_refused_before_trainin
     ):
         _launch(tmp, "tp", "--dp-shard-size", "2", "--tp-size", "2")
     assert not (tmp / "tp.json").exists() and not (tmp / "tp").exists()
+
+
+def _llama_with_its_own_plan(model_dir):
+    """TP x FSDP2 of the tiny Llama through its own tp_plan, applied by nbaccel on the tp mesh."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from nbaccel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+    from nbaccel.utils import TorchTensorParallelConfig
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from nd_parallel import TokenDataset, create_collate_fn
+
+    config = ParallelismConfig(
+        dp_shard_size=2, tp_size=2, tp_handler=TorchTensorParallelConfig(plan="auto")
+    )
+    plugin = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    acc = Accelerator(parallelism_config=config, fsdp_plugin=plugin)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-1)
+    data = TokenDataset(64, SEQ, model.config.vocab_size)
+    loader = DataLoader(data, batch_size=2, collate_fn=create_collate_fn())
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    group = acc.torch_device_mesh["dp"].get_group()
+    losses = {}
+    for step, rows in enumerate(loader):
+        if step == STEPS:
+            break
+        batch = {k: v.contiguous() for k, v in rows.items()}
+        loss = model(**batch).loss
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group)
+        losses[step] = loss.item()
+    weights = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    tp_params = sum(
+        type(p).__name__ == "DTensor" and len(p.placements) == 2 for p in model.parameters()
+    )
+    return losses, weights, tp_params
+
+
+def test_tensor_parallel_through_the_models_own_plan_on_nbaccels_tp_mesh(tmp, reference):
+    results = run_on_workers(
+        _llama_with_its_own_plan,
+        4,
+        args=(str(tmp / "tiny-llama"),),
+        env={"HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
+    losses, weights, tp_params = results[0]
+    assert tp_params > 0  # (dp_shard, tp) placements: sharded by FSDP2 and by TP
+    assert losses == pytest.approx(reference[0], rel=1e-5)
+    for key, value in reference[1].items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5)

@@ -45,8 +45,8 @@ class TorchTensorParallelConfig:
             on the CPU when tensor parallel is on.
         plan: nbaccel's addition: ``{submodule name: torch ParallelStyle}`` applied with
             ``torch.distributed.tensor.parallel.parallelize_module`` on the ``tp`` mesh when
-            ``prepare`` sees a plain module (a transformers model built with
-            ``tp_plan="auto"`` is parallelised already).
+            ``prepare`` sees a module that is not parallelised yet; ``"auto"``: a
+            transformers model's own plan (``model._tp_plan``) in torch's styles.
 
     Example:
         >>> TorchTensorParallelConfig().enable_async_tp
@@ -54,7 +54,7 @@ class TorchTensorParallelConfig:
     """
 
     enable_async_tp: bool = False
-    plan: Mapping[str, Any] | None = None
+    plan: Mapping[str, Any] | str | None = None
 
 
 @dataclasses.dataclass

@@ -89,6 +89,43 @@ TRANSFORMERS_MESH_WARNING = (
 )
 
 
+def _styles() -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "colwise": ColwiseParallel(),
+        "rowwise": RowwiseParallel(),
+        "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
+    }
+
+
+def transformers_plan(model: torch.nn.Module) -> dict[str, Any]:
+    """A transformers model's own tensor-parallel plan (``model._tp_plan``: module name
+    patterns -> style names) as torch parallel styles, to apply on nbaccel's ``tp`` mesh.
+
+    Raises:
+        ConfigError: the model has no plan, or a style torch's basic styles cannot express.
+    """
+    names = getattr(model, "_tp_plan", None) or {}
+    if not names:
+        raise ConfigError(
+            f"TorchTensorParallelConfig(plan='auto'): {type(model).__name__} has no tensor-"
+            "parallel plan of its own (transformers models carry one as _tp_plan); pass "
+            "plan={'submodule': ColwiseParallel(), ...} with torch's parallel styles."
+        )
+    styles = _styles()
+    unknown = sorted({style for style in names.values() if style not in styles})
+    if unknown:
+        raise ConfigError(
+            f"TorchTensorParallelConfig(plan='auto'): {type(model).__name__}'s plan uses "
+            f"{unknown}, which nbaccel maps to no torch style (it maps {sorted(styles)}); "
+            "pass your own plan={...} with torch's parallel styles."
+        )
+    return {pattern: styles[style] for pattern, style in names.items()}
+
+
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, plan: Any) -> torch.nn.Module:
     """Parallelise ``model`` on ``tp_mesh``: check it if it is a DTensor model already,
     else apply ``plan`` with ``parallelize_module``.
@@ -108,10 +145,12 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, plan: Any) -> to
         )
     from torch.distributed.tensor.parallel import parallelize_module
 
+    if plan == "auto":
+        plan = transformers_plan(model)
     if not isinstance(plan, dict):
         plan = dict(plan)
     names = {n for n, _ in model.named_modules()}
-    missing = sorted(k for k in plan if "*" not in k and k not in names)
+    missing = sorted(k for k in plan if "*" not in k and k not in names)  # typos, early
     if missing:
         raise ConfigError(
             f"TorchTensorParallelConfig(plan=...) names {missing}, which this model does not "
@@ -127,4 +166,5 @@ __all__ = [
     "check_tp_mesh",
     "is_tensor_parallel",
     "transformers_builds_its_own_mesh",
+    "transformers_plan",
 ]
