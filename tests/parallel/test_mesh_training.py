@@ -109,6 +109,10 @@ def _train(sizes, directory):
                 acc.save_state(directory)
         return losses, norms, firsts, gathered
 
+    from nbaccel.data_loader import prepare_data_loader
+
+    by_mesh = prepare_data_loader(DataLoader(range(16), batch_size=2), torch_device_mesh=mesh)
+    mesh_first = next(iter(by_mesh)).tolist()
     first = run(0)
     full = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
     acc.save_model(model, f"{directory}-model")
@@ -130,6 +134,7 @@ def _train(sizes, directory):
         "full": full,
         "again": again,
         "dp_rank": config.data_parallel_rank(acc.process_index),
+        "mesh_first": mesh_first,
     }
 
 
@@ -172,6 +177,9 @@ def test_ranks_of_one_tensor_parallel_group_read_the_same_batches(layout):
         assert firsts[0] == firsts[1] != firsts[2] == firsts[3]
         assert firsts[0][0] == pytest.approx(float(x[0, 0]))
         assert firsts[2][0] == pytest.approx(float(x[4, 0]))
+    # prepare_data_loader(torch_device_mesh=...): Accelerate's function, the same sharding
+    expected = [[0, 1], [2, 3], [4, 5], [6, 7]] if name == "hsdp" else [[0, 1]] * 2 + [[2, 3]] * 2
+    assert [r["mesh_first"] for r in results] == expected
     # gather_for_metrics: one copy per data-parallel share, the global batch
     assert all(r["first"][3] == [GLOBAL_BATCH] * STEPS for r in results)
 

@@ -284,6 +284,24 @@ class ParallelismConfig:
         return f"ParallelismConfig({sizes}, total_size={self.total_size})"
 
 
+def data_parallel_share(mesh: Any) -> tuple[int, int]:
+    """(data-parallel size, this rank's index) along a mesh's ``dp_replicate``/``dp_shard``
+    dimensions (ranks that differ only along ``tp``/``cp`` share an index): what
+    ``prepare_data_loader(torch_device_mesh=...)`` shards by.
+
+    Example:
+        >>> data_parallel_share(None)
+        (1, 0)
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    size, index = 1, 0
+    for dim in ("dp_replicate", "dp_shard"):
+        if dim in names:
+            sub = mesh[dim]
+            size, index = size * sub.size(), index * sub.size() + int(sub.get_local_rank())
+    return size, index
+
+
 __all__ = [
     "ENV_PREFIX",
     "MESH_ORDER",
@@ -291,4 +309,5 @@ __all__ = [
     "ParallelismConfig",
     "TorchContextParallelConfig",
     "TorchTensorParallelConfig",
+    "data_parallel_share",
 ]
