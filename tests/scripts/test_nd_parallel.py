@@ -207,3 +207,43 @@ def test_tensor_parallel_through_the_models_own_plan_on_nbaccels_tp_mesh(tmp, re
     assert losses == pytest.approx(reference[0], rel=1e-5)
     for key, value in reference[1].items():
         torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5)
+
+
+def _hsdp_by_hand(model_dir):
+    """The script's HSDP run written with torch alone: the mesh, fully_shard per decoder
+    layer then the root, SGD, rank r reading sample 4*step + r, the loss averaged."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from nd_parallel import TokenDataset, create_collate_fn
+
+    torch.manual_seed(42)  # the script's set_seed(42)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, use_cache=False
+    )
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-1)
+    data, collate = TokenDataset(64, SEQ, model.config.vocab_size), create_collate_fn()
+    losses = {}
+    for step in range(STEPS):
+        batch = collate([data[4 * step + dist.get_rank()]])
+        batch["position_ids"] = torch.arange(SEQ).unsqueeze(0)
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses[step] = loss.item()
+    return losses
+
+
+def test_hsdp_losses_equal_the_same_parallelisation_written_by_hand(tmp, hsdp):
+    by_hand = run_on_workers(
+        _hsdp_by_hand, 4, args=(str(tmp / "tiny-llama"),), env={"HF_HUB_OFFLINE": "1"}, timeout=300
+    )[0]
+    assert hsdp[0] == pytest.approx(by_hand, rel=1e-6)
