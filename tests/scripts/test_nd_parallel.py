@@ -247,3 +247,39 @@ def test_hsdp_losses_equal_the_same_parallelisation_written_by_hand(tmp, hsdp):
         _hsdp_by_hand, 4, args=(str(tmp / "tiny-llama"),), env={"HF_HUB_OFFLINE": "1"}, timeout=300
     )[0]
     assert hsdp[0] == pytest.approx(by_hand, rel=1e-6)
+
+
+def _fsdp_plugin_save_pretrained(model_dir, out):
+    """nbaccel's FSDP strategy alone (no ParallelismConfig): the sharded model's own
+    save_pretrained, called on every rank as scripts do."""
+    from nbaccel import Accelerator, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = acc.prepare(model)
+    sharded = type(next(model.parameters())).__name__
+    model.save_pretrained(out)
+    return sharded
+
+
+def test_save_pretrained_on_a_model_sharded_by_the_fsdp_strategy_writes_full_weights(tmp):
+    out = tmp / "fsdp-strategy"
+    kinds = run_on_workers(
+        _fsdp_plugin_save_pretrained,
+        2,
+        args=(str(tmp / "tiny-llama"), str(out)),
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    assert kinds == ["DTensor", "DTensor"]
+    from safetensors.torch import load_file
+
+    saved, original = load_file(str(out / "model.safetensors")), _saved_original(tmp)
+    assert sorted(saved) == sorted(original)
+    for key, value in original.items():
+        assert torch.equal(saved[key], value), key
+
+
+def _saved_original(tmp):
+    from safetensors.torch import load_file
+
+    return load_file(str(tmp / "tiny-llama" / "model.safetensors"))
