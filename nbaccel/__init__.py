@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "set_seed": "runtime.process.rng",
     "skip_first_batches": "runtime.loading.data",
     "load_checkpoint_in_model": "runtime.saving.model_io",
+    "ParallelismConfig": "runtime.parallel.config",
     "tqdm": "tracking.progress",
     "GeneralTracker": "tracking.base",
     "NbaccelError": "errors",

@@ -38,6 +38,7 @@ _SUBMODULES = {
     "launchers": "launchers",
     "local_sgd": "local_sgd",
     "logging": "logging",
+    "parallelism_config": "parallelism_config",
     "state": "state",
     "tracking": "tracking",
     "utils": "utils",

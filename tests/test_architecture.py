@@ -38,6 +38,7 @@ ROOT_MODULES = {
     "local_sgd",
     "logging",
     "monitor",
+    "parallelism_config",
     "state",
     "utils",
     "widgets",

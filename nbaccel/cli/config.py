@@ -172,6 +172,8 @@ def questionnaire(path: Path, ask: Callable[[str], str] = input) -> LaunchConfig
         if name == "gpu_ids" and not _may_use_gpus(current["compute_device"]):
             current[name] = None
             continue
+        if name.startswith("parallelism_config_"):
+            continue  # mesh sizes: set with launch flags or the file, never asked
         if name.startswith(("fsdp_", "deepspeed_")) and not name.startswith(current["strategy"]):
             continue  # a strategy's options are asked only when it was chosen
         current[name] = _ask_field(name, current, ask)

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .choices import RDZV_BACKENDS
+from .launch_config import PARALLELISM_SIZE_FIELDS
 
 
 class _Refused(Exception):
@@ -216,6 +217,9 @@ def _fsdp_version(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
     raise _Refused("use fsdp_version 2 (nbaccel runs FSDP2)")
 
 
+PARALLELISM_KEYS: dict[str, KeyRule] = {
+    name: KeyRule(name, _to(name)) for name in PARALLELISM_SIZE_FIELDS
+}
 FSDP_KEYS: dict[str, KeyRule] = {
     "fsdp_version": KeyRule("accepted (1 or 2): nbaccel runs FSDP2", _fsdp_version),
     "fsdp_sharding_strategy": KeyRule(
@@ -368,6 +372,10 @@ ACCELERATE_KEYS: dict[str, KeyRule] = {
     "dynamo_config": KeyRule("dynamo_backend NO accepted; others refused", _dynamo),
     "dynamo_backend": KeyRule("as dynamo_config (older files)", _dynamo),
     "fsdp_config": KeyRule("the fsdp_* fields (table below)", _section(FSDP_KEYS, "fsdp_config")),
+    "parallelism_config": KeyRule(
+        "the parallelism_config_* size fields (same names)",
+        _section(PARALLELISM_KEYS, "parallelism_config"),
+    ),
     "deepspeed_config": KeyRule(
         "the deepspeed_* fields (table below)", _section(DEEPSPEED_KEYS, "deepspeed_config")
     ),
@@ -400,7 +408,6 @@ ACCELERATE_KEYS: dict[str, KeyRule] = {
             "megatron_lm_config",
             "ipex_config",
             "mpirun_config",
-            "parallelism_config",
         )
     },
 }
@@ -473,6 +480,7 @@ __all__ = [
     "ACCELERATE_KEYS",
     "DEEPSPEED_KEYS",
     "FSDP_KEYS",
+    "PARALLELISM_KEYS",
     "KeyRule",
     "accelerate_default_path",
     "accelerate_values",

@@ -251,6 +251,28 @@ class LaunchConfig:
         },
     )
 
+    # -- Accelerate's ParallelismConfig sizes (1: not used; product = the process count) ----
+    parallelism_config_dp_replicate_size: int = field(
+        default=1,
+        metadata={"help": "model replicas (HSDP with dp_shard_size > 1, else DDP)."},
+    )
+    parallelism_config_dp_shard_size: int = field(
+        default=1,
+        metadata={"help": "processes each model is sharded over (FSDP2)."},
+    )
+    parallelism_config_tp_size: int = field(
+        default=1,
+        metadata={"help": "tensor-parallel processes (a layer's weights split across them)."},
+    )
+    parallelism_config_cp_size: int = field(
+        default=1,
+        metadata={"help": "context-parallel processes (the sequence split; CUDA GPUs only)."},
+    )
+    parallelism_config_sp_size: int = field(
+        default=1,
+        metadata={"help": "sequence-parallel processes (Accelerate's DeepSpeed ALST: refused)."},
+    )
+
     def __post_init__(self) -> None:
         _check_choice("compute_device", self.compute_device, COMPUTE_DEVICES)
         if self.num_processes is not None:
@@ -316,6 +338,8 @@ class LaunchConfig:
         for name in FSDP_BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
+        for name in PARALLELISM_SIZE_FIELDS:
+            _check_int(name, getattr(self, name), 1)
         stage = self.deepspeed_zero_stage
         if isinstance(stage, bool) or stage not in DEEPSPEED_ZERO_STAGES:
             raise ConfigError(f"deepspeed_zero_stage={stage!r} is unknown; use 0, 1, 2 or 3.")
@@ -355,12 +379,22 @@ FSDP_BOOL_FIELDS = (
     "fsdp_cpu_ram_efficient_loading",
 )
 
+#: Accelerate's ``parallelism_config_*`` keys, one field each
+PARALLELISM_SIZE_FIELDS = (
+    "parallelism_config_dp_replicate_size",
+    "parallelism_config_dp_shard_size",
+    "parallelism_config_tp_size",
+    "parallelism_config_cp_size",
+    "parallelism_config_sp_size",
+)
+
 
 __all__ = [
     "COMPUTE_DEVICES",
     "FSDP_BOOL_FIELDS",
     "INT_MINIMUMS",
     "MAX_PORT",
+    "PARALLELISM_SIZE_FIELDS",
     "PRECISIONS",
     "START_METHODS",
     "LaunchConfig",

@@ -354,6 +354,7 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
                 "strategy='fsdp' shards the model across processes, but this launch starts "
                 "one: pass num_processes >= 2 (CPU processes work too), or use strategy='ddp'."
             )
+        _check_parallelism(cfg, nproc)
         if (nproc > 1 or cfg.num_nodes > 1) and not kernel_state_ok:  # workers drop it anyway
             check_no_state_in_kernel()
         threads = None if in_kernel else worker_threads(nproc)
@@ -374,6 +375,13 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
                                threads=threads, payload=payload, tpu=on_tpu)  # fmt: skip
 
 
+def _check_parallelism(cfg: LaunchConfig, nproc: int) -> None:
+    """The ``parallelism_config_*`` sizes against every node's processes, before any starts."""
+    from ..runtime.parallel.from_launch import check_launch
+
+    check_launch(cfg, num_processes=nproc * cfg.num_nodes)
+
+
 def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     """A script's launch (``nbaccel launch``): worker processes also for one, each a fresh
     interpreter (as ``python script.py``) unless ``start_method="fork"``; on a TPU one
@@ -382,6 +390,8 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     nproc = 1 if on_tpu else _count_processes(cfg)
     check_platform(cfg.start_method)
     check_gpus_per_process(cfg, nproc)
+    if not on_tpu:
+        _check_parallelism(cfg, nproc)
     threads = worker_threads(nproc)
     env = process_env(cfg, threads) | _accelerate_env(cfg)
     if on_tpu:

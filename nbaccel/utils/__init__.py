@@ -76,6 +76,10 @@ _EXPORTS: dict[str, str] = {
     "DeepSpeedPlugin": "runtime.strategy.deepspeed.deepspeed_plugin",
     "DummyOptim": "runtime.strategy.deepspeed.deepspeed_plugin",
     "DummyScheduler": "runtime.strategy.deepspeed.deepspeed_plugin",
+    # ParallelismConfig's handlers
+    "TorchTensorParallelConfig": "runtime.parallel.config",
+    "TorchContextParallelConfig": "runtime.parallel.config",
+    "ParallelismConfig": "runtime.parallel.config",
     # building models without memory
     "init_empty_weights": "runtime.accelerate_utils.not_applicable",
     "init_on_device": "runtime.accelerate_utils.not_applicable",

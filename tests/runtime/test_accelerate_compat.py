@@ -152,7 +152,7 @@ def test_accelerates_other_attributes_exist():
     )
     assert accelerator.use_stateful_dataloader is True
     assert (accelerator.is_fsdp2, accelerator.multi_device) == (False, False)
-    assert (accelerator.save_iteration, accelerator.torch_device_mesh) == (0, None)
+    assert (accelerator.save_iteration, accelerator.torch_device_mesh) == (0, None)  # no config
     assert (accelerator.non_blocking, accelerator.use_seedable_sampler) == (False, False)
     assert accelerator.fp8_backend is None and accelerator.profile_handler is None
     with pytest.warns(FutureWarning, match="use_fp16 is deprecated"):

@@ -259,17 +259,22 @@ def prepare_data_loader(
     to ``device`` (default: this process's) only with ``put_on_device=True``.
     ``use_seedable_sampler`` shuffles by ``data_seed`` + epoch as Accelerate's does;
     ``use_stateful_dataloader`` makes ``load_state`` resume mid-epoch.
+    ``torch_device_mesh``: shard over its ``dp_replicate``/``dp_shard`` dimensions only.
 
     Raises:
-        ConfigError: ``slice_fn_for_dispatch`` or ``torch_device_mesh``, which nbaccel lacks.
+        ConfigError: ``slice_fn_for_dispatch``, which nbaccel lacks.
     """
-    for name, value in (
-        ("slice_fn_for_dispatch", slice_fn_for_dispatch),
-        ("torch_device_mesh", torch_device_mesh),
-    ):
-        if value is not None:
-            raise ConfigError(f"prepare_data_loader({name}=...) is not supported; leave it None.")
+    if slice_fn_for_dispatch is not None:
+        raise ConfigError(
+            "prepare_data_loader(slice_fn_for_dispatch=...) is not supported; leave it None."
+        )
     state = current_state() or get_state()
+    if torch_device_mesh is not None:  # shard over its data-parallel dimensions only
+        from .parallel.config import data_parallel_share
+
+        size, index = data_parallel_share(torch_device_mesh)
+        num_processes = size if num_processes is None else num_processes
+        process_index = index if process_index is None else process_index
     target = (device or state.device) if put_on_device else None
     return _prepare(
         dataloader,

@@ -37,8 +37,6 @@ _AO = (
 ALTERNATIVES: dict[str, str] = {
     "MegatronLMPlugin": _FSDP,
     "TorchTensorParallelPlugin": _FSDP,
-    "TorchContextParallelConfig": _FSDP,
-    "ParallelismConfig": _FSDP,
     "FP8RecipeKwargs": _AO,
     "TERecipeKwargs": _AO,
     "MSAMPRecipeKwargs": _AO,

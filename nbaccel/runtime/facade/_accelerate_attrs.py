@@ -98,8 +98,6 @@ class AccelerateAttributes:
     use_stateful_dataloader = property(lambda self: self.dataloader_config.use_stateful_dataloader)
     save_iteration = property(lambda self: self.project_configuration.iteration)
     is_fsdp2 = property(lambda self: self.strategy.name == "fsdp")  # nbaccel's FSDP is FSDP2
-    # Accelerate's device mesh exists only with its ParallelismConfig (none in nbaccel)
-    torch_device_mesh = property(lambda self: None)
     fp8_backend = property(lambda self: "AO" if self.mixed_precision == "fp8" else None)
     ddp_handler = property(lambda self: self._handlers.get(DistributedDataParallelKwargs))
     scaler_handler = property(lambda self: self._handlers.get(GradScalerKwargs))

@@ -23,6 +23,7 @@ class CollectiveAPI:
     """Tensor and object collectives, no-ops for a single process."""
 
     gradient_state: GradientState
+    _reads_own_share: Any  # ParallelAPI: False on ranks that repeat their group's batch
 
     def gather(self, tensor: Any) -> Any:
         """Concatenate every process's tensors along dim 0 (same shapes on every rank)."""
@@ -39,6 +40,10 @@ class CollectiveAPI:
         as objects.
         """
         tensors_only = tree.is_tensor_tree(input_data)
+        if not self._reads_own_share():  # a tensor/context-parallel rank holds a copy
+            input_data = [] if isinstance(input_data, list) else input_data
+            if tensors_only:
+                input_data = tree.recursively_apply(lambda t: t[:0], input_data)
         if use_gather_object or not tensors_only:
             data = ops.gather_object(input_data)
         else:

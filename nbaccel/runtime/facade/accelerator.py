@@ -77,6 +77,7 @@ from .options import (
     parse_kwargs_handlers,
     resolve_dataloader_config,
 )
+from .parallel.api import ParallelAPI, resolve_parallelism
 from .partial_state import AcceleratorState
 
 _SERIALS = itertools.count()
@@ -108,7 +109,7 @@ def _launch_defaults(mixed_precision: Any, steps: Any) -> tuple[str, int]:
     return cfg.mixed_precision, cfg.gradient_accumulation_steps
 
 
-class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAPI):
+class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAPI, ParallelAPI):
     """Prepare a model, optimizer, dataloaders and scheduler for whatever hardware runs this.
 
     Args:
@@ -142,6 +143,8 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         deepspeed_plugin: a ``DeepSpeedPlugin``: train with DeepSpeed's ZeRO engine (needs
             the ``deepspeed`` package; ``None`` reads ``strategy="deepspeed"`` from the launch
             configuration).
+        parallelism_config: a ``ParallelismConfig``: HSDP, tensor parallel and their
+            ``DeviceMesh`` (:mod:`nbaccel.runtime.parallel`).
 
     Raises:
         TypeError: an unknown keyword (the message lists the valid ones).
@@ -171,6 +174,7 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         dynamo_plugin: dynamo.TorchDynamoPlugin | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         deepspeed_plugin: DeepSpeedPlugin | None = None,
+        parallelism_config: Any = None,
         **unexpected: Any,
     ) -> None:
         fsdp_plugin = check_fsdp_arguments(fsdp_plugin, unexpected)
@@ -199,7 +203,14 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         self.dynamo_backend = self.dynamo_plugin.backend
         init = handlers.get(InitProcessGroupKwargs)
         process = get_state(cpu=cpu, init_kwargs=init.to_kwargs() if init else None)
-        self.strategy: Strategy = select_strategy(
+        self._parallelism, mesh_strategy = resolve_parallelism(
+            parallelism_config,
+            process,
+            fsdp_plugin=fsdp_plugin,
+            deepspeed_plugin=deepspeed_plugin,
+            mixed_precision=mixed_precision,
+        )
+        self.strategy: Strategy = mesh_strategy or select_strategy(
             process, fsdp_plugin, deepspeed_plugin, mixed_precision=mixed_precision
         )
         self._process: ProcessState = self.strategy.state  # DistributedType.FSDP under FSDP
@@ -393,10 +404,11 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
             dispatch = placement and isinstance(
                 dataloader.dataset, torch.utils.data.IterableDataset
             )
+        num_processes, process_index = self._data_parallel()  # TP ranks: the same batches
         prepared = prepare_data_loader(
             dataloader,
-            num_processes=self.num_processes,
-            process_index=self.process_index,
+            num_processes=num_processes,
+            process_index=process_index,
             split_batches=self.split_batches,
             even_batches=self.even_batches,
             device=self.device if placement else None,

@@ -262,7 +262,6 @@ PEER_ONLY_KEYWORDS: dict[str, str] = {
         "default DDP; drop megatron_lm_plugin."
     ),
     "torch_tp_plugin": "tensor parallelism is not part of nbaccel: use fsdp_plugin=... or DDP.",
-    "parallelism_config": "use the default DDP, or fsdp_plugin=... for sharding.",
 }
 
 HANDLER_TYPES: tuple[type[KwargsHandler], ...] = (

@@ -1,0 +1,125 @@
+"""The mesh strategy: tensor parallel on ``tp``, then FSDP2 over the data dimensions.
+
+What ``Accelerator(parallelism_config=...)`` trains with when tensor parallel or sharding
+is on (pure replication is the DDP strategy). Built on :class:`~nbaccel.runtime.strategy.FSDP`:
+``prepare`` first parallelises the model on the mesh's ``tp`` dimension
+(:mod:`.tensor_parallel`), then -- when ``dp_shard`` or ``cp`` is enabled -- shards it with
+``fully_shard`` over ``mesh["dp_shard_cp"]``, or ``mesh["dp_replicate", "dp_shard_cp"]``
+(HSDP: torch replicates over the first dimension, shards over the second). Parameters are
+DTensors either way, so clipping, sharded checkpoints (DCP) and full state dicts
+(``get_model_state_dict``) go through torch's DTensor-aware helpers.
+
+Example:
+    >>> MeshParallel.sharded_checkpoints
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError
+from ..strategy.fsdp.fsdp_plugin import FullyShardedDataParallelPlugin
+from ..process.state import ProcessState
+from ..strategy.fsdp.fsdp import FSDP, _options
+from .config import ParallelismConfig
+from .export import route_save_pretrained
+from .tensor_parallel import (
+    TRANSFORMERS_MESH_WARNING,
+    apply_tensor_parallel,
+    is_tensor_parallel,
+    transformers_builds_its_own_mesh,
+)
+
+
+class MeshParallel(FSDP):
+    """Tensor parallel and/or FSDP2 (HSDP) over a ``ParallelismConfig``'s ``DeviceMesh``.
+
+    Raises:
+        ConfigError: as :class:`FSDP`, plus layouts the process group cannot hold.
+    """
+
+    def __init__(
+        self,
+        state: ProcessState,
+        config: ParallelismConfig,
+        plugin: FullyShardedDataParallelPlugin | None = None,
+        *,
+        mixed_precision: str = "no",
+    ) -> None:
+        super().__init__(state, plugin, mixed_precision=mixed_precision)
+        self.config = config
+        if not config.fsdp_enabled:  # tensor parallel alone: not FSDP, as in Accelerate
+            self.state = dataclasses.replace(self.state, distributed_type=state.distributed_type)
+            self.name = "tp"
+        self.device_mesh = config.get_device_mesh(state.device.type)
+        tp_with_dp = config.tp_enabled and config.data_parallel_size > 1
+        if tp_with_dp and state.is_main_process and transformers_builds_its_own_mesh():
+            warnings.warn(TRANSFORMERS_MESH_WARNING, UserWarning, stacklevel=3)
+        if config.fsdp_enabled:
+            # without cp, dp_shard_cp is dp_shard: slice the real dimensions (torch deprecates
+            # slicing flattened ones from the root mesh)
+            dims = [
+                "dp_shard" if d == "dp_shard_cp" and not config.cp_enabled else d
+                for d in config.fsdp_dim_names
+            ]
+            self._mesh = self.device_mesh[tuple(dims)]
+
+    def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.config.fsdp_enabled or any(p.is_meta for p in model.parameters()):
+            return model  # fully_shard places each shard itself
+        return model.to(self.state.device)  # parallelize_module splits what is here
+
+    def wrap_model(
+        self, model: torch.nn.Module, *, ddp_kwargs: Mapping[str, Any] | None = None
+    ) -> torch.nn.Module:
+        trainable = any(p.requires_grad for p in model.parameters())
+        if self.config.tp_enabled and (trainable or is_tensor_parallel(model)):
+            handler = self.config.tp_handler
+            if handler is not None and handler.enable_async_tp and self.state.device.type != "cuda":
+                raise ConfigError(
+                    "TorchTensorParallelConfig(enable_async_tp=True) needs CUDA symmetric "
+                    "memory; on this device use enable_async_tp=False."
+                )
+            apply_tensor_parallel(model, self.device_mesh["tp"], getattr(handler, "plan", None))
+        if not self.config.fsdp_enabled:
+            self._models.add(model)
+            route_save_pretrained(model, strategy=self)  # its own would die on the shards
+            return model
+        return super().wrap_model(model, ddp_kwargs=ddp_kwargs)
+
+    # -- state dicts: DTensors (TP and/or FSDP) gathered to full tensors -----------------
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full state dict on the main process (``{}`` elsewhere); call on every rank."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        module = self.unwrap_model(model)
+        if not is_tensor_parallel(module):
+            return super().model_state_dict(model)
+        options = _options(full_state_dict=True, cpu_offload=True)
+        state: Any = get_model_state_dict(module, options=options)  # tensors on rank 0 only
+        return dict(state)
+
+    def load_model_state_dict(
+        self, model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True
+    ) -> Any:
+        """Load a full state dict (every rank passes it) into the parallelised model."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        module = self.unwrap_model(model)
+        if not is_tensor_parallel(module):
+            return super().load_model_state_dict(model, state, strict=strict)
+        options = _options(full_state_dict=True, strict=strict)
+        return set_model_state_dict(module, dict(state), options=options)
+
+    def __repr__(self) -> str:
+        return f"MeshParallel({self.config!r}, mesh={self.device_mesh!r})"
+
+
+__all__ = ["MeshParallel"]
