@@ -270,7 +270,7 @@ def prepare_data_loader(
         )
     state = current_state() or get_state()
     if torch_device_mesh is not None:  # shard over its data-parallel dimensions only
-        from .parallel.config import data_parallel_share
+        from ..parallel.config import data_parallel_share
 
         size, index = data_parallel_share(torch_device_mesh)
         num_processes = size if num_processes is None else num_processes

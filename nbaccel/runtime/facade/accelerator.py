@@ -45,6 +45,7 @@ from ..compute import dynamo
 from ..compute.precision import autocast_context, make_precision
 from ..loading import join
 from ..loading.data import PreparedDataLoader, prepare_data_loader, skip_first_batches
+from ..parallel.api import ParallelAPI, resolve_parallelism
 from ..process.rng import set_seed, validate_rng_types
 from ..process.state import DistributedType, ProcessState, get_state
 from ..saving.hooks import HookRegistry
@@ -77,7 +78,6 @@ from .options import (
     parse_kwargs_handlers,
     resolve_dataloader_config,
 )
-from .parallel.api import ParallelAPI, resolve_parallelism
 from .partial_state import AcceleratorState
 
 _SERIALS = itertools.count()

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from ..strategy.fsdp.fsdp_plugin import FullyShardedDataParallelPlugin
 from ..process.state import ProcessState
 from ..strategy.fsdp.fsdp import FSDP, _options
+from ..strategy.fsdp.fsdp_plugin import FullyShardedDataParallelPlugin
 from .config import ParallelismConfig
 from .export import route_save_pretrained
 from .tensor_parallel import (

@@ -158,7 +158,7 @@ class FSDP(SingleProcess):
             if not old.is_meta:  # keep the objects (ids), drop the unsharded storage
                 old.data = torch.empty(0, dtype=old.dtype, device=old.device)
         self._models.add(model)
-        from ..parallel.export import route_save_pretrained
+        from ...parallel.export import route_save_pretrained
 
         route_save_pretrained(model, strategy=self)  # its own would die on the shards
         return model
