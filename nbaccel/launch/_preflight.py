@@ -32,8 +32,8 @@ from typing import Any
 from ..config import LaunchConfig, resolve_launch_config
 from ..config.options import CALL, START, CallOptions, StartOptions, check_settings
 from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
-from ..platform import cudafork, cudatrace, environment, forksafe, hardware, tpu
-from . import _forkserver
+from ..platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware, tpu
+from . import _forkserver, _freegpus
 from ._group import take_fork_server
 from ._jobs import dill_for_workers
 from ._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
@@ -367,7 +367,8 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
         if not in_kernel:
             check_platform(cfg.start_method)  # the OS first: nothing else would help there
         check_gpus_per_process(cfg, nproc)
-        hardware.check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # bf16 on a T4
+        if cfg.mixed_precision == "fp8" or not gpufacts.gpu_facts().capabilities:
+            hardware.check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # by name
         if cfg.strategy == "fsdp" and nproc * cfg.num_nodes < 2:
             raise ConfigError(
                 "strategy='fsdp' shards the model across processes, but this launch starts "
@@ -387,6 +388,8 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
             "inside the function, or pass them through args as plain data",
         )
     env = process_env(cfg, threads)
+    if not on_tpu:  # bf16 on a T4, a broken P2P path, a small /dev/shm: one line each
+        env.update(_freegpus.for_launch(cfg, nproc, plan.function, os.environ).env)
     if not (in_kernel or on_tpu):
         env.update(_accelerate_env(cfg))
     return dataclasses.replace(plan, num_processes=nproc, method=method, env=env,
