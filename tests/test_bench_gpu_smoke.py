@@ -34,6 +34,10 @@ def test_gpu_bench_smoke_run_writes_every_row(tmp_path: Path) -> None:
     for key in ("launch/raw", "launch/nbaccel", "spawn/raw-spawn", "spawn/nbaccel-spawn"):
         (seconds,) = result["samples"][key]
         assert 0 < seconds < 120
+    for key in ("forkserver/clean-fork", "forkserver/server"):  # issue 43: stand-in driver
+        (seconds,) = result["samples"][key]
+        assert 0 < seconds < 120
+    assert result["forkserver"]["workers_from_server"] is True, result["forkserver"]
     for key in ("pool/fork", "pool/spawn"):
         (seconds,) = result["samples"][key]
         assert 0 < seconds < 60
@@ -44,3 +48,6 @@ def test_gpu_bench_smoke_run_writes_every_row(tmp_path: Path) -> None:
     assert "fp8 (torchao) speed-up over bf16 | not run: smoke run on the CPU" in table
     assert "| Spawn launch with CUDA init vs hand-written torch.multiprocessing spawn |" in table
     assert "| Warm pool call (CUDA tensor, synced), pool started with spawn vs fork |" in table
+    assert (
+        "| Launch after the kernel touched CUDA (fork server) vs a clean kernel's fork |" in table
+    )

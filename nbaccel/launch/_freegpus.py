@@ -234,9 +234,10 @@ def _compiles(code: Any) -> bool:
 def for_launch(cfg: Any, nproc: int, function: Any, environ: Mapping[str, str]) -> GpuDecisions:
     """The decisions for a launch with config ``cfg``: facts read (cached), lines written
     to the cell's stderr, the environment to give the workers returned."""
-    if cfg.compute_device in ("cpu", "tpu"):
+    facts = gpufacts.gpu_facts()
+    if cfg.compute_device in ("cpu", "tpu") or facts.count == 0:
         return GpuDecisions()
-    decisions = decide(gpufacts.gpu_facts(), nproc=nproc, gpu_ids=cfg.gpu_ids,
+    decisions = decide(facts, nproc=nproc, gpu_ids=cfg.gpu_ids,
                        mixed_precision=cfg.mixed_precision, compiles=compiles(function),
                        environ=environ, check=_check_once)  # fmt: skip
     for line in decisions.lines:

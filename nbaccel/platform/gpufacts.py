@@ -112,7 +112,8 @@ def gpu_facts() -> GpuFacts:
 _P2P_CHECK = """
 import sys, torch
 a, b = (int(x) for x in sys.argv[1:3])
-if not (torch.cuda.can_device_access_peer(a, b) and torch.cuda.can_device_access_peer(b, a)):
+if a != b and not (torch.cuda.can_device_access_peer(a, b)
+                   and torch.cuda.can_device_access_peer(b, a)):
     sys.exit(3)
 x = torch.arange(1 << 20, dtype=torch.float32, device=f"cuda:{a}")
 y = x.to(f"cuda:{b}")
@@ -132,9 +133,11 @@ def p2p_works(pairs: list[tuple[int, int]], timeout: float = 30.0) -> bool:
         True
     """
     for a, b in pairs:  # nvidia-smi's numbers are PCI bus order; CUDA's need not be
-        env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=f"{a},{b}")
+        visible = f"{a},{b}" if a != b else str(a)  # (a, a): the copy within one GPU
+        env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=visible)
+        indices = ["0", "1" if a != b else "0"]
         try:
-            done = subprocess.run([sys.executable, "-c", _P2P_CHECK, "0", "1"], env=env,
+            done = subprocess.run([sys.executable, "-c", _P2P_CHECK, *indices], env=env,
                                   capture_output=True, timeout=timeout)  # fmt: skip
         except (OSError, subprocess.SubprocessError):  # a hang included
             return False
