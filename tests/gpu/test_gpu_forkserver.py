@@ -25,7 +25,8 @@ def on_gpu(x):
 
 def test_workers_fork_from_the_server_after_the_kernel_touched_cuda(tmp_path: Path) -> None:
     # unset NBACCEL_FORK_SERVER: an interactive kernel on a machine with a driver takes it
-    session = KernelSession(cwd=tmp_path, env=isolated_env(tmp_path), startup_timeout=120)
+    env = isolated_env(tmp_path) | {"NBACCEL_FORK_SERVER": None}
+    session = KernelSession(cwd=tmp_path, env=env, startup_timeout=120)
     session.start()
     try:
         session.run(SETUP, timeout=300)
