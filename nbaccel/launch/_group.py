@@ -5,9 +5,11 @@ the supervisor. Every process forked from the kernel closes the kernel's ends at
 hook the first launch installs), so a worker's channel ends exactly when the supervisor's
 process is gone. fork: ``os.fork()``, the child never returns into the kernel's code and
 inherits its first job; spawn: ``python -c "...spawn_main(fd)"``, its spec, ``sys.path``
-and the notebook's cell sources the channel's first frame. Before forking, the kernel
-imports what each worker would repeat: nbaccel's runtime, and ``torch._dynamo`` once a
-worker needed it (torch imports it lazily from every optimizer and DDP, ~0.8 s of CPU):
+and the notebook's cell sources the channel's first frame; fork server (CUDA touched in
+the kernel since it was taken, :mod:`._forkserver`): forked by it, then as spawn. Before
+forking, the kernel imports what each worker would repeat: nbaccel's runtime, and
+``torch._dynamo`` once a worker needed it (torch imports it lazily from every optimizer and
+DDP, ~0.8 s of CPU):
 learned, not predicted, so a launch that never trains never pays it; only on CPU-only torch
 builds, where the import cannot touch the driver. One ``selectors`` loop over
 every worker's pipes and channel: lines go to the :class:`~._output.LineForwarder` (a tail

@@ -102,7 +102,11 @@ class WorkerPool(Observed):
             # clean copy forks them, or they start fresh.
             server = _forkserver.usable()
             self._plan = dataclasses.replace(self._plan, method="forkserver" if server else "spawn")
-            how = "forked from nbaccel's fork server" if server else "started with spawn"
+            how = (
+                "forked from nbaccel's fork server"
+                if server
+                else "started with start_method='spawn'"
+            )
             _say(
                 "nbaccel: CUDA or a process group is now initialised in the kernel, so the "
                 f"pool's workers are {how} from now on."
