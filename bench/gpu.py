@@ -6,7 +6,9 @@ Rows (issue 18): bf16 step time of nbaccel vs a hand-written loop with and witho
 a 1-rank DDP on a >= 100M-parameter model (target: nbaccel >= 0.98x the raw
 throughput); launch latency with CUDA initialised in the worker (fork, and
 nbaccel's spawn); bf16 vs fp32 speed-up; fp8 (torchao) vs bf16 speed-up where the
-GPU has compute capability >= 8.9 and torchao is installed.
+GPU has compute capability >= 8.9 and torchao is installed; a launch from a kernel that
+touched CUDA after ``%load_ext nbaccel`` (its workers forked by the fork server) vs a clean
+kernel's fork (issue 43, target <= 1.2x), and the server's own memory (USS).
 
 Method as bench/README.md: the kernel-side code (bench/scenarios/gpu.py) runs as
 notebook cells in a kernel that never touches CUDA itself; systems are interleaved
@@ -69,7 +71,7 @@ SMOKE = {
     "fp8_tokens": 64,
     "fp8_rounds": 1,
 }
-PARTS = ("step", "launch", "fp8", "spawn", "pool")
+PARTS = ("step", "launch", "fp8", "spawn", "pool", "forkserver")
 
 _PROBE = """
 import json, torch
@@ -103,8 +105,8 @@ def fp8_unavailable(gpu: dict[str, Any], python: str) -> str | None:
 class Kernel:
     """One hermetic kernel holding the scenario cell."""
 
-    def __init__(self, python: str, cache: str) -> None:
-        env = {**isolated_env(cache), "PYTHONDONTWRITEBYTECODE": None}
+    def __init__(self, python: str, cache: str, **extra_env: str | None) -> None:
+        env = {**isolated_env(cache), "PYTHONDONTWRITEBYTECODE": None, **extra_env}
         self.session = KernelSession(python, cwd=str(ROOT), env=env, startup_timeout=120)
 
     def run(self, code: str, timeout: float = 600) -> None:
@@ -126,6 +128,72 @@ def _sample(kernel: Kernel, res: dict, key: str, expr: str) -> None:
     except Exception as err:  # a failed system is reported, the run goes on
         res["errors"].append(f"{key}: {str(err)[-600:]}")
         print(f"  ! {key}: {str(err)[-300:]}", flush=True)
+
+
+# The notebook as people write it (issue 43): nbaccel loaded first, then CUDA touched.
+_TOUCH_CUDA = """
+import torch
+torch.cuda.is_available()  # initialises the driver in the kernel
+try:
+    import transformers  # noqa: F401 - what GPU notebooks import before launching
+except ImportError:
+    pass
+"""
+
+
+def touched_kernel(python: str, cache: str, cfg: dict[str, Any]) -> Kernel:
+    """A second kernel: ``%load_ext nbaccel`` (the fork server), then CUDA touched. On the
+    CPU (--smoke) the driver is tests/platform/fake_cuda.py's stand-in, initialised."""
+    server = "1" if cfg["smoke"] else None  # a GPU machine takes it on its own
+    kernel = Kernel(python, cache, NBACCEL_FORK_SERVER=server)
+    kernel.session.start()
+    kernel.run(f"GPU_CFG = {cfg!r}")
+    kernel.run((BENCH / "scenarios" / "gpu.py").read_text())
+    kernel.run("%load_ext nbaccel")
+    if cfg["smoke"]:
+        sys.path.insert(0, str(ROOT / "tests" / "platform"))
+        from fake_cuda import build_fake_driver
+
+        driver = build_fake_driver(Path(cache))
+        kernel.run(f"import ctypes\nctypes.CDLL({str(driver)!r}).cuInit(0)")
+    else:
+        kernel.run(_TOUCH_CUDA)
+    return kernel
+
+
+def measure_forkserver(kernel: Kernel, cfg: dict[str, Any], res: dict) -> None:
+    """A launch from the touched kernel (its workers forked by the fork server) against the
+    same launch from the clean benchmark kernel (forked from it), interleaved."""
+    import psutil
+
+    touched = touched_kernel(kernel.session.python, tempfile.mkdtemp(), cfg)
+    try:
+        pid = touched.session.evaluate_json(
+            "__import__('nbaccel.launch._forkserver').launch._forkserver.server_pid()"
+        )
+        for who in (kernel, touched):
+            _sample(who, res, "warmup", "gpu_launch_once('nbaccel')")
+        res["samples"].pop("warmup", None)
+        for _ in range(cfg["launch_rounds"]):
+            _sample(kernel, res, "forkserver/clean-fork", "gpu_launch_once('nbaccel')")
+            _sample(touched, res, "forkserver/server", "gpu_launch_once('nbaccel')")
+        parent = touched.session.evaluate_json(
+            "__import__('nbaccel').notebook_launcher(lambda: __import__('os').getppid(), "
+            "num_processes=1, block=False).result(timeout=300)",  # a worker, not the kernel
+            timeout=300,
+        )
+        info = psutil.Process(pid) if pid is not None else None
+        res["forkserver"] = {
+            "server_pid": pid,
+            "workers_from_server": pid is not None and parent == pid,
+            "server_uss": info.memory_full_info().uss if info else None,
+        }
+        if not res["forkserver"]["workers_from_server"]:
+            res["errors"].append(
+                f"forkserver: workers not forked by the server ({res['forkserver']})"
+            )
+    finally:
+        touched.session.stop()
 
 
 def measure(kernel: Kernel, cfg: dict[str, Any], res: dict) -> None:
@@ -161,6 +229,8 @@ def measure(kernel: Kernel, cfg: dict[str, Any], res: dict) -> None:
         for _ in range(cfg["launch_rounds"]):
             for system in spawners:
                 _sample(kernel, res, f"spawn/{system}", f"gpu_spawn_once({system!r})")
+    if "forkserver" in parts:
+        measure_forkserver(kernel, cfg, res)
     if "pool" in parts:  # one pool per sample: its call latency once warm
         for _ in range(cfg["fp8_rounds"]):
             for method in ("fork", "spawn"):
@@ -191,6 +261,8 @@ def render(res: dict) -> str:
     fp8 = ratio(med(res, "fp8-shape/bf16", step), med(res, "fp8-shape/fp8", step))
     spawn = ratio(med(res, "spawn/nbaccel-spawn"), med(res, "spawn/raw-spawn"))
     pool = ratio(med(res, "pool/spawn"), med(res, "pool/fork"))
+    served = ratio(med(res, "forkserver/server"), med(res, "forkserver/clean-fork"))
+    uss = (res.get("forkserver") or {}).get("server_uss")
     params = next((s["params"] for s in res["samples"].get("step-bf16/raw", [])), None)
     lines = [
         "# nbaccel GPU benchmark"
@@ -250,6 +322,16 @@ def render(res: dict) -> str:
         f"{cell(res, 'pool/spawn', None, ms, '{:.2f}')} ms | "
         f"{cell(res, 'pool/fork', None, ms, '{:.2f}')} ms fork pool | {_r(pool)} | ≤ 1.1× "
         f"(issue 32) | {judge(None if pool is None else pool <= 1.1, 'pool')} |"
+    )
+    lines.append(
+        "| Launch after the kernel touched CUDA (fork server) vs a clean kernel's fork | "
+        f"{cell(res, 'forkserver/server', None, ms)} ms | "
+        f"{cell(res, 'forkserver/clean-fork', None, ms)} ms clean fork | {_r(served)} | ≤ 1.2× "
+        f"(issue 43) | {judge(None if served is None else served <= 1.2, 'forkserver')} |"
+    )
+    lines.append(
+        "| Fork server's own memory (USS) | "
+        f"{'–' if uss is None else f'{uss / (1 << 20):.0f} MiB'} | | | reported | – |"
     )
     lines += [
         "",

@@ -12,7 +12,7 @@
 #
 # Options also: --no-install. Environment: PYTHON (default python3, the image's torch),
 # GPU_TEST_BUDGET / GPU_BENCH_BUDGET (seconds; default 250 each, 480 for a part run alone),
-# PYTEST_ARGS, GPU_BENCH_ONLY (bench parts, e.g. "fp8,spawn"; default all: step,launch,fp8,spawn,pool),
+# PYTEST_ARGS, GPU_BENCH_ONLY (bench parts, e.g. "fp8,spawn"; default all: step,launch,fp8,spawn,pool,forkserver),
 # NBACCEL_COMMIT (the commit to name in the report where the copy has no .git),
 # GPU_CHECK_DIR (where the results go, default bench/gpu).
 # Exit status: 0 when every step passed, else 1 (the report is written either way).

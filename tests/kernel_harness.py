@@ -196,10 +196,13 @@ def isolated_env(cache_dir: str | os.PathLike[str]) -> dict[str, str | None]:
     """``env`` overrides for a hermetic test kernel (pass to :class:`KernelSession`).
 
     Drops every ``NBACCEL_*`` variable of the caller and points ``XDG_CACHE_HOME``
-    at ``cache_dir`` so that a developer's saved nbaccel config file is not read.
+    at ``cache_dir`` so that a developer's saved nbaccel config file is not read. No fork
+    server (``NBACCEL_FORK_SERVER=0``): on a GPU machine a kernel would take one at its first
+    launch, one more descendant; the tests of the server set it themselves.
     """
     env: dict[str, str | None] = {key: None for key in os.environ if key.startswith("NBACCEL_")}
     env["XDG_CACHE_HOME"] = os.fspath(cache_dir)
+    env["NBACCEL_FORK_SERVER"] = "0"
     return env
 
 

@@ -73,6 +73,10 @@ def _assert_every_bench_row(out: Path) -> None:
     for key in ("launch/raw", "launch/nbaccel", "spawn/raw-spawn", "spawn/nbaccel-spawn"):
         (seconds,) = result["samples"][key]
         assert seconds > 0
+    for key in ("forkserver/clean-fork", "forkserver/server"):  # issue 43: stand-in driver
+        (seconds,) = result["samples"][key]
+        assert seconds > 0
+    assert result["forkserver"]["workers_from_server"] is True, result["forkserver"]
     for key in ("pool/fork", "pool/spawn"):
         (seconds,) = result["samples"][key]
         assert seconds > 0
@@ -83,6 +87,9 @@ def _assert_every_bench_row(out: Path) -> None:
     assert "fp8 (torchao) speed-up over bf16 | not run: smoke run on the CPU" in table
     assert "| Spawn launch with CUDA init vs hand-written torch.multiprocessing spawn |" in table
     assert "| Warm pool call (CUDA tensor, synced), pool started with spawn vs fork |" in table
+    assert (
+        "| Launch after the kernel touched CUDA (fork server) vs a clean kernel's fork |" in table
+    )
 
 
 @pytest.mark.timeout(120)

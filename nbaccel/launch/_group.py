@@ -5,9 +5,11 @@ the supervisor. Every process forked from the kernel closes the kernel's ends at
 hook the first launch installs), so a worker's channel ends exactly when the supervisor's
 process is gone. fork: ``os.fork()``, the child never returns into the kernel's code and
 inherits its first job; spawn: ``python -c "...spawn_main(fd)"``, its spec, ``sys.path``
-and the notebook's cell sources the channel's first frame. Before forking, the kernel
-imports what each worker would repeat: nbaccel's runtime, and ``torch._dynamo`` once a
-worker needed it (torch imports it lazily from every optimizer and DDP, ~0.8 s of CPU):
+and the notebook's cell sources the channel's first frame; fork server (CUDA touched in
+the kernel since it was taken, :mod:`._forkserver`): forked by it, then as spawn. Before
+forking, the kernel imports what each worker would repeat: nbaccel's runtime, and
+``torch._dynamo`` once a worker needed it (torch imports it lazily from every optimizer and
+DDP, ~0.8 s of CPU):
 learned, not predicted, so a launch that never trains never pays it; only on CPU-only torch
 builds, where the import cannot touch the driver. One ``selectors`` loop over
 every worker's pipes and channel: lines go to the :class:`~._output.LineForwarder` (a tail
@@ -36,8 +38,8 @@ from typing import Any
 
 from ..config.fields import field_kind
 from ..errors import LaunchError
-from ..platform import environment, forksafe
-from . import _worker_os
+from ..platform import cudafork, environment, forksafe
+from . import _forkserver, _worker_os
 from ._messages import Exit, Job, Setup
 from ._output import LineForwarder
 from ._wire import Channel
@@ -76,7 +78,7 @@ class WorkerProcess:
     pid: int
     fds: dict[str, int]  # read ends: "stdout", "stderr"
     channel: Channel | None = None
-    popen: subprocess.Popen[bytes] | None = None
+    popen: subprocess.Popen[bytes] | _forkserver.ServerWorker | None = None
     returncode: int | None = None
     exit_time: float | None = None
     killed_by_us: bool = False
@@ -206,6 +208,9 @@ def start_processes(
     if not _hook_installed:  # channels reach their end exactly when the kernel is gone
         os.register_at_fork(after_in_child=lambda: close_ends(_KERNEL_ENDS))
         _hook_installed = True
+    if method == "forkserver" and not _forkserver.usable():  # died since the launch began
+        _forkserver.say_why_not()
+        method = "spawn"
     if method == "fork":
         forksafe.warn_if_fork_unsafe()  # a warning in the cell unless the fork is checked safe
         _preload()
@@ -223,10 +228,13 @@ def start_processes(
             spec.close_fds = [fd for fd in children if fd not in mine.values()]
             spec.close_fds += [fd for fd in close_in_children if fd != spec.store_fd]
             with _interrupts_deferred():  # an interrupt now must not lose the pid
+                popen: subprocess.Popen[bytes] | _forkserver.ServerWorker | None = None
                 if method == "fork":
-                    pid, popen = _fork(spec, mine, first_job), None
+                    pid = _fork(spec, mine, first_job)
                 else:
-                    popen = _spawn(spec, mine)
+                    popen = (
+                        _from_server(spec, mine) if method == "forkserver" else _spawn(spec, mine)
+                    )
                     pid = popen.pid
                 pipes = {"stdout": kernel["stdout"], "stderr": kernel["stderr"]}
                 procs.append(WorkerProcess(spec.rank, pid, pipes, kernel["channel"], popen))
@@ -304,6 +312,33 @@ def _package_root() -> str:
     that one would shadow the standard library with ``nbaccel/logging.py``)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return os.path.dirname(package)
+
+
+def _from_server(spec: WorkerSpec, mine: dict[str, int]) -> _forkserver.ServerWorker:
+    """A worker forked by the fork server; like a spawned one, its spec comes as Setup."""
+    store = [spec.store_fd] if spec.store_fd is not None else []
+    popen, numbers = _forkserver.start_worker([mine["stdout"], mine["stderr"], mine["channel"],
+                                               *store])  # fmt: skip
+    spec.fds = {"stdout": 1, "stderr": 2, "channel": numbers[0]}
+    spec.close_fds = []  # the server's worker holds only what it was sent
+    if store:
+        spec.store_fd = numbers[1]
+    return popen
+
+
+def take_fork_server() -> None:
+    """nbaccel's first use in a kernel whose CUDA is untouched: the fork server is taken
+    from the kernel prepared as for a fork (runtime imported, OpenMP pool released), so
+    that workers still fork once the kernel has touched CUDA."""
+    global _hook_installed
+    if not _forkserver.wanted() or _forkserver.server_pid() is not None:
+        return
+    if not _hook_installed:  # the server must not keep the kernel's ends open
+        os.register_at_fork(after_in_child=lambda: close_ends(_KERNEL_ENDS))
+        _hook_installed = True
+    if not cudafork.fork_state().broken:
+        _preload()
+    _forkserver.take()
 
 
 def _spawn(spec: WorkerSpec, mine: dict[str, int]) -> subprocess.Popen[bytes]:
@@ -476,4 +511,11 @@ class Group:
         self._selector.close()
 
 
-__all__ = ["Group", "WorkerProcess", "close_ends", "remember_worker_imports", "start_processes"]
+__all__ = [
+    "Group",
+    "WorkerProcess",
+    "close_ends",
+    "remember_worker_imports",
+    "start_processes",
+    "take_fork_server",
+]

@@ -32,7 +32,9 @@ from typing import Any
 from ..config import LaunchConfig, resolve_launch_config
 from ..config.options import CALL, START, CallOptions, StartOptions, check_settings
 from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
-from ..platform import cudafork, cudatrace, environment, forksafe, hardware, tpu
+from ..platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware, tpu
+from . import _forkserver, _freegpus
+from ._group import take_fork_server
 from ._jobs import dill_for_workers
 from ._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
 
@@ -126,14 +128,30 @@ def choose_start_method(requested: str) -> str:
         if not hasattr(os, "fork"):
             raise ConfigError("start_method='fork' is not available on this platform; use 'spawn'.")
         if state.broken:
+            if _forkserver.usable():  # forked all the same, from the kernel's clean copy
+                return "forkserver"
             raise cuda_fork_error(state)
         return "fork"
     if requested == "spawn":
         return "spawn"
     if state.broken:
+        if _forkserver.usable():
+            return "forkserver"
+        _forkserver.say_why_not()
         _say_why_spawn(state)
         return "spawn"
     return "fork" if environment.fork_preferred() else "spawn"
+
+
+_SAID_NO_SERVER: set[str] = set()
+
+
+def say_no_fork_server() -> None:
+    """One line in the cell, once per reason: the fork server that was wanted cannot serve."""
+    if (why := _forkserver.why_not()) is None or why in _SAID_NO_SERVER:
+        return
+    _SAID_NO_SERVER.add(why)
+    sys.stderr.write(f"nbaccel: workers are spawned, not forked: {why}.\n")
 
 
 def fork_safe_threads(threads: int | None) -> int | None:
@@ -174,7 +192,7 @@ class LaunchPlan:
     args: tuple[Any, ...]
     config: LaunchConfig
     num_processes: int | None  # per node
-    method: str  # "fork", "spawn" or "kernel" (run in this process)
+    method: str  # "fork", "spawn", "forkserver" or "kernel" (run in this process)
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
     payload: bytes | None = None  # dill-pickled (function, args) for spawn
@@ -268,6 +286,7 @@ def plan_launch(
     """
     cudatrace.install()  # from now on a later CUDA initialisation in the kernel is recorded
     check_call(function, args)
+    take_fork_server()  # nbaccel's first use, while CUDA may still be untouched
     given = check_settings(dict(settings or {}))
     nodes: int = given.get("num_nodes") or (start.config.num_nodes if start.config else 1)
     check_rendezvous_args(start.rdzv_backend, start.rdzv_conf, start.rdzv_id, start.rdzv_endpoint,
@@ -348,7 +367,8 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
         if not in_kernel:
             check_platform(cfg.start_method)  # the OS first: nothing else would help there
         check_gpus_per_process(cfg, nproc)
-        hardware.check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # bf16 on a T4
+        if cfg.mixed_precision == "fp8" or not gpufacts.gpu_facts().capabilities:
+            hardware.check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # by name
         if cfg.strategy == "fsdp" and nproc * cfg.num_nodes < 2:
             raise ConfigError(
                 "strategy='fsdp' shards the model across processes, but this launch starts "
@@ -362,13 +382,15 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
     if method == "fork" and not on_tpu:
         threads = fork_safe_threads(threads)
     payload = None
-    if method == "spawn":
+    if method in ("spawn", "forkserver"):
         payload = dill_for_workers(
             (plan.function, args, {}),
             "the function, its args and the globals it uses (start_method='spawn')",
             "inside the function, or pass them through args as plain data",
         )
     env = process_env(cfg, threads)
+    if not on_tpu:  # bf16 on a T4, a broken P2P path, a small /dev/shm: one line each
+        env.update(_freegpus.for_launch(cfg, nproc, plan.function, os.environ).env)
     if not (in_kernel or on_tpu):
         env.update(_accelerate_env(cfg))
     return dataclasses.replace(plan, num_processes=nproc, method=method, env=env,

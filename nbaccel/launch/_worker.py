@@ -54,7 +54,7 @@ class WorkerSpec:
     node_rank: int
     config: LaunchConfig
     env: dict[str, str]  # torch's rendezvous contract (RANK, MASTER_ADDR, ...) and threads
-    method: str  # "fork" or "spawn": the nodes compare it
+    method: str  # "fork", "spawn" or "forkserver": the nodes compare it
     round: int = 0  # restart round: multi-node agreement keys carry it
     threads: int | None = None
     persistent: bool = False  # a pool worker: wait for the next job
@@ -304,17 +304,21 @@ def fork_main(spec: WorkerSpec, sock: socket.socket, job: Job | None) -> None:
         _finish(code)
 
 
-def spawn_main(fd: int) -> None:
-    """Entry point of a spawned worker (``python -c ...``): the spec is the first frame."""
+def spawn_main(fd: int, forked_by: int | None = None) -> None:
+    """Entry point of a spawned worker (``python -c ...``): the spec is the first frame.
+    ``forked_by``: the fork server's pid, for a worker it forked (it dies with that one)."""
     channel = Channel(socket.socket(fileno=fd))
     first = channel.next()
     if not isinstance(first, Setup):
         os._exit(70)  # the supervisor is gone already
     spec = first.spec
+    if forked_by is not None:
+        atexit._clear()  # the kernel's exit handlers, inherited through the server
+        spec.parent_pid, spec.die_with_parent = forked_by, True
     sys.path[:] = first.sys_path
     linecache.cache.update(first.sources)  # notebook cells have no file on disk
     _setup(spec, channel)
-    _finish(serve(spec, channel, None, forked=False))
+    _finish(serve(spec, channel, None, forked=forked_by is not None))
 
 
 __all__ = ["WorkerSpec", "error_info", "fork_main", "serve", "spawn_main"]

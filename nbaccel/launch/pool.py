@@ -35,7 +35,7 @@ from ..config.keywords import PoolKeywords, documented, split
 from ..config.options import CALL, CallOptions, OutputTarget, check_settings
 from ..errors import LaunchError, Stopped
 from ..platform import cudafork, environment
-from . import _kept, _lifetimes
+from . import _forkserver, _kept, _lifetimes
 from ._cell_output import CellOutput
 from ._jobs import check_syntax, dill_for_workers
 from ._messages import Job
@@ -98,12 +98,22 @@ class WorkerPool(Observed):
         self._sent = set()
         if self._plan.method == "fork" and _fork_unsafe_now():
             # CUDA (or a process group) appeared in the kernel since the pool started:
-            # forking now would hand the new workers a broken copy, so start them fresh.
-            self._plan = dataclasses.replace(self._plan, method="spawn")
+            # forking now would hand the new workers a broken copy: the fork server's
+            # clean copy forks them, or they start fresh.
+            server = _forkserver.usable()
+            self._plan = dataclasses.replace(self._plan, method="forkserver" if server else "spawn")
+            how = (
+                "forked from nbaccel's fork server"
+                if server
+                else "started with start_method='spawn'"
+            )
             _say(
                 "nbaccel: CUDA or a process group is now initialised in the kernel, so the "
-                "pool's workers are started with start_method='spawn' from now on."
+                f"pool's workers are {how} from now on."
             )
+        elif self._plan.method == "forkserver" and not _forkserver.usable():
+            _forkserver.say_why_not()
+            self._plan = dataclasses.replace(self._plan, method="spawn")
         pool = weakref.ref(self)  # the workers must not keep an unreferenced pool alive
 
         def on_event(rank: int, kind: str, data: dict) -> None:
@@ -446,7 +456,7 @@ class WorkerPool(Observed):
 
     @property
     def start_method(self) -> str:
-        """How the current workers were started: "fork" or "spawn"."""
+        """How the current workers were started: "fork", "spawn" or "forkserver"."""
         return self._plan.method
 
     def __repr__(self) -> str:
