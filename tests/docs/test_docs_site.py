@@ -31,7 +31,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import docs_hooks  # noqa: E402
 import docs_notebooks  # noqa: E402
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="scripts/docs.sh needs bash")
+pytestmark = [
+    pytest.mark.slow,  # one strict build of the whole site: 25-35 s on 2 loaded cores
+    pytest.mark.skipif(shutil.which("bash") is None, reason="scripts/docs.sh needs bash"),
+]
 
 
 def _build(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
