@@ -2,4 +2,5 @@
 
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # importing the module (a documentation tool does) runs nothing
+    raise SystemExit(main())

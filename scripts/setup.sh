@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with a CPU torch and nbaccel (editable) plus the notebook and test extras.
+# Create .venv with a CPU torch and nbaccel (editable) plus the notebook, test and docs extras.
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,8 @@ fi
 TORCH_SPEC=${NBACCEL_TORCH_SPEC:-torch==2.13.0}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-editable_turn .venv/bin/python -m pip install -q -e ".[notebook,test]"
+# docs: the documentation site (bash scripts/docs.sh build, tests/docs): MkDocs, Material, mkdocstrings
+editable_turn .venv/bin/python -m pip install -q -e ".[notebook,test,docs]"
 # DeepSpeed (the optional `deepspeed` extra; tests of strategy="deepspeed"): an sdist whose build
 # imports torch, hence --no-build-isolation after torch; pip keeps the built wheel in its cache.
 # Only when missing (measured on a fresh venv: see README, "DeepSpeed").

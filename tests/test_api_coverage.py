@@ -270,5 +270,5 @@ def test_the_porting_rule_is_stated_one_way():
         f"{wrong!r} is stated in {stating}; the rule is 'from nbaccel import accelerate'"
     )
     assert "`import accelerate` → **`from nbaccel import accelerate`**" in (
-        (ROOT / "README.md").read_text()
+        (ROOT / "docs" / "tutorials" / "porting.md").read_text()
     )
