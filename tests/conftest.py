@@ -200,10 +200,46 @@ MATRIX_MODULES = (
 )
 
 
+# The longest test files, longest first (durations of a whole run on 2 cores; a file is one
+# unit of work for pytest-xdist's --dist loadfile). They are collected first, so the two
+# workers start on them and the short files fill in at the end: when a long file is handed
+# out last, one worker runs it alone while the other idles (the order changes no outcome).
+LONGEST_FIRST = (
+    "tests/scripts/test_real_scripts.py",
+    "tests/cluster/test_cluster.py",
+    "tests/cli/test_cli.py",
+    "tests/test_notebooks.py",
+    "tests/test_binder.py",
+    "tests/scripts/test_same_numbers.py",
+    "tests/ui/test_browser.py",
+    "tests/parallel/test_mesh_training.py",
+    "tests/test_gpu_check_script.py",
+    "tests/docs/test_docs_site.py",
+    "tests/test_conftest.py",
+    "tests/scripts/test_nd_parallel.py",
+    "tests/cli/test_launch_hang.py",
+    "tests/launch/test_kernel_deepspeed.py",
+    "tests/launch/test_launcher.py",
+    "tests/tracking/test_trackers.py",
+    "tests/launch/test_kernel_launch.py",
+    "tests/runtime/test_deepspeed.py",
+    "tests/launch/test_pool_kernel.py",
+    "tests/parallel/test_kernel_parallelism.py",
+    "tests/launch/test_kernel_forkserver.py",
+    "tests/runtime/test_accelerate_api.py",
+    "tests/cli/test_launch_loopback.py",
+    "tests/platform/test_os_support.py",
+    "tests/ui/test_browser_user.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("::", 1)[0] in MATRIX_MODULES:
             item.add_marker(pytest.mark.matrix)
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    # stable: the tests of a file keep their order, and so do the files not listed
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 # Markers whose tests must really run in the full suite: a skip there (a missing browser,

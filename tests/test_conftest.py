@@ -115,3 +115,12 @@ def test_no_accelerator_state_passes_from_one_module_to_the_next(tmp_path):
     )
     assert out.returncode == 0, out.stdout
     assert "2 passed" in out.stdout, out.stdout
+
+
+def test_the_longest_first_files_exist():
+    # a renamed or moved file would silently lose its place at the front of the run
+    from conftest import LONGEST_FIRST
+
+    root = Path(__file__).resolve().parents[1]
+    missing = [path for path in LONGEST_FIRST if not (root / path).is_file()]
+    assert not missing, f"conftest.LONGEST_FIRST names files that do not exist: {missing}"
