@@ -19,3 +19,7 @@ TORCH_SPEC=${NBACCEL_TORCH_SPEC:-torch==2.13.0}
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('deepspeed') is None)"; then
   .venv/bin/python -m pip install -q --no-build-isolation "deepspeed==0.19.8"
 fi
+# Ray (the optional `ray` extra; cluster="ray" and tests/cluster): only when missing.
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('ray') is None)"; then
+  .venv/bin/python -m pip install -q "ray[default]==2.60.0"
+fi

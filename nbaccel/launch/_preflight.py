@@ -33,6 +33,7 @@ from ..config import LaunchConfig, resolve_launch_config
 from ..config.options import CALL, START, CallOptions, StartOptions, check_settings
 from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
 from ..platform import cudafork, cudatrace, environment, forksafe, hardware, tpu
+from ._cluster_place import check_cluster_installed
 from ._jobs import dill_for_workers
 from ._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
 
@@ -193,8 +194,11 @@ class LaunchPlan:
 
     @property
     def ranks(self) -> list[int]:
-        """The global ranks of this node's workers."""
+        """The global ranks of this node's workers (on a cluster: every rank, all placed
+        from here)."""
         nproc = self.num_processes or 1
+        if self.config.cluster is not None:
+            return list(range(self.world_size))
         return [self.config.node_rank * nproc + i for i in range(nproc)]
 
 
@@ -343,8 +347,11 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
         nproc, in_kernel = _tpu_processes(cfg), False
     else:
         _check_deepspeed(cfg, args)
-        nproc = _count_processes(cfg)
-        in_kernel = nproc == 1 and cfg.num_nodes == 1 and plan.call.block
+        if cfg.cluster is not None:
+            check_cluster_installed(cfg.cluster)  # before anything starts
+        # a cluster's nodes are not this machine: one rank per node unless told otherwise
+        nproc = (cfg.num_processes or 1) if cfg.cluster is not None else _count_processes(cfg)
+        in_kernel = nproc == 1 and cfg.num_nodes == 1 and plan.call.block and not cfg.cluster
         if not in_kernel:
             check_platform(cfg.start_method)  # the OS first: nothing else would help there
         check_gpus_per_process(cfg, nproc)
@@ -358,6 +365,8 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
             check_no_state_in_kernel()
         threads = None if in_kernel else worker_threads(nproc)
     method = "kernel" if in_kernel else choose_start_method(cfg.start_method)
+    if cfg.cluster is not None:  # a fresh interpreter on each node, the spec its first frame
+        method = "spawn"
     if method == "fork" and not on_tpu:
         threads = fork_safe_threads(threads)
     payload = None
