@@ -17,10 +17,12 @@ Example:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import importlib.util
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,18 @@ def check_cluster_installed(cluster: str) -> None:
             f"kernel's environment. Fix: {INSTALL} (and the same on every node), or "
             "cluster=None for this machine."
         )
+
+
+def keep_print_plain() -> None:
+    """Undo (and keep off) Ray's patch of ``builtins.print``: its driver replaces print by
+    ``tqdm_ray.safe_print`` once a worker's log arrives, a function whose globals refer back
+    to it (through ``instance``), and dill, which copies a notebook function with the globals
+    it uses, print among them, then recurses without end (RecursionError: no function that
+    prints could be launched). Ray reads RAY_TQDM_PATCH_PRINT when it patches."""
+    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
+    bars = sys.modules.get("ray.experimental.tqdm_ray")
+    if bars is not None and builtins.print is getattr(bars, "safe_print", None):
+        builtins.print = bars._print
 
 
 def connect(cluster: str) -> Any:
@@ -148,6 +162,7 @@ __all__ = [
     "check_cluster_installed",
     "check_feasible",
     "connect",
+    "keep_print_plain",
     "release",
     "reserve",
     "resources_per_rank",

@@ -33,7 +33,7 @@ from ..config import LaunchConfig, resolve_launch_config
 from ..config.options import CALL, START, CallOptions, StartOptions, check_settings
 from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
 from ..platform import cudafork, cudatrace, environment, forksafe, hardware, tpu
-from ._cluster_place import check_cluster_installed
+from ._cluster_place import check_cluster_installed, keep_print_plain
 from ._jobs import dill_for_workers
 from ._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
 
@@ -349,6 +349,7 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
         _check_deepspeed(cfg, args)
         if cfg.cluster is not None:
             check_cluster_installed(cfg.cluster)  # before anything starts
+            keep_print_plain()  # before the function is copied with dill
         # a cluster's nodes are not this machine: one rank per node unless told otherwise
         nproc = (cfg.num_processes or 1) if cfg.cluster is not None else _count_processes(cfg)
         in_kernel = nproc == 1 and cfg.num_nodes == 1 and plan.call.block and not cfg.cluster
@@ -389,13 +390,16 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     process (torch_xla's runtime starts one per chip from it). Output is not prefixed."""
     on_tpu = cfg.compute_device == "tpu"
     nproc = 1 if on_tpu else _count_processes(cfg)
+    if cfg.cluster is not None:  # the nodes' processes, not this machine's devices
+        check_cluster_installed(cfg.cluster)
+        nproc = cfg.num_processes or 1
     check_platform(cfg.start_method)
     check_gpus_per_process(cfg, nproc)
     threads = worker_threads(nproc)
     env = process_env(cfg, threads) | _accelerate_env(cfg)
     if on_tpu:
         env["PJRT_DEVICE"] = os.environ.get("PJRT_DEVICE", "TPU")
-    method = "fork" if cfg.start_method == "fork" else "spawn"
+    method = "fork" if cfg.start_method == "fork" and cfg.cluster is None else "spawn"
     return LaunchPlan(print, (), cfg, nproc, method, env, threads,
                       start=StartOptions(log_line_prefix_template=""))  # fmt: skip
 
