@@ -26,15 +26,17 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LaunchError
 from ..platform import environment
 from . import _cluster_place, _cluster_wire, _group
 from ._group import WorkerProcess
-from ._messages import Setup
+from ._messages import Done, Setup
 from ._preflight import LaunchPlan
+from ._supervisor import Hook, JobFailed, Supervisor
+from ._tidy import Failure
 from ._wire import Channel
 from ._worker import WorkerSpec
 
@@ -91,13 +93,24 @@ class RemoteWorker(WorkerProcess):
         try:
             code = int(ray.get(ready[0]))
         except Exception as err:  # the actor or its node is gone: the worker with it
-            self.lost = f"{self.placement.nodes.get(self.rank, 'its node')} lost: {err}"
+            self.lost = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
             code = -int(signal.SIGKILL)
         self.returncode, self.exit_time = code, time.time()
         return code
 
     def alive(self) -> bool:
         return self.poll() is None
+
+    def channel_closed(self) -> bool:
+        """The kernel's end of the channel saw the end of the stream (or is closed)."""
+        if self.channel is None:
+            return True
+        try:
+            return self.channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None and self.actor is not None:
@@ -118,6 +131,44 @@ class RemoteWorker(WorkerProcess):
         super().close()
         if had:
             self.placement.closed()
+
+
+class NodeWatch(Hook):
+    """A lost node ends the job with an error naming the node and its ranks (not the
+    peers' "connection closed" that it causes first). Ray learns of the loss a few seconds
+    after the node's sockets close: a failing job waits up to :attr:`WAIT` for that word
+    about the ranks whose streams ended without an exit status."""
+
+    WAIT = 30.0
+
+    def look(self, sup: Supervisor, busy: list[int], done: Mapping[int, Done]) -> JobFailed | None:
+        lost = [p for p in sup.procs.values() if isinstance(p, RemoteWorker) and p.lost]
+        return JobFailed(_lost_error(lost), "a node was lost") if lost else None
+
+    def failed(
+        self, sup: Supervisor, problems: list[Failure], chosen: Failure, finished: set[int]
+    ) -> None:
+        remote = [p for p in sup.procs.values() if isinstance(p, RemoteWorker)]
+        silent = [p for p in remote if p.returncode is None and p.channel_closed()]
+        deadline = time.monotonic() + (self.WAIT if silent else 0)
+        while silent and time.monotonic() < deadline and not any(p.lost for p in remote):
+            for proc in silent:
+                proc.poll()
+            time.sleep(0.1)
+        if lost := [p for p in remote if p.lost]:  # this error instead of the peers' one
+            sup._end_early([*sup.procs.values()], _lost_error(lost), "a node was lost")
+
+
+def _lost_error(lost: list[RemoteWorker]) -> LaunchError:
+    by_node: dict[str, list[int]] = {}
+    for proc in lost:
+        by_node.setdefault(proc.placement.nodes.get(proc.rank, "a node"), []).append(proc.rank)
+    said = "; ".join(f"{node} with rank(s) {sorted(ranks)}" for node, ranks in by_node.items())
+    return LaunchError(
+        f"the Ray cluster lost {said}: those ranks are gone, and the launch was ended "
+        f"(Ray said: {lost[0].lost}). Fix: check the node (memory, preemption), then launch "
+        "again; max_restarts=... restarts the group on the nodes left."
+    )
 
 
 def _kernel_host(ray: Any) -> str:
@@ -297,4 +348,4 @@ def _specs(plan: LaunchPlan, infos: list[dict[str, Any]], per_node: int, round_:
     return specs
 
 
-__all__ = ["HOST_VAR", "Placement", "RemoteWorker", "node_of", "start_cluster_group"]
+__all__ = ["HOST_VAR", "NodeWatch", "Placement", "RemoteWorker", "node_of", "start_cluster_group"]

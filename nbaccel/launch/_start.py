@@ -26,7 +26,7 @@ from ._messages import Job
 from ._output import LineForwarder
 from ._preflight import LaunchPlan
 from ._rendezvous import Rendezvous
-from ._supervisor import Supervisor
+from ._supervisor import Hook, Supervisor
 from ._watchdog import HangPolicy, HangWatch, SubsetCheck
 from ._worker import WorkerSpec
 
@@ -84,15 +84,16 @@ def start_group(
     _kept.sweep()  # kept ranks whose time is over go before new workers start
     cfg = plan.config
     ranks = plan.ranks
+    hooks: list[Hook] = [SubsetCheck(), HangWatch(HangPolicy.of(cfg))]
     if cfg.cluster is not None:  # the cluster backend: every rank placed on a Ray node
-        from ._cluster import start_cluster_group
+        from ._cluster import NodeWatch, start_cluster_group
 
         procs = start_cluster_group(
             plan, round_=round_, persistent=persistent, rank_env=rank_environment
         )
+        hooks.append(NodeWatch())  # a lost node is said as such
     else:
         procs = _start_here(plan, round_, persistent, first_job)
-    hooks = [SubsetCheck(), HangWatch(HangPolicy.of(cfg))]
     if persistent or plan.debug_timeout is not None:  # a pool, debug=True: nbaccel.debug()
         hooks.append(_kept.KeepFailed())
     try:

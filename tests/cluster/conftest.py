@@ -73,21 +73,33 @@ class LocalCluster:
             f"--node-manager-port={manager}", f"--object-manager-port={objects}",
             *args,
         ]  # fmt: skip
-        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=180)
+        # its own process group: a test that kills "a node" kills only this one
+        done = subprocess.run(
+            cmd, env=self.env, capture_output=True, text=True, timeout=180, start_new_session=True
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
 
+    def _start_retried(self, name: str, ip: str, *args: str) -> None:
+        """Ray gives a node 30 s (fixed) to register with the GCS: on a loaded 2-core
+        machine that can pass; what the failed try started is ended, then one more try."""
+        try:
+            self._start(name, ip, *args)
+        except RuntimeError:
+            self._end(self.processes(str(self.root / name)))
+            self._start(name, ip, *args)
+
     def start(self) -> LocalCluster:
-        self._start(
+        self._start_retried(
             "head", HEAD_IP, "--head", f"--port={self.port}", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard}", "--include-dashboard=true",
         )  # fmt: skip
-        self._start("b", NODE_B_IP, f"--address={self.address}")
+        self._start_retried("b", NODE_B_IP, f"--address={self.address}")
         return self
 
-    def processes(self) -> list[psutil.Process]:
-        """Every process of this cluster (its command line or environment names its dir)."""
-        mine = str(self.root)
+    def processes(self, under: str | None = None) -> list[psutil.Process]:
+        """Every process of this cluster (its command line names its dir, or ``under``)."""
+        mine = under or str(self.root)
         out = []
         for proc in psutil.process_iter(["cmdline"]):
             with contextlib.suppress(psutil.Error):
@@ -95,8 +107,28 @@ class LocalCluster:
                     out.append(proc)
         return out
 
+    def kill_node(self, name: str) -> list[int]:
+        """SIGKILL node ``name``'s process groups (its raylet, agents, workers): the node is
+        lost as a machine is. Each node was started in its own session; the test's own
+        process group is never one of them. Returns the pids that were there."""
+        procs = self.processes(str(self.root / name))
+        ours = os.getpgid(0)
+        groups = set()
+        for proc in procs:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                groups.add(os.getpgid(proc.pid))
+        for group in groups - {ours}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, 9)
+        psutil.wait_procs(procs, timeout=30)
+        return [p.pid for p in procs]
+
     def stop(self) -> None:
-        procs = self.processes()
+        self._end(self.processes())
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @staticmethod
+    def _end(procs: list[psutil.Process]) -> None:
         # the raylets and workers too: children of the daemons above
         for proc in list(procs):
             with contextlib.suppress(psutil.Error):
@@ -113,7 +145,6 @@ class LocalCluster:
             with contextlib.suppress(psutil.Error, ChildProcessError):
                 if child.status() == psutil.STATUS_ZOMBIE:
                     os.waitpid(child.pid, os.WNOHANG)
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ no nbaccel worker process on the machine, no child of the kernel.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import psutil
@@ -54,18 +55,27 @@ def left_on_cluster():
 """
 
 
+_CLUSTER_ROOT: list[str] = []  # the session cluster's temp dir, set by the kernel fixture
+
+
 def _workers() -> list[psutil.Process]:
-    """nbaccel worker processes anywhere on the machine started by this worktree's Python."""
+    """nbaccel worker processes started on this session's cluster: spawned workers whose
+    ancestors include one of its raylets (other suites' workers on the machine are not)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or ())
-        if "spawn_main" in cmd and "nbaccel.launch._worker" in cmd:
-            found.append(proc)
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(proc.info["cmdline"] or ())
+            if "spawn_main" not in cmd or "nbaccel.launch._worker" not in cmd:
+                continue
+            lines = [" ".join(p.cmdline()) for p in proc.parents()]
+            if any(_CLUSTER_ROOT[0] in line for line in lines):
+                found.append(proc)
     return found
 
 
 @pytest.fixture(scope="module")
 def kernel(ray_cluster, tmp_path_factory) -> Iterator[KernelSession]:
+    _CLUSTER_ROOT[:] = [str(ray_cluster.root)]
     workdir = tmp_path_factory.mktemp("kernel")
     session = KernelSession(cwd=workdir, env=isolated_env(workdir))
     session.start()
@@ -183,3 +193,14 @@ def test_the_state_api_sees_the_launch_while_it_runs(kernel):
     assert wait_until(lambda: len(_workers()) == 2, 120)
     kernel.run("handle.stop()\ntry:\n    handle.result()\nexcept Exception as e:\n    print(type(e))",
                timeout=120)  # fmt: skip
+
+
+# Last in this module (one module: one pytest worker, one cluster): node b is gone after it.
+def test_a_lost_node_ends_the_launch_naming_the_node_and_its_ranks(kernel, ray_cluster):
+    msg = kernel.submit("notebook_launcher(spin, num_processes=1, num_nodes=2, cluster='ray')")
+    kernel.wait_for_output(msg, r"spinning[\s\S]*spinning", timeout=300)
+    assert ray_cluster.kill_node("b")
+    cell = kernel.collect(msg, timeout=180)
+    assert cell.error is not None and cell.error.ename == "LaunchError", cell.error
+    text = cell.error.evalue
+    assert "lost node 127.0.0.3" in text and "with rank(s) [" in text, text
