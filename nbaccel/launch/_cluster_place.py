@@ -22,6 +22,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from ..errors import ConfigError, LaunchError
 INSTALL = "pip install 'nbaccel[ray]'"
 #: seconds a feasible placement group may stay pending (held resources) when no timeout is set
 PLACE_WAIT = 120.0
+#: seconds to wait for the cluster's address to answer before ray.init is tried
+REACH_WAIT = 10.0
 
 
 def check_cluster_installed(cluster: str) -> None:
@@ -64,6 +67,7 @@ def connect(cluster: str) -> Any:
         return ray
     address = None if cluster == "ray" else cluster
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    _check_reachable(address, cluster)
     try:
         # the ranks' lines come over nbaccel's own channel: Ray's copy of the actors'
         # output would show each line twice (the actors themselves print nothing)
@@ -75,6 +79,21 @@ def connect(cluster: str) -> Any:
             "RAY_ADDRESS, pass cluster='ray://host:10001', or call ray.init() first."
         ) from err
     return ray
+
+
+def _check_reachable(address: str, cluster: str) -> None:
+    """A "host:port" that nothing answers is said at once: ray.init would retry for minutes
+    (and first rewrite a loopback host into the machine's own address)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_WAIT).close()
+    except OSError as err:
+        raise LaunchError(
+            f"could not reach the Ray cluster at {address!r} (cluster={cluster!r}): {err}. "
+            "Fix: start it (`ray start --head`), or pass the address its head prints."
+        ) from err
 
 
 @dataclass(frozen=True)

@@ -111,18 +111,16 @@ def test_same_numbers_as_two_local_processes_with_every_rank_output_once(kernel)
         "local = notebook_launcher(train, (3,), num_processes=2, return_all_ranks=True)\n"
         "remote = notebook_launcher(train, (3,), num_processes=1, num_nodes=2, cluster='ray',"
         " return_all_ranks=True)\n"
-        "first = notebook_launcher(train, (3,), num_processes=1, num_nodes=2, cluster='ray')\n"
-        "print('SAME', all(torch.equal(a, b) for a, b in zip(local, remote)), len(remote),"
-        " torch.equal(first, local[0]))",
+        "print('SAME', all(torch.equal(a, b) for a, b in zip(local, remote)), len(remote))",
         timeout=300,
     )
-    assert "SAME True 2 True" in cell.stdout
+    assert "SAME True 2" in cell.stdout
     # each launch printed each rank's line once (Ray's own forwarding is on): rank 1 ran on
-    # node 0 in the local run and on node 1 in the two cluster launches; rank 0 on node 0
+    # node 0 in the local run and on node 1 in the cluster launch; rank 0 on node 0 in both
     counts = {line: cell.stdout.count(f"] {line}\n") for line in (
         "line-of-rank-0-node-0", "line-of-rank-1-node-0", "line-of-rank-1-node-1")}  # fmt: skip
     assert counts == {
-        "line-of-rank-0-node-0": 3, "line-of-rank-1-node-0": 1, "line-of-rank-1-node-1": 2
+        "line-of-rank-0-node-0": 2, "line-of-rank-1-node-0": 1, "line-of-rank-1-node-1": 1
     }, cell.stdout  # fmt: skip
 
 
@@ -156,10 +154,12 @@ def test_a_warm_pool_across_cells_then_closed(kernel):
     )
     cell = kernel.run(
         "b = pool.call(train, (2,), return_all_ranks=True)\n"
-        "print('POOL', len(b), all(torch.equal(x, y) for x, y in zip(a, b)))",
+        "first = pool.call(train, (2,))  # rank 0's value alone\n"
+        "print('POOL', len(b), all(torch.equal(x, y) for x, y in zip(a, b)),"
+        " torch.equal(first, a[0]), torch.equal(a[0], a[1]))",
         timeout=300,
     )
-    assert "POOL 2 True" in cell.stdout
+    assert "POOL 2 True True True" in cell.stdout  # DDP: the same weights on both ranks
     assert len(_workers()) == 2  # warm: the workers live between the cells
     kernel.run("pool.close()", timeout=120)
 
