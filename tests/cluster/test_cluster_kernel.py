@@ -46,6 +46,11 @@ def train(steps, fail_rank=None):
         raise ValueError(f"bad batch on rank {{rank}}")
     return accelerator.unwrap_model(model).weight.detach().clone()
 
+def spin():
+    print("spinning", flush=True)
+    while True:
+        time.sleep(0.05)
+
 def left_on_cluster():
     from ray.util import placement_group_table
     from ray.util.state import list_actors
@@ -165,13 +170,6 @@ def test_a_warm_pool_across_cells_then_closed(kernel):
 
 
 def test_an_interrupt_ends_every_remote_rank(kernel):
-    kernel.run(
-        "def spin():\n"
-        "    print('spinning', flush=True)\n"
-        "    while True:\n"
-        "        time.sleep(0.05)\n",
-        timeout=30,
-    )
     msg = kernel.submit("notebook_launcher(spin, num_processes=1, num_nodes=2, cluster='ray')")
     kernel.wait_for_output(msg, r"spinning", timeout=300)
     assert len(_workers()) == 2
@@ -193,6 +191,31 @@ def test_the_state_api_sees_the_launch_while_it_runs(kernel):
     assert wait_until(lambda: len(_workers()) == 2, 120)
     kernel.run("handle.stop()\ntry:\n    handle.result()\nexcept Exception as e:\n    print(type(e))",
                timeout=120)  # fmt: skip
+
+
+def test_the_hang_report_brings_every_remote_rank_stack_into_the_cell(kernel, tmp_path):
+    flag = tmp_path / "go"  # one machine's filesystem: both "nodes" see it
+    kernel.run(
+        "import torch.distributed as dist\n"
+        "def waits(flag):\n"
+        "    accelerator = Accelerator(cpu=True)\n"
+        "    value = torch.ones(1)\n"
+        "    if accelerator.process_index == 1:\n"
+        "        while not os.path.exists(flag): time.sleep(0.05)\n"
+        "    dist.all_reduce(value)\n"
+        "    return value.item()\n",
+        timeout=30,
+    )
+    msg = kernel.submit(
+        f"print('result', notebook_launcher(waits, ({str(flag)!r},), num_processes=1,"
+        " num_nodes=2, cluster='ray', hang_after=2))"
+    )
+    kernel.wait_for_output(msg, "waiting in torch.distributed.all_reduce", timeout=300)
+    flag.touch()  # rank 1 comes: nothing was killed, the launch completes
+    cell = kernel.collect(msg, timeout=120).raise_for_error()
+    assert "result 2.0" in cell.stdout
+    assert "rank 0: waiting in torch.distributed.all_reduce" in cell.stderr, cell.stderr
+    assert "os.path.exists(flag)" in cell.stderr  # rank 1's Python stack, from its node
 
 
 # Last in this module (one module: one pytest worker, one cluster): node b is gone after it.
