@@ -171,8 +171,9 @@ def main() -> int:
     args = parser.parse_args()
     from conftest import HEAD_IP, LocalCluster
 
-    cluster = LocalCluster().start()
+    cluster = LocalCluster()
     try:
+        cluster.start()
         import ray
 
         ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
