@@ -324,7 +324,11 @@ def _specs(plan: LaunchPlan, infos: list[dict[str, Any]], per_node: int, round_:
            persistent: bool, rank_env: RankEnv) -> list[WorkerSpec]:  # fmt: skip
     cfg, world = plan.config, plan.world_size
     master = infos[0]["ip"]
-    shared = {**plan.env, "MASTER_ADDR": master, "MASTER_PORT": str(infos[0]["store_port"])}
+    # compute threads: the node's share, as Ray set it for the actor (OMP_NUM_THREADS =
+    # its CPUs), never this kernel's machine's cores / processes (9x slower steps measured
+    # with two local nodes on 2 cores: bench/cluster.py)
+    env = {k: v for k, v in plan.env.items() if k != "OMP_NUM_THREADS"}
+    shared = {**env, "MASTER_ADDR": master, "MASTER_PORT": str(infos[0]["store_port"])}
     if environment.is_loopback(master):  # gloo/NCCL would pick the host name's interface
         iface = environment.loopback_interface()
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -337,7 +341,7 @@ def _specs(plan: LaunchPlan, infos: list[dict[str, Any]], per_node: int, round_:
             rank, local, world_size=world, local_world_size=per_node, node_rank=node
         )
         spec = WorkerSpec(
-            rank, local, world, per_node, node, cfg, env, "spawn", round_, plan.threads,
+            rank, local, world, per_node, node, cfg, env, "spawn", round_, None,
             persistent, new_session=False, die_with_parent=True, parent_pid=int(info["pid"]),
             linger=plan.debug_timeout,
         )  # fmt: skip
