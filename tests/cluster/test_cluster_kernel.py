@@ -218,6 +218,31 @@ def test_the_hang_report_brings_every_remote_rank_stack_into_the_cell(kernel, tm
     assert "os.path.exists(flag)" in cell.stderr  # rank 1's Python stack, from its node
 
 
+def test_pdb_on_a_failed_remote_rank_from_the_cell(kernel):
+    kernel.run(
+        "import nbaccel\n"
+        "def check(batch):\n"
+        "    x = batch * 41 // batch\n"
+        "    raise ValueError(f'bad batch {batch}')\n"
+        "def fails_on_one():\n"
+        "    import torch.distributed as dist\n"
+        "    accelerator = Accelerator()\n"
+        "    if accelerator.process_index == 1:\n"
+        "        check(11)\n"
+        "    dist.barrier()\n"
+        "try:\n"
+        "    notebook_launcher(fails_on_one, num_processes=1, num_nodes=2, cluster='ray',"
+        " debug=True, debug_timeout=120)\n"
+        "except ValueError as err:\n"
+        "    print('launch failed on rank', err.rank)\n",
+        timeout=300,
+    )
+    assert len(_workers()) == 1  # rank 1 waits on its node for nbaccel.debug()
+    cell, prompts = kernel.execute_answering("nbaccel.debug()", ["p x", "q"], timeout=120)
+    cell.raise_for_error()
+    assert prompts == ["(Pdb) "] * 2 and "41" in cell.stdout.splitlines(), cell.stdout
+
+
 # Last in this module (one module: one pytest worker, one cluster): node b is gone after it.
 def test_a_lost_node_ends_the_launch_naming_the_node_and_its_ranks(kernel, ray_cluster):
     msg = kernel.submit("notebook_launcher(spin, num_processes=1, num_nodes=2, cluster='ray')")
