@@ -13,8 +13,9 @@ fi
 TORCH_SPEC=${NBACCEL_TORCH_SPEC:-torch==2.13.0}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-# docs: the documentation site (bash scripts/docs.sh build, tests/docs): MkDocs, Material, mkdocstrings
-editable_turn .venv/bin/python -m pip install -q -e ".[notebook,test,docs]"
+# docs: the documentation site (bash scripts/docs.sh build, tests/docs): MkDocs, Material, mkdocstrings;
+# ray: cluster="ray" and tests/cluster. One pip call, one resolution.
+editable_turn .venv/bin/python -m pip install -q -e ".[notebook,test,docs,ray]"
 # DeepSpeed (the optional `deepspeed` extra; tests of strategy="deepspeed"): an sdist whose build
 # imports torch, hence --no-build-isolation after torch; pip keeps the built wheel in its cache.
 # Only when missing (measured on a fresh venv: see README, "DeepSpeed").

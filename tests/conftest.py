@@ -206,7 +206,7 @@ MATRIX_MODULES = (
 # out last, one worker runs it alone while the other idles (the order changes no outcome).
 LONGEST_FIRST = (
     "tests/scripts/test_real_scripts.py",
-    "tests/cluster/test_cluster.py",
+    "tests/cluster/test_cluster_kernel.py",
     "tests/cli/test_cli.py",
     "tests/test_notebooks.py",
     "tests/test_binder.py",

@@ -38,6 +38,7 @@ class EngineKeywords(TypedDict, total=False):
     """Keywords of every start of workers (``notebook_launcher``, ``start_workers``)."""
 
     start_method: StartMethodType | None
+    cluster: str | None
     timeout: float | None
     config: LaunchConfig | None
     hang_after: float | None

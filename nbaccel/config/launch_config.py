@@ -72,6 +72,15 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r} is unknown; use one of {', '.join(choices)}.")
 
 
+def _check_cluster(value: object) -> None:
+    # Only the shape here (no import of ray): reaching the cluster is the launch's first step.
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(
+            f"cluster={value!r} must be None (this machine), 'ray' (the Ray cluster this "
+            "kernel is connected to) or a Ray address such as 'ray://head:10001'."
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """How to launch a training function. Validated on construction.
@@ -119,6 +128,14 @@ class LaunchConfig:
     master_port: int | None = field(
         default=None,
         metadata={"help": "rendezvous port; ``None`` picks a free one (single node only)."},
+    )
+    cluster: str | None = field(
+        default=None,
+        metadata={
+            "help": 'where the ranks run: ``None`` this machine; "ray" the Ray cluster this '
+            'kernel is connected to (else RAY_ADDRESS, else "auto"), or a Ray address such '
+            'as "ray://head:10001"; num_nodes machines x num_processes ranks each.'
+        },
     )
     start_method: StartMethodType = field(
         default="auto",
@@ -297,7 +314,8 @@ class LaunchConfig:
             _check_int("master_port", self.master_port, INT_MINIMUMS["master_port"])
             if self.master_port > MAX_PORT:
                 raise ConfigError(f"master_port={self.master_port} must be <= {MAX_PORT}.")
-        if self.num_nodes > 1 and self.master_port is None:
+        _check_cluster(self.cluster)
+        if self.num_nodes > 1 and self.master_port is None and self.cluster is None:
             raise ConfigError(
                 "master_port=None with num_nodes > 1: every node must agree on one port; "
                 "pass the same master_port (use_port) on each machine, e.g. 29500."

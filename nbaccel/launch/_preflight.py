@@ -34,6 +34,7 @@ from ..config.options import CALL, START, CallOptions, StartOptions, check_setti
 from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
 from ..platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware, tpu
 from . import _forkserver, _freegpus
+from ._cluster_place import check_cluster_installed, keep_print_plain
 from ._group import take_fork_server
 from ._jobs import dill_for_workers
 from ._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
@@ -211,8 +212,11 @@ class LaunchPlan:
 
     @property
     def ranks(self) -> list[int]:
-        """The global ranks of this node's workers."""
+        """The global ranks of this node's workers (on a cluster: every rank, all placed
+        from here)."""
         nproc = self.num_processes or 1
+        if self.config.cluster is not None:
+            return list(range(self.world_size))
         return [self.config.node_rank * nproc + i for i in range(nproc)]
 
 
@@ -362,8 +366,12 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
         nproc, in_kernel = _tpu_processes(cfg), False
     else:
         _check_deepspeed(cfg, args)
-        nproc = _count_processes(cfg)
-        in_kernel = nproc == 1 and cfg.num_nodes == 1 and plan.call.block
+        if cfg.cluster is not None:
+            check_cluster_installed(cfg.cluster)  # before anything starts
+            keep_print_plain()  # before the function is copied with dill
+        # a cluster's nodes are not this machine: one rank per node unless told otherwise
+        nproc = (cfg.num_processes or 1) if cfg.cluster is not None else _count_processes(cfg)
+        in_kernel = nproc == 1 and cfg.num_nodes == 1 and plan.call.block and not cfg.cluster
         if not in_kernel:
             check_platform(cfg.start_method)  # the OS first: nothing else would help there
         check_gpus_per_process(cfg, nproc)
@@ -379,6 +387,8 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
             check_no_state_in_kernel()
         threads = None if in_kernel else worker_threads(nproc)
     method = "kernel" if in_kernel else choose_start_method(cfg.start_method)
+    if cfg.cluster is not None:  # a fresh interpreter on each node, the spec its first frame
+        method = "spawn"
     if method == "fork" and not on_tpu:
         threads = fork_safe_threads(threads)
     payload = None
@@ -410,6 +420,9 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     process (torch_xla's runtime starts one per chip from it). Output is not prefixed."""
     on_tpu = cfg.compute_device == "tpu"
     nproc = 1 if on_tpu else _count_processes(cfg)
+    if cfg.cluster is not None:  # the nodes' processes, not this machine's devices
+        check_cluster_installed(cfg.cluster)
+        nproc = cfg.num_processes or 1
     check_platform(cfg.start_method)
     check_gpus_per_process(cfg, nproc)
     if not on_tpu:
@@ -418,7 +431,7 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     env = process_env(cfg, threads) | _accelerate_env(cfg)
     if on_tpu:
         env["PJRT_DEVICE"] = os.environ.get("PJRT_DEVICE", "TPU")
-    method = "fork" if cfg.start_method == "fork" else "spawn"
+    method = "fork" if cfg.start_method == "fork" and cfg.cluster is None else "spawn"
     return LaunchPlan(print, (), cfg, nproc, method, env, threads,
                       start=StartOptions(log_line_prefix_template=""))  # fmt: skip
 

@@ -21,12 +21,12 @@ from typing import Any
 
 from . import _kept
 from ._cell_output import CellOutput
-from ._group import start_processes
+from ._group import WorkerProcess, start_processes
 from ._messages import Job
 from ._output import LineForwarder
 from ._preflight import LaunchPlan
 from ._rendezvous import Rendezvous
-from ._supervisor import Supervisor
+from ._supervisor import Hook, Supervisor
 from ._watchdog import HangPolicy, HangWatch, SubsetCheck
 from ._worker import WorkerSpec
 
@@ -84,22 +84,16 @@ def start_group(
     _kept.sweep()  # kept ranks whose time is over go before new workers start
     cfg = plan.config
     ranks = plan.ranks
-    rdzv = None
-    if plan.world_size > 1:
-        rdzv = Rendezvous.reserve(
-            cfg.master_addr, cfg.master_port, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank
+    hooks: list[Hook] = [SubsetCheck(), HangWatch(HangPolicy.of(cfg))]
+    if cfg.cluster is not None:  # the cluster backend: every rank placed on a Ray node
+        from ._cluster import NodeWatch, start_cluster_group
+
+        procs = start_cluster_group(
+            plan, round_=round_, persistent=persistent, rank_env=rank_environment
         )
-    try:
-        if rdzv is not None and cfg.node_rank != 0:
-            rdzv.check_reachable(cfg.timeout)  # before any worker exists
-        specs = _specs(plan, rdzv, round_, persistent)
-        listen_fd = rdzv.listen_fd() if rdzv is not None else None
-        fds = (listen_fd,) if listen_fd is not None else ()
-        procs = start_processes(specs, plan.method, first_job, close_in_children=fds)
-    finally:
-        if rdzv is not None:
-            rdzv.close()  # rank 0 owns the listening socket now; the kernel keeps no copy
-    hooks = [SubsetCheck(), HangWatch(HangPolicy.of(cfg))]
+        hooks.append(NodeWatch())  # a lost node is said as such
+    else:
+        procs = _start_here(plan, round_, persistent, first_job)
     if persistent or plan.debug_timeout is not None:  # a pool, debug=True: nbaccel.debug()
         hooks.append(_kept.KeepFailed())
     try:
@@ -120,6 +114,28 @@ def start_group(
             proc.kill()
             proc.close()
         raise
+
+
+def _start_here(
+    plan: LaunchPlan, round_: int, persistent: bool, first_job: Job | None
+) -> list[WorkerProcess]:
+    """This machine's workers (fork or spawn), around the rendezvous the kernel reserves."""
+    cfg = plan.config
+    rdzv = None
+    if plan.world_size > 1:
+        rdzv = Rendezvous.reserve(
+            cfg.master_addr, cfg.master_port, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank
+        )
+    try:
+        if rdzv is not None and cfg.node_rank != 0:
+            rdzv.check_reachable(cfg.timeout)  # before any worker exists
+        specs = _specs(plan, rdzv, round_, persistent)
+        listen_fd = rdzv.listen_fd() if rdzv is not None else None
+        fds = (listen_fd,) if listen_fd is not None else ()
+        return start_processes(specs, plan.method, first_job, close_in_children=fds)
+    finally:
+        if rdzv is not None:
+            rdzv.close()  # rank 0 owns the listening socket now; the kernel keeps no copy
 
 
 def _one_rank_env(plan: LaunchPlan) -> dict[str, str]:

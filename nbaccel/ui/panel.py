@@ -180,7 +180,8 @@ class LaunchPanel(widgets.VBox):
     # ------------------------------------------------------------------ state
     def _values(self) -> dict[str, Any]:
         values = {name: field_value(name, control.value) for name, control in self.controls.items()}
-        if values["num_nodes"] == 1:  # one machine: the launcher picks a free port
+        # one machine, or a cluster placing the ranks: the launcher picks a free port
+        if values["num_nodes"] == 1 or values.get("cluster"):
             values["node_rank"], values["master_port"] = 0, None
         return values
 
@@ -242,8 +243,9 @@ class LaunchPanel(widgets.VBox):
         nodes = self.controls["num_nodes"].value
         rank = self.controls["node_rank"]
         rank.max = max(nodes - 1, 0)  # clamps the value too
+        placed = bool(str(self.controls["cluster"].value).strip())  # the cluster meets itself
         for name in _MULTI_NODE:
-            self.rows[name].layout.display = None if nodes > 1 else "none"
+            self.rows[name].layout.display = None if nodes > 1 and not placed else "none"
         uses_gpu = self.controls["compute_device"].value == "gpu" or (
             self.controls["compute_device"].value == "auto" and self.hardware.kind == "gpu"
         )

@@ -135,6 +135,7 @@ def test_questionnaire_through_a_pseudo_terminal(cli_env):
         answer("node_rank", "1")
         answer("master_addr", "10.0.0.2")
         answer("master_port", "")  # default offered for several nodes: 29500
+        answer("cluster", "")  # Enter: this machine (no Ray cluster)
         answer("start_method", "spawn")
         answer("max_restarts", "")
         answer("timeout", "soon")

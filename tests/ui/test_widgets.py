@@ -116,6 +116,21 @@ def test_node_rank_is_bounded_by_num_nodes_and_multi_node_rows_toggle():
     assert panel.config.master_port is None and panel.config.node_rank == 0
 
 
+def test_the_cluster_field_places_the_nodes_itself():
+    panel = LaunchPanel(train, hardware=CPU)
+    c, rows = panel.controls, panel.rows
+    c["num_nodes"].value = 2
+    c["cluster"].value = "ray"
+    # the cluster meets itself: no rendezvous address, port or node rank to ask for
+    assert all(
+        rows[n].layout.display == "none" for n in ("node_rank", "master_addr", "master_port")
+    )
+    cfg = panel.config
+    assert (cfg.cluster, cfg.num_nodes, cfg.node_rank, cfg.master_port) == ("ray", 2, 0, None)
+    c["cluster"].value = "  "
+    assert panel.config.cluster is None and rows["master_port"].layout.display is None
+
+
 def test_invalid_combination_disables_launch_and_says_why_next_to_the_field():
     panel = LaunchPanel(train, hardware=CPU)
     assert not panel.launch_button.disabled

@@ -1,0 +1,355 @@
+"""The cluster start backend: ranks placed on a Ray cluster's nodes, supervised from here.
+
+One more way to start a group, beside fork, spawn and the TPU backend; what it returns is
+the same :class:`~._supervisor.Supervisor` over the same channel messages and the same
+worker loop. Steps: reach the cluster and reserve its nodes (:mod:`._cluster_place`), one
+:class:`~._cluster_host.RankHost` actor per rank (ranks of a node in that node's bundle),
+rank 0's actor reserving torch's rendezvous socket on its node (``MASTER_ADDR`` is its
+node's address); a per-launch secret and a listener on the address the nodes reach this
+kernel by; each actor connects its rank's channel and output streams, authenticated and
+version-checked (:mod:`._cluster_wire`), and starts the worker; the kernel sends each its
+:class:`~._messages.Setup`. A :class:`RemoteWorker` stands for a rank's process: its exit
+status comes from the actor, its signals go through it, and the last one closed ends the
+actors and removes the placement group, so nothing stays on the cluster.
+
+Example:
+    >>> node_of(rank=3, per_node=2)
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import LaunchError
+from ..platform import environment
+from . import _cluster_place, _cluster_wire, _group
+from ._group import WorkerProcess
+from ._messages import Done, Setup
+from ._preflight import LaunchPlan
+from ._supervisor import Hook, JobFailed, Supervisor
+from ._tidy import Failure
+from ._wire import Channel
+from ._worker import WorkerSpec
+
+#: where the nodes reach this kernel (default: the address Ray knows this machine by)
+HOST_VAR = "NBACCEL_CLUSTER_HOST"
+_STREAMS = ("channel", "stdout", "stderr")
+RankEnv = Callable[..., dict[str, str]]
+
+
+def node_of(*, rank: int, per_node: int) -> tuple[int, int]:
+    """(node index, local rank) of a global rank: ranks of a node are consecutive."""
+    return rank // per_node, rank % per_node
+
+
+class Placement:
+    """The launch's actors and placement group, released when the last rank is closed."""
+
+    def __init__(self, ray: Any, group: Any) -> None:
+        self.ray, self.group = ray, group
+        self.actors: list[Any] = []
+        self.nodes: dict[int, str] = {}  # rank -> "node <ip> (<id>)"
+        self._open = 0
+
+    def opened(self) -> None:
+        self._open += 1
+
+    def closed(self) -> None:
+        self._open -= 1
+        if self._open <= 0:
+            self.release()
+
+    def release(self) -> None:
+        actors, self.actors = self.actors, []
+        group, self.group = self.group, None
+        if actors or group is not None:
+            _cluster_place.release(self.ray, actors, group)
+
+
+class RemoteWorker(WorkerProcess):
+    """A rank's worker on a cluster node, as the supervisor sees every worker."""
+
+    placement: Placement
+    actor: Any = None
+    waiting: Any = None  # the actor's wait() call: its exit status, or the actor's loss
+    lost: str | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None or self.waiting is None:
+            return self.returncode
+        ray = self.placement.ray
+        ready, _ = ray.wait([self.waiting], timeout=0)
+        if not ready:
+            return None
+        try:
+            code = int(ray.get(ready[0]))
+        except Exception as err:  # the actor or its node is gone: the worker with it
+            self.lost = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+            code = -int(signal.SIGKILL)
+        self.returncode, self.exit_time = code, time.time()
+        return code
+
+    def alive(self) -> bool:
+        return self.poll() is None
+
+    def channel_closed(self) -> bool:
+        """The kernel's end of the channel saw the end of the stream (or is closed)."""
+        if self.channel is None:
+            return True
+        try:
+            return self.channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None and self.actor is not None:
+            with contextlib.suppress(Exception):
+                self.actor.signal.remote(int(sig))
+
+    def reap(self, timeout: float) -> int | None:
+        return self.wait(timeout)  # the actor reaps its own child
+
+    def descendants(self) -> list[Any]:
+        return []  # on another machine: the actor ends them (RankHost.signal)
+
+    def cpu_seconds(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        had = bool(self.fds) or self.channel is not None
+        super().close()
+        if had:
+            self.placement.closed()
+
+
+class NodeWatch(Hook):
+    """A lost node ends the job with an error naming the node and its ranks (not the
+    peers' "connection closed" that it causes first). Ray learns of the loss a few seconds
+    after the node's sockets close: a failing job waits up to :attr:`WAIT` for that word
+    about the ranks whose streams ended without an exit status."""
+
+    WAIT = 30.0
+
+    def look(self, sup: Supervisor, busy: list[int], done: Mapping[int, Done]) -> JobFailed | None:
+        lost = [p for p in sup.procs.values() if isinstance(p, RemoteWorker) and p.lost]
+        return JobFailed(_lost_error(lost), "a node was lost") if lost else None
+
+    def failed(
+        self, sup: Supervisor, problems: list[Failure], chosen: Failure, finished: set[int]
+    ) -> None:
+        remote = [p for p in sup.procs.values() if isinstance(p, RemoteWorker)]
+        silent = [p for p in remote if p.returncode is None and p.channel_closed()]
+        deadline = time.monotonic() + (self.WAIT if silent else 0)
+        while silent and time.monotonic() < deadline and not any(p.lost for p in remote):
+            for proc in silent:
+                proc.poll()
+            time.sleep(0.1)
+        if lost := [p for p in remote if p.lost]:  # this error instead of the peers' one
+            sup._end_early([*sup.procs.values()], _lost_error(lost), "a node was lost")
+
+
+def _lost_error(lost: list[RemoteWorker]) -> LaunchError:
+    by_node: dict[str, list[int]] = {}
+    for proc in lost:
+        by_node.setdefault(proc.placement.nodes.get(proc.rank, "a node"), []).append(proc.rank)
+    said = "; ".join(f"{node} with rank(s) {sorted(ranks)}" for node, ranks in by_node.items())
+    return LaunchError(
+        f"the Ray cluster lost {said}: those ranks are gone, and the launch was ended "
+        f"(Ray said: {lost[0].lost}). Fix: check the node (memory, preemption), then launch "
+        "again; max_restarts=... restarts the group on the nodes left."
+    )
+
+
+def _kernel_host(ray: Any) -> str:
+    if host := os.environ.get(HOST_VAR, "").strip():
+        return host
+    with contextlib.suppress(Exception):
+        return str(ray.util.get_node_ip_address())
+    return "127.0.0.1"
+
+
+def start_cluster_group(
+    plan: LaunchPlan,
+    *,
+    round_: int,
+    persistent: bool,
+    rank_env: RankEnv,
+) -> list[WorkerProcess]:
+    """Place and start every rank of ``plan`` on the cluster; their kernel-side views
+    (``rank_env``: the torchrun-compatible rank variables, as the start step makes them).
+    Whatever was placed is released before an exception propagates."""
+    cfg = plan.config
+    assert cfg.cluster is not None
+    ray = _cluster_place.connect(cfg.cluster)
+    per_node = plan.num_processes or 1
+    cpus, gpus = _cluster_place.resources_per_rank(cfg)
+    needs = _cluster_place.Needs(cfg.num_nodes, per_node, cpus, gpus)
+    group = _cluster_place.reserve(ray, needs, cfg.timeout)
+    placement = Placement(ray, group)
+    procs: list[RemoteWorker] = []
+    try:
+        procs = _start(ray, plan, placement, (per_node, cpus, gpus), round_, persistent, rank_env)
+    except BaseException:
+        for proc in procs:
+            proc.close()
+        placement.release()
+        raise
+    return list(procs)
+
+
+def _actors(ray: Any, plan: LaunchPlan, placement: Placement, per_node: int,
+            resources: tuple[float, ...]) -> list[Any]:  # fmt: skip
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from ._cluster_host import RankHost
+
+    host = ray.remote(RankHost)
+    for rank in plan.ranks:
+        node, _ = node_of(rank=rank, per_node=per_node)
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=placement.group, placement_group_bundle_index=node
+        )
+        placement.actors.append(host.options(
+            num_cpus=resources[0], num_gpus=resources[1], scheduling_strategy=strategy,
+            name=None, max_restarts=0,
+        ).remote())  # fmt: skip
+    return placement.actors
+
+
+def _start(ray: Any, plan: LaunchPlan, placement: Placement, shape: tuple[int, float, float],
+           round_: int, persistent: bool, rank_env: RankEnv) -> list[RemoteWorker]:  # fmt: skip
+    cfg = plan.config
+    per_node, resources = shape[0], shape[1:]
+    actors = _actors(ray, plan, placement, per_node, resources)
+    wait = cfg.timeout or _cluster_place.PLACE_WAIT
+    infos = ray.get(
+        [a.describe.remote(reserve_store=rank == 0) for rank, a in enumerate(actors)],
+        timeout=wait,
+    )
+    for rank, info in enumerate(infos):
+        where = f"node {info['ip']} ({info['node_id'][:8]})"
+        placement.nodes[rank] = where
+        _cluster_wire.check_versions(info, f"{where}, rank {rank}")
+    specs = _specs(plan, infos, per_node, round_, persistent, rank_env)
+    listener = _cluster_wire.AuthListener(
+        _kernel_host(ray), secret=secrets.token_bytes(32), timeout=wait
+    )
+    try:
+        launched = [
+            a.launch.remote(listener.address, listener.secret, rank)
+            for rank, a in enumerate(actors)
+        ]
+        streams = _accept(ray, listener, launched, len(actors), placement)
+    finally:
+        listener.close()
+    pids = ray.get(launched, timeout=wait)
+    procs: list[RemoteWorker] = []
+    try:
+        sources = environment.notebook_cell_sources()
+        for rank, actor in enumerate(actors):
+            got = streams.pop(rank)
+            fds = {}
+            for name in ("stdout", "stderr"):
+                fd = got[name].detach()
+                os.set_blocking(fd, False)
+                _group._KERNEL_ENDS.add(fd)
+                fds[name] = fd
+            channel = Channel(got["channel"])
+            _group._KERNEL_ENDS.add(channel.fileno())
+            proc = RemoteWorker(rank, int(pids[rank]), fds, channel)
+            proc.placement, proc.actor = placement, actor
+            proc.waiting = actor.wait.remote()
+            placement.opened()
+            procs.append(proc)
+            channel.send(Setup(specs[rank], list(sys.path), sources))
+    finally:
+        for left in streams.values():
+            for sock in left.values():
+                sock.close()
+    return procs
+
+
+def _accept(ray: Any, listener: _cluster_wire.AuthListener, launched: list[Any], count: int,
+            placement: Placement) -> dict[int, dict[str, socket.socket]]:  # fmt: skip
+    """Every rank's three authenticated streams (their node's versions checked)."""
+    got: dict[int, dict[str, socket.socket]] = {}
+    deadline = time.monotonic() + listener.timeout
+    try:
+        while sum(len(s) for s in got.values()) < count * len(_STREAMS):
+            try:
+                sock, hello = listener.accept(min(deadline, time.monotonic() + 1.0))
+            except TimeoutError:
+                done, _ = ray.wait(launched, num_returns=len(launched), timeout=0)
+                for ref in done:
+                    ray.get(ref)  # a rank that could not connect: its error, as it is
+                if time.monotonic() >= deadline:
+                    missing = [r for r in range(count) if len(got.get(r, {})) < len(_STREAMS)]
+                    raise LaunchError(
+                        f"rank(s) {missing} on the cluster did not connect back to this kernel "
+                        f"at {listener.address[0]}:{listener.address[1]} in "
+                        f"{listener.timeout:g}s. Fix: set {HOST_VAR} to an address of this "
+                        "machine that the nodes reach (no firewall in between)."
+                    ) from None
+                continue
+            rank, stream = hello.get("rank"), hello.get("stream")
+            if not isinstance(rank, int) or stream not in _STREAMS or not 0 <= rank < count:
+                sock.close()
+                continue
+            try:
+                _cluster_wire.check_versions(hello, f"{placement.nodes.get(rank)}, rank {rank}")
+            except BaseException:
+                sock.close()
+                raise
+            got.setdefault(rank, {})[stream] = sock
+    except BaseException:
+        for streams in got.values():
+            for sock in streams.values():
+                sock.close()
+        raise
+    return got
+
+
+def _specs(plan: LaunchPlan, infos: list[dict[str, Any]], per_node: int, round_: int,
+           persistent: bool, rank_env: RankEnv) -> list[WorkerSpec]:  # fmt: skip
+    cfg, world = plan.config, plan.world_size
+    master = infos[0]["ip"]
+    # compute threads: the node's share, as Ray set it for the actor (OMP_NUM_THREADS =
+    # its CPUs), never this kernel's machine's cores / processes (9x slower steps measured
+    # with two local nodes on 2 cores: bench/cluster.py)
+    env = {k: v for k, v in plan.env.items() if k != "OMP_NUM_THREADS"}
+    shared = {**env, "MASTER_ADDR": master, "MASTER_PORT": str(infos[0]["store_port"])}
+    if environment.is_loopback(master):  # gloo/NCCL would pick the host name's interface
+        iface = environment.loopback_interface()
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if iface:
+                shared.setdefault(var, iface)
+    specs = []
+    for rank, info in enumerate(infos):
+        node, local = node_of(rank=rank, per_node=per_node)
+        env = shared | rank_env(
+            rank, local, world_size=world, local_world_size=per_node, node_rank=node
+        )
+        spec = WorkerSpec(
+            rank, local, world, per_node, node, cfg, env, "spawn", round_, None,
+            persistent, new_session=False, die_with_parent=True, parent_pid=int(info["pid"]),
+            linger=plan.debug_timeout,
+        )  # fmt: skip
+        spec.fds = {"stdout": 1, "stderr": 2, "channel": -1}
+        if rank == 0:
+            spec.store_fd, spec.store_host = int(info["store_fd"]), master
+        specs.append(spec)
+    return specs
+
+
+__all__ = ["HOST_VAR", "NodeWatch", "Placement", "RemoteWorker", "node_of", "start_cluster_group"]

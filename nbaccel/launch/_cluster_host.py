@@ -1,0 +1,130 @@
+"""What runs on a cluster's node for one rank: a Ray actor that starts nbaccel's own worker.
+
+The actor (an async one: every method runs on one long-lived thread, the one whose death
+the worker's parent-death signal follows) says where it is, reserves rank 0's rendezvous
+socket on its node, then connects three authenticated TCP streams back to the kernel
+(:mod:`._cluster_wire`: the channel, stdout, stderr) and starts the worker exactly as the
+spawn backend does (``python -c "spawn_main(fd)"``), its fds 1/2 those streams: its lines
+reach the kernel over nbaccel's own route, never through Ray's log forwarding, so each is
+shown once. The kernel reads the exit status with :meth:`RankHost.wait` and signals
+through :meth:`RankHost.signal`; when the actor dies (``ray.kill``, a lost node) the
+worker dies with it.
+
+Example:
+    >>> import asyncio
+    >>> asyncio.run(RankHost().describe(reserve_store=False))["store_port"] is None
+    True
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from . import _cluster_wire
+
+
+def _package_root() -> str:
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(package)
+
+
+def node_ip() -> str:
+    """The address Ray knows this node by (the one its peers reach it at)."""
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:
+        return "127.0.0.1"
+
+
+class RankHost:
+    """One rank's host process on a node (made a Ray actor by :mod:`._cluster`)."""
+
+    def __init__(self) -> None:
+        self._store: socket.socket | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._streams: list[socket.socket] = []
+
+    async def describe(self, *, reserve_store: bool) -> dict[str, Any]:
+        """Node id, ip, pid and versions; global rank 0 also binds the rendezvous socket
+        its worker will host torch's store on (the kernel cannot reserve it remotely)."""
+        ip = node_ip()
+        node_id = ""
+        with contextlib.suppress(Exception):
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+        port = None
+        if reserve_store:
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            self._store = socket.socket(family, socket.SOCK_STREAM)
+            self._store.bind((ip, 0))
+            self._store.listen(128)
+            os.set_inheritable(self._store.fileno(), True)
+            port = int(self._store.getsockname()[1])
+        return {
+            "ip": ip,
+            "node_id": node_id,
+            "pid": os.getpid(),
+            "store_fd": self._store.fileno() if self._store is not None else None,
+            "store_port": port,
+            **_cluster_wire.versions(),
+        }
+
+    async def launch(self, address: tuple[str, int], secret: bytes, rank: int) -> int:
+        """Connect the rank's three streams to the kernel and start its worker; its pid."""
+        streams = {}
+        for stream in ("channel", "stdout", "stderr"):
+            hello = {"rank": rank, "stream": stream, "pid": os.getpid()}
+            streams[stream] = _cluster_wire.connect(tuple(address), secret, hello)  # type: ignore[arg-type]
+        self._streams = list(streams.values())
+        channel = streams["channel"].fileno()
+        os.set_inheritable(channel, True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (env.get("PYTHONPATH", ""), _package_root()) if p
+        )
+        store = (self._store.fileno(),) if self._store is not None else ()
+        code = f"from nbaccel.launch._worker import spawn_main; spawn_main({channel})"
+        self._popen = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.DEVNULL,
+            stdout=streams["stdout"].fileno(),
+            stderr=streams["stderr"].fileno(),
+            pass_fds=(channel, *store),
+            env=env,
+        )
+        for sock in [*self._streams, *([self._store] if self._store else [])]:
+            sock.close()  # the worker holds them now; the actor keeps no copy
+        self._streams, self._store = [], None
+        return self._popen.pid
+
+    async def wait(self) -> int:
+        """The worker's exit status once it exits (negative: a signal, as subprocess says)."""
+        while self._popen is None or self._popen.poll() is None:
+            await asyncio.sleep(0.05)
+        return int(self._popen.returncode)
+
+    async def signal(self, signum: int) -> None:
+        """Send ``signum`` to the worker (and its own children, for SIGKILL)."""
+        if self._popen is None or self._popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if signum == signal.SIGKILL:
+                with contextlib.suppress(Exception):
+                    import psutil
+
+                    for child in psutil.Process(self._popen.pid).children(recursive=True):
+                        child.kill()
+            self._popen.send_signal(signum)
+
+
+__all__ = ["RankHost", "node_ip"]

@@ -1,0 +1,169 @@
+"""One local two-node Ray cluster per test session, every part of it on 127.0.0.1.
+
+``ray.cluster_utils.Cluster`` binds its GCS to the machine's primary address; here each
+node is its own ``ray start`` (``--node-ip-address=127.0.0.1``, the head's GCS on a port
+of loopback, the second node joining ``127.0.0.1:PORT``), with its own temp dir and a
+custom resource (``node_head`` / ``node_b``) that tells the nodes apart, fixed free ports
+for every agent (two nodes share one address) and no idle worker kept: a rank's actor
+process ends with it (``RAY_num_workers_soft_limit=0``), so the conftest's leak check and
+the tests' "nothing left" checks see the truth. At the session's end every process whose
+command line names the cluster's temp dir is ended (never ``ray stop``, which would end
+any Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+#: Ray replaces the literal loopback names (127.0.0.1, localhost) by the machine's primary
+#: address (ray._private.services.resolve_ip_for_localhost); other addresses of the loopback
+#: range are taken as they are: two "machines" on lo, and the kernel's driver on the head's
+HEAD_IP, NODE_B_IP = "127.0.0.2", "127.0.0.3"
+RAY_ENV = {
+    "RAY_num_workers_soft_limit": "0",  # no idle worker kept for reuse
+    "RAY_enable_worker_prestart": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalCluster:
+    """A head and a second node started with ``ray start``, on loopback only."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="nbr", dir="/tmp"))  # Unix sockets: short
+        self.port, self.dashboard = _free_ports(2)
+        self.address = f"{HEAD_IP}:{self.port}"
+        self.ray = str(Path(sys.executable).parent / "ray")
+        self.env = {**os.environ, **RAY_ENV}
+
+    def _start(self, name: str, ip: str, *args: str) -> None:
+        agent, grpc, runtime_env, metrics, manager, objects = _free_ports(6)
+        cmd = [
+            self.ray, "start", f"--node-ip-address={ip}", "--num-cpus=2",
+            f"--resources={json.dumps({f'node_{name}': 1})}",
+            f"--temp-dir={self.root / name}", "--disable-usage-stats",
+            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={grpc}",
+            f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+            f"--node-manager-port={manager}", f"--object-manager-port={objects}",
+            *args,
+        ]  # fmt: skip
+        # its own process group: a test that kills "a node" kills only this one
+        done = subprocess.run(
+            cmd, env=self.env, capture_output=True, text=True, timeout=180, start_new_session=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
+
+    def _start_retried(self, name: str, ip: str, *args: str) -> None:
+        """Ray gives a node 30 s (fixed) to register with the GCS: on a loaded 2-core
+        machine that can pass; what the failed try started is ended, then one more try."""
+        try:
+            self._start(name, ip, *args)
+        except RuntimeError:
+            self._end(self.processes(str(self.root / name)))
+            self._start(name, ip, *args)
+
+    def start(self) -> LocalCluster:
+        self._start_retried(
+            "head", HEAD_IP, "--head", f"--port={self.port}", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard}", "--include-dashboard=true",
+        )  # fmt: skip
+        self._start_retried("b", NODE_B_IP, f"--address={self.address}")
+        return self
+
+    def processes(self, under: str | None = None) -> list[psutil.Process]:
+        """Every process of this cluster (its command line names its dir, or ``under``)."""
+        mine = under or str(self.root)
+        out = []
+        for proc in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if any(mine in part for part in proc.info["cmdline"] or ()):
+                    out.append(proc)
+        return out
+
+    def kill_node(self, name: str) -> list[int]:
+        """SIGKILL node ``name``'s process groups (its raylet, agents, workers): the node is
+        lost as a machine is. Each node was started in its own session; the test's own
+        process group is never one of them. Returns the pids that were there."""
+        procs = self.processes(str(self.root / name))
+        ours = os.getpgid(0)
+        groups = set()
+        for proc in procs:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                groups.add(os.getpgid(proc.pid))
+        for group in groups - {ours}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, 9)
+        psutil.wait_procs(procs, timeout=30)
+        return [p.pid for p in procs]
+
+    def stop(self) -> None:
+        self._end(self.processes())
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @staticmethod
+    def _end(procs: list[psutil.Process]) -> None:
+        # the raylets and workers too: children of the daemons above
+        for proc in list(procs):
+            with contextlib.suppress(psutil.Error):
+                procs += proc.children(recursive=True)
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=10)
+        for child in psutil.Process().children():  # orphans re-parented to the subreaper
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The session's local two-node cluster (skipped, saying why, without Ray)."""
+    pytest.importorskip("ray", reason="needs the ray extra: pip install 'nbaccel[ray]'")
+    cluster = LocalCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def wait_until(predicate, timeout: float = 60.0, every: float = 0.2):
+    """Poll ``predicate`` until truthy (its value) or ``timeout`` (its last value)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)

@@ -1,0 +1,254 @@
+"""notebook_launcher and the warm pool on a real local two-node Ray cluster, from a real kernel.
+
+The session's cluster (conftest: two ``ray start`` nodes on 127.0.0.2 / 127.0.0.3) and one
+kernel per module, connected to it with ``ray.init`` as a user would (Ray's own forwarding
+of actor output left on: each line must still show once). Every test ends by checking that
+nothing is left: no placement group that is not removed, no live actor (Ray's state API),
+no nbaccel worker process on the machine, no child of the kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from conftest import HEAD_IP, wait_until
+from kernel_harness import KernelSession, isolated_env
+
+pytestmark = [pytest.mark.cluster, pytest.mark.kernel, pytest.mark.integration]
+
+SETUP = """
+import os, sys, time
+import ray, torch
+from torch import nn
+from nbaccel import Accelerator, notebook_launcher, start_workers
+CONTEXT = ray.init(address={address!r}, _node_ip_address={ip!r}, log_to_driver=True)
+STATE = "http://" + CONTEXT.dashboard_url
+
+def train(steps, fail_rank=None):
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rank = accelerator.process_index
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+    print(f"line-of-rank-{{rank}}-node-{{os.environ['GROUP_RANK']}}")
+    if rank == fail_rank:
+        raise ValueError(f"bad batch on rank {{rank}}")
+    return accelerator.unwrap_model(model).weight.detach().clone()
+
+def spin():
+    print("spinning", flush=True)
+    while True:
+        time.sleep(0.05)
+
+def left_on_cluster():
+    from ray.util import placement_group_table
+    from ray.util.state import list_actors
+    groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+    actors = list_actors(address=STATE, filters=[("state", "!=", "DEAD")])
+    return {{"groups": len(groups), "actors": len(actors)}}
+"""
+
+
+_CLUSTER_ROOT: list[str] = []  # the session cluster's temp dir, set by the kernel fixture
+
+
+def _workers() -> list[psutil.Process]:
+    """nbaccel worker processes started on this session's cluster: spawned workers whose
+    ancestors include one of its raylets (other suites' workers on the machine are not)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(proc.info["cmdline"] or ())
+            if "spawn_main" not in cmd or "nbaccel.launch._worker" not in cmd:
+                continue
+            lines = [" ".join(p.cmdline()) for p in proc.parents()]
+            if any(_CLUSTER_ROOT[0] in line for line in lines):
+                found.append(proc)
+    return found
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_cluster, tmp_path_factory) -> Iterator[KernelSession]:
+    _CLUSTER_ROOT[:] = [str(ray_cluster.root)]
+    workdir = tmp_path_factory.mktemp("kernel")
+    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
+    session.start()
+    try:
+        session.run(SETUP.format(address=ray_cluster.address, ip=HEAD_IP), timeout=180)
+        yield session
+    finally:
+        session.stop()
+
+
+def _nothing_left(kernel: KernelSession) -> None:
+    def clean():
+        left = kernel.evaluate_json("left_on_cluster()")
+        return left == {"groups": 0, "actors": 0} and not _workers()
+
+    assert wait_until(clean, timeout=60), (
+        kernel.evaluate_json("left_on_cluster()"),
+        [p.cmdline() for p in _workers()],
+    )
+    kernel.assert_no_descendants(timeout=5)
+
+
+@pytest.fixture(autouse=True)
+def _left_clean(kernel: KernelSession) -> Iterator[None]:
+    yield
+    if kernel.busy or not kernel.is_alive():
+        pytest.fail("the kernel was left busy or died")
+    _nothing_left(kernel)
+
+
+def test_same_numbers_as_two_local_processes_with_every_rank_output_once(kernel):
+    cell = kernel.run(
+        "local = notebook_launcher(train, (3,), num_processes=2, return_all_ranks=True)\n"
+        "remote = notebook_launcher(train, (3,), num_processes=1, num_nodes=2, cluster='ray',"
+        " return_all_ranks=True)\n"
+        "print('SAME', all(torch.equal(a, b) for a, b in zip(local, remote)), len(remote))",
+        timeout=300,
+    )
+    assert "SAME True 2" in cell.stdout
+    # each launch printed each rank's line once (Ray's own forwarding is on): rank 1 ran on
+    # node 0 in the local run and on node 1 in the cluster launch; rank 0 on node 0 in both
+    counts = {line: cell.stdout.count(f"] {line}\n") for line in (
+        "line-of-rank-0-node-0", "line-of-rank-1-node-0", "line-of-rank-1-node-1")}  # fmt: skip
+    assert counts == {
+        "line-of-rank-0-node-0": 2, "line-of-rank-1-node-0": 1, "line-of-rank-1-node-1": 1
+    }, cell.stdout  # fmt: skip
+
+
+def test_the_first_real_exception_names_type_rank_and_user_frame(kernel):
+    cell = kernel.execute(
+        "notebook_launcher(train, (1, 1), num_processes=1, num_nodes=2, cluster='ray')",
+        timeout=300,
+    )
+    assert cell.error is not None
+    assert cell.error.ename == "ValueError", cell.error
+    text = "\n".join(cell.error.traceback)
+    assert "bad batch on rank 1" in text and "rank 1" in text
+    assert "in train" in text  # the user's frame
+
+
+def test_a_request_the_cluster_cannot_hold_is_refused_before_any_rank_starts(kernel):
+    cell = kernel.execute(
+        "notebook_launcher(train, (1,), num_processes=1, num_nodes=3, cluster='ray')",
+        timeout=120,
+    )
+    assert cell.error is not None and cell.error.ename == "LaunchError", cell.error
+    text = cell.error.evalue
+    assert "needs 3 node(s)" in text and "2 of its 2" in text, text
+
+
+def test_a_warm_pool_across_cells_then_closed(kernel):
+    kernel.run(
+        "pool = start_workers(num_processes=1, num_nodes=2, cluster='ray')\n"
+        "a = pool.call(train, (2,), return_all_ranks=True)",
+        timeout=300,
+    )
+    cell = kernel.run(
+        "b = pool.call(train, (2,), return_all_ranks=True)\n"
+        "first = pool.call(train, (2,))  # rank 0's value alone\n"
+        "print('POOL', len(b), all(torch.equal(x, y) for x, y in zip(a, b)),"
+        " torch.equal(first, a[0]), torch.equal(a[0], a[1]))",
+        timeout=300,
+    )
+    assert "POOL 2 True True True" in cell.stdout  # DDP: the same weights on both ranks
+    assert len(_workers()) == 2  # warm: the workers live between the cells
+    kernel.run("pool.close()", timeout=120)
+
+
+def test_an_interrupt_ends_every_remote_rank(kernel):
+    msg = kernel.submit("notebook_launcher(spin, num_processes=1, num_nodes=2, cluster='ray')")
+    kernel.wait_for_output(msg, r"spinning", timeout=300)
+    assert len(_workers()) == 2
+    kernel.interrupt()
+    cell = kernel.collect(msg, timeout=120)
+    assert cell.error is not None and cell.error.ename == "KeyboardInterrupt", cell.error
+
+
+def test_the_state_api_sees_the_launch_while_it_runs(kernel):
+    """The "nothing left" checks can fail: while a run is in flight they see its group and
+    actors (a check that could not see them would prove nothing)."""
+    kernel.run(
+        "handle = notebook_launcher(spin, num_processes=1, num_nodes=2, cluster='ray',"
+        " block=False)",
+        timeout=300,
+    )
+    seen = wait_until(lambda: kernel.evaluate_json("left_on_cluster()")["actors"] == 2, 120)
+    assert seen and kernel.evaluate_json("left_on_cluster()")["groups"] == 1
+    assert wait_until(lambda: len(_workers()) == 2, 120)
+    kernel.run("handle.stop()\ntry:\n    handle.result()\nexcept Exception as e:\n    print(type(e))",
+               timeout=120)  # fmt: skip
+
+
+def test_the_hang_report_brings_every_remote_rank_stack_into_the_cell(kernel, tmp_path):
+    flag = tmp_path / "go"  # one machine's filesystem: both "nodes" see it
+    kernel.run(
+        "import torch.distributed as dist\n"
+        "def waits(flag):\n"
+        "    accelerator = Accelerator(cpu=True)\n"
+        "    value = torch.ones(1)\n"
+        "    if accelerator.process_index == 1:\n"
+        "        while not os.path.exists(flag): time.sleep(0.05)\n"
+        "    dist.all_reduce(value)\n"
+        "    return value.item()\n",
+        timeout=30,
+    )
+    msg = kernel.submit(
+        f"print('result', notebook_launcher(waits, ({str(flag)!r},), num_processes=1,"
+        " num_nodes=2, cluster='ray', hang_after=2))"
+    )
+    kernel.wait_for_output(msg, "waiting in torch.distributed.all_reduce", timeout=300)
+    flag.touch()  # rank 1 comes: nothing was killed, the launch completes
+    cell = kernel.collect(msg, timeout=120).raise_for_error()
+    assert "result 2.0" in cell.stdout
+    assert "rank 0: waiting in torch.distributed.all_reduce" in cell.stderr, cell.stderr
+    assert "os.path.exists(flag)" in cell.stderr  # rank 1's Python stack, from its node
+
+
+def test_pdb_on_a_failed_remote_rank_from_the_cell(kernel):
+    kernel.run(
+        "import nbaccel\n"
+        "def check(batch):\n"
+        "    x = batch * 41 // batch\n"
+        "    raise ValueError(f'bad batch {batch}')\n"
+        "def fails_on_one():\n"
+        "    import torch.distributed as dist\n"
+        "    accelerator = Accelerator()\n"
+        "    if accelerator.process_index == 1:\n"
+        "        check(11)\n"
+        "    dist.barrier()\n"
+        "try:\n"
+        "    notebook_launcher(fails_on_one, num_processes=1, num_nodes=2, cluster='ray',"
+        " debug=True, debug_timeout=120)\n"
+        "except ValueError as err:\n"
+        "    print('launch failed on rank', err.rank)\n",
+        timeout=300,
+    )
+    assert len(_workers()) == 1  # rank 1 waits on its node for nbaccel.debug()
+    cell, prompts = kernel.execute_answering("nbaccel.debug()", ["p x", "q"], timeout=120)
+    cell.raise_for_error()
+    assert prompts == ["(Pdb) "] * 2 and "41" in cell.stdout.splitlines(), cell.stdout
+
+
+# Last in this module (one module: one pytest worker, one cluster): node b is gone after it.
+def test_a_lost_node_ends_the_launch_naming_the_node_and_its_ranks(kernel, ray_cluster):
+    msg = kernel.submit("notebook_launcher(spin, num_processes=1, num_nodes=2, cluster='ray')")
+    kernel.wait_for_output(msg, r"spinning[\s\S]*spinning", timeout=300)
+    assert ray_cluster.kill_node("b")
+    cell = kernel.collect(msg, timeout=180)
+    assert cell.error is not None and cell.error.ename == "LaunchError", cell.error
+    text = cell.error.evalue
+    assert "lost node 127.0.0.3" in text and "with rank(s) [" in text, text

@@ -1,0 +1,128 @@
+"""The cluster channel's door: nothing is unpickled before the launch's secret is proven.
+
+Real sockets on 127.0.0.1; no Ray needed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import struct
+import threading
+
+import pytest
+
+from nbaccel.errors import LaunchError
+from nbaccel.launch import _cluster_wire
+from nbaccel.launch._wire import HEADER, Channel
+
+SECRET = b"s" * 32
+
+
+class _Marker:
+    """Unpickling this creates the file at ``path``: proof that someone unpickled it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _rank_connects(address, secret, result):
+    try:
+        result.append(_cluster_wire.connect(address, secret, {"rank": 0, "stream": "channel"}))
+    except BaseException as err:  # the test reads it
+        result.append(err)
+
+
+def test_a_stranger_is_refused_before_anything_is_unpickled(tmp_path):
+    marker = str(tmp_path / "unpickled")
+    listener = _cluster_wire.AuthListener("127.0.0.1", secret=SECRET, timeout=120)
+    try:
+        # the stranger speaks first: a channel frame, and a hello-sized pickle, then leaves
+        payload = pickle.dumps(_Marker(marker))
+        with socket.create_connection(listener.address) as stranger:
+            stranger.sendall(HEADER.pack(len(payload)) + payload)
+            stranger.sendall(struct.pack("!I", len(payload)) + payload)
+            stranger.shutdown(socket.SHUT_WR)
+            got = []
+            rank = threading.Thread(target=_rank_connects, args=(listener.address, SECRET, got))
+            rank.start()
+            sock, hello = listener.accept()
+            rank.join()
+        assert listener.refused == 1
+        assert hello["rank"] == 0 and hello["stream"] == "channel"
+        assert hello["nbaccel"] == _cluster_wire.versions()["nbaccel"]
+        # the accepted connection is a working channel: a pickle from the real rank arrives
+        theirs = got[0]
+        assert isinstance(theirs, socket.socket)
+        Channel(theirs).send({"step": 1})
+        assert Channel(sock).next() == {"step": 1}
+        sock.close()
+        theirs.close()
+    finally:
+        listener.close()
+    assert not os.path.exists(marker)
+
+
+def test_a_wrong_secret_gets_no_connection():
+    listener = _cluster_wire.AuthListener("127.0.0.1", secret=SECRET, timeout=120)
+    try:
+        got: list = []
+        wrong = threading.Thread(target=_rank_connects, args=(listener.address, b"w" * 32, got))
+        wrong.start()
+        wrong.join()  # refused: its challenge fails on both sides
+        right = threading.Thread(target=_rank_connects, args=(listener.address, SECRET, got))
+        right.start()
+        sock, _ = listener.accept()
+        right.join()
+        sock.close()
+        assert listener.refused == 1
+        errors = [g for g in got if isinstance(g, BaseException)]
+        socks = [g for g in got if isinstance(g, socket.socket)]
+        assert len(errors) == 1 and len(socks) == 1
+        socks[0].close()
+    finally:
+        listener.close()
+
+
+def test_a_silent_stranger_delays_no_rank():
+    listener = _cluster_wire.AuthListener("127.0.0.1", secret=SECRET, timeout=120)
+    try:
+        with socket.create_connection(listener.address):  # connects, never answers
+            got: list = []
+            rank = threading.Thread(target=_rank_connects, args=(listener.address, SECRET, got))
+            rank.start()
+            sock, hello = listener.accept()
+            rank.join()
+            assert hello["rank"] == 0
+            sock.close()
+            got[0].close()
+    finally:
+        listener.close()
+
+
+def test_listens_on_the_given_address_only():
+    listener = _cluster_wire.AuthListener("127.0.0.1", secret=SECRET, timeout=1)
+    try:
+        assert listener.address[0] == "127.0.0.1"
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+def test_another_install_on_the_node_is_one_error_naming_both():
+    ours = _cluster_wire.versions()
+    with pytest.raises(LaunchError) as caught:
+        _cluster_wire.check_versions({**ours, "torch": "1.0.0"}, "node 10.0.0.2, rank 1")
+    text = str(caught.value)
+    assert ours["torch"] in text and "1.0.0" in text and "node 10.0.0.2" in text
+    _cluster_wire.check_versions(dict(ours), "here")  # the same install: no error
+
+
+def test_a_short_secret_is_refused():
+    with pytest.raises(ValueError, match="16 random bytes"):
+        _cluster_wire.AuthListener("127.0.0.1", secret=b"short", timeout=1)
