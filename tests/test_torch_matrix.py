@@ -49,9 +49,17 @@ def test_the_tested_matrix_page_states_the_claim_and_every_matrix_torch():
         assert f"torch {version}" in section, version
 
 
-def test_every_matrix_module_exists_in_the_matrix_folders():
+def _root_conftest(pytestconfig):
+    # `from conftest import ...` may find another folder's conftest (tests/stacks/) first
+    path = str(ROOT / "tests" / "conftest.py")
+    return next(
+        p for p in pytestconfig.pluginmanager.get_plugins() if getattr(p, "__file__", "") == path
+    )
+
+
+def test_every_matrix_module_exists_in_the_matrix_folders(pytestconfig):
     # a module renamed or moved would silently drop out of the matrix
-    from conftest import MATRIX_MODULES
+    MATRIX_MODULES = _root_conftest(pytestconfig).MATRIX_MODULES
 
     text = (ROOT / "scripts" / "torch_matrix.env").read_text()
     match = re.search(r'^TORCH_MATRIX_TESTS="(.+)"$', text, re.M)

@@ -204,6 +204,23 @@ def start_processes(
     close_in_children: tuple[int, ...] = (),
 ) -> list[WorkerProcess]:
     """Start one worker per spec (``spec.fds`` is filled in here). Cleans up on failure."""
+    if method == "forkserver" and _forkserver.usable():
+        try:
+            return _start(specs, method, first_job, close_in_children)
+        except LaunchError as err:
+            if not isinstance(err.__cause__, OSError) or _forkserver.usable():
+                raise
+            # the server died between the look before the launch and the request (killed,
+            # say, its end of file not read yet): this launch spawns, as the cell is told
+    return _start(specs, method, first_job, close_in_children)
+
+
+def _start(
+    specs: list[WorkerSpec],
+    method: str,
+    first_job: Job | None,
+    close_in_children: tuple[int, ...],
+) -> list[WorkerProcess]:
     global _hook_installed
     if not _hook_installed:  # channels reach their end exactly when the kernel is gone
         os.register_at_fork(after_in_child=lambda: close_ends(_KERNEL_ENDS))

@@ -77,6 +77,24 @@ def test_a_worker_exit_comes_back_through_the_server_as_from_a_fork(server: int)
         assert first.startswith("rank 1 (pid ") and said in first, first
 
 
+@pytest.mark.integration
+def test_a_server_that_dies_at_the_request_means_this_launch_spawns(
+    server: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Killed between the look before the launch and the request for a worker (its end of
+    # file not read yet): CI on a loaded machine got a LaunchError instead of a spawned
+    # launch. A stopped server answers nothing either, which makes the window certain.
+    monkeypatch.setattr(_forkserver, "_ANSWER_TIMEOUT", 1.0)
+    os.kill(server, signal.SIGSTOP)
+    try:
+        assert launch(from_server(os.getppid)) == os.getpid()  # spawned: this process's child
+        assert _forkserver.usable() is False
+        assert "did not answer" in str(_forkserver.why_not())
+    finally:
+        os.kill(server, signal.SIGKILL)
+        os.kill(server, signal.SIGCONT)
+
+
 DRIVER_FIRST = """
 import ctypes, os, sys
 sys.path.insert(0, {platform!r})

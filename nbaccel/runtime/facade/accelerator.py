@@ -203,15 +203,15 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
         self.dynamo_backend = self.dynamo_plugin.backend
         init = handlers.get(InitProcessGroupKwargs)
         process = get_state(cpu=cpu, init_kwargs=init.to_kwargs() if init else None)
-        self._parallelism, mesh_strategy = resolve_parallelism(
-            parallelism_config,
-            process,
-            fsdp_plugin=fsdp_plugin,
-            deepspeed_plugin=deepspeed_plugin,
-            mixed_precision=mixed_precision,
+        self._parallelism = resolve_parallelism(
+            parallelism_config, process, fsdp_plugin=fsdp_plugin, deepspeed_plugin=deepspeed_plugin
         )
-        self.strategy: Strategy = mesh_strategy or select_strategy(
-            process, fsdp_plugin, deepspeed_plugin, mixed_precision=mixed_precision
+        self.strategy: Strategy = select_strategy(
+            process,
+            fsdp_plugin,
+            deepspeed_plugin,
+            mixed_precision=mixed_precision,
+            parallelism=self._parallelism,
         )
         self._process: ProcessState = self.strategy.state  # DistributedType.FSDP under FSDP
         # DeepSpeed's engine casts and scales itself: nbaccel's precision then runs "no"

@@ -2,7 +2,7 @@
 
 * :mod:`.config`: the sizes, their validation, the mesh with Accelerate's names;
 * :mod:`.tensor_parallel`: a plan applied on the ``tp`` mesh (torch's parallel styles);
-* :mod:`.strategy`: :class:`MeshParallel`, TP then FSDP2 over the data dimensions;
+* the strategy (``runtime/strategy/mesh``: ``MeshParallel``), TP then FSDP2 over the data dimensions;
 * :mod:`.api`: ``Accelerator(parallelism_config=...)`` checks and attributes.
 
 Example:

@@ -1,5 +1,5 @@
 """``Accelerator(parallelism_config=...)``: checking it against the process group, choosing
-the strategy, and Accelerate's attributes that read it.
+building its mesh, and Accelerate's attributes that read it.
 
 :func:`resolve_parallelism` runs in ``Accelerator.__init__`` on every rank, before any
 model exists: it refuses what cannot run here (sizes that do not multiply to the number
@@ -10,9 +10,8 @@ the facade inherits: ``parallelism_config``, ``torch_device_mesh``,
 
 Example:
     >>> from nbaccel.runtime.process.state import get_state
-    >>> config, strategy = resolve_parallelism(ParallelismConfig(), get_state(cpu=True))
-    >>> config.total_size, strategy
-    (1, None)
+    >>> resolve_parallelism(ParallelismConfig(), get_state(cpu=True)).total_size
+    1
 """
 
 from __future__ import annotations
@@ -32,11 +31,11 @@ def resolve_parallelism(
     *,
     fsdp_plugin: Any = None,
     deepspeed_plugin: Any = None,
-    mixed_precision: str = "no",
-) -> tuple[ParallelismConfig | None, Any]:
-    """``(the config, the strategy it needs or None)`` for this process; builds the mesh.
+) -> ParallelismConfig | None:
+    """The checked config for this process (``None``: none given), its mesh built.
 
-    ``None`` as strategy: the ordinary choice (one process, or pure replication = DDP).
+    ``runtime.strategy.select_strategy`` then picks the mesh strategy when it shards or
+    splits tensors (pure replication is DDP).
 
     Raises:
         TypeError: ``config`` is not a :class:`ParallelismConfig`.
@@ -50,18 +49,14 @@ def resolve_parallelism(
         cfg = launch_config()
         config = parallelism_from_launch(cfg)
         if config is None:
-            return None, None
-        if fsdp_plugin is None and cfg.strategy == "fsdp" and config.fsdp_enabled:
-            from ..strategy.fsdp.fsdp_plugin import FullyShardedDataParallelPlugin
-
-            fsdp_plugin = FullyShardedDataParallelPlugin.from_config(cfg)
+            return None
     if not isinstance(config, ParallelismConfig):
         raise TypeError(
             f"parallelism_config={config!r}: pass a ParallelismConfig(dp_shard_size=..., "
             "tp_size=...) from nbaccel (or accelerate.parallelism_config under nbaccel)."
         )
     if state.world_size == 1 and config.total_size == 1:
-        return config, None  # nothing to arrange
+        return config  # nothing to arrange
     if config.total_size == 1:  # Accelerate's rule: all 1 on many processes = replicate
         config.dp_replicate_size = state.world_size
     check_runnable(config, device_type=state.device.type, num_processes=state.world_size)
@@ -85,11 +80,7 @@ def resolve_parallelism(
             "cp_size are 1). Set dp_shard_size > 1, or drop fsdp_plugin."
         )
     config.get_device_mesh(state.device.type)  # every rank, now: a collective
-    if not (config.tp_enabled or config.fsdp_enabled):
-        return config, None  # pure replication: DDP over every process
-    from .strategy import MeshParallel
-
-    return config, MeshParallel(state, config, fsdp_plugin, mixed_precision=mixed_precision)
+    return config
 
 
 def torch_version() -> str:

@@ -27,6 +27,7 @@ from .deepspeed.deepspeed import DeepSpeed
 from .deepspeed.deepspeed_plugin import DeepSpeedPlugin, check_deepspeed_argument
 from .fsdp.fsdp import FSDP
 from .fsdp.fsdp_plugin import FullyShardedDataParallelPlugin, check_fsdp_arguments
+from .mesh.mesh import MeshParallel
 from .xla.xla import XLA
 
 Strategy = SingleProcess  # the interface every strategy implements
@@ -45,11 +46,14 @@ def select_strategy(
     deepspeed_plugin: DeepSpeedPlugin | None = None,
     *,
     mixed_precision: str = "no",
+    parallelism: Any = None,
 ) -> Any:
-    """The strategy for this process: DeepSpeed or FSDP when a plugin is given (or the
-    launch configuration says ``strategy="deepspeed"``/``"fsdp"``), else the one for the
-    distributed type. The strategy's ``state`` is the state the Accelerator reports
-    (``DistributedType.FSDP`` under FSDP, ``DEEPSPEED`` under DeepSpeed)."""
+    """The strategy for this process: the mesh strategy when ``parallelism`` (a checked
+    ``ParallelismConfig`` whose mesh is built) shards or splits tensors, DeepSpeed or FSDP
+    when a plugin is given (or the launch configuration says
+    ``strategy="deepspeed"``/``"fsdp"``), else the one for the distributed type. The
+    strategy's ``state`` is the state the Accelerator reports (``DistributedType.FSDP``
+    under FSDP, ``DEEPSPEED`` under DeepSpeed)."""
     from_config = fsdp_plugin is None and deepspeed_plugin is None
     if from_config and state.distributed_type is not DistributedType.XLA:
         cfg = launch_config()  # read once: the launcher's object in a worker
@@ -57,6 +61,9 @@ def select_strategy(
             deepspeed_plugin = DeepSpeedPlugin.from_config(cfg)
         elif cfg.strategy == "fsdp" and state.world_size > 1:
             fsdp_plugin = FullyShardedDataParallelPlugin.from_config(cfg)
+    if parallelism is not None and (parallelism.tp_enabled or parallelism.fsdp_enabled):
+        plugin = fsdp_plugin if parallelism.fsdp_enabled else None
+        return MeshParallel(state, parallelism, plugin, mixed_precision=mixed_precision)
     if deepspeed_plugin is not None:
         return DeepSpeed(state, deepspeed_plugin, mixed_precision=mixed_precision)
     if fsdp_plugin is not None:
@@ -72,6 +79,7 @@ __all__ = [
     "DeepSpeed",
     "DeepSpeedPlugin",
     "FullyShardedDataParallelPlugin",
+    "MeshParallel",
     "PrepareContext",
     "Prepared",
     "SingleProcess",

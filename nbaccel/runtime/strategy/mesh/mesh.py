@@ -3,7 +3,7 @@
 What ``Accelerator(parallelism_config=...)`` trains with when tensor parallel or sharding
 is on (pure replication is the DDP strategy). Built on :class:`~nbaccel.runtime.strategy.FSDP`:
 ``prepare`` first parallelises the model on the mesh's ``tp`` dimension
-(:mod:`.tensor_parallel`), then -- when ``dp_shard`` or ``cp`` is enabled -- shards it with
+(:mod:`nbaccel.runtime.parallel.tensor_parallel`), then -- when ``dp_shard`` or ``cp`` is enabled -- shards it with
 ``fully_shard`` over ``mesh["dp_shard_cp"]``, or ``mesh["dp_replicate", "dp_shard_cp"]``
 (HSDP: torch replicates over the first dimension, shards over the second). Parameters are
 DTensors either way, so clipping, sharded checkpoints (DCP) and full state dicts
@@ -23,18 +23,18 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigError
-from ..process.state import ProcessState
-from ..strategy.fsdp.fsdp import FSDP, _options
-from ..strategy.fsdp.fsdp_plugin import FullyShardedDataParallelPlugin
-from .config import ParallelismConfig
-from .export import route_save_pretrained
-from .tensor_parallel import (
+from ....errors import ConfigError
+from ...parallel.config import ParallelismConfig
+from ...parallel.export import route_save_pretrained
+from ...parallel.tensor_parallel import (
     TRANSFORMERS_MESH_WARNING,
     apply_tensor_parallel,
     is_tensor_parallel,
     transformers_builds_its_own_mesh,
 )
+from ...process.state import ProcessState
+from ..fsdp.fsdp import FSDP, _options
+from ..fsdp.fsdp_plugin import FullyShardedDataParallelPlugin
 
 
 class MeshParallel(FSDP):
