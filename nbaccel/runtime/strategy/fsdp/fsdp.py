@@ -186,12 +186,17 @@ class FSDP(SingleProcess):
 
     # -- state dicts: full on rank 0 (collectives: call on every rank) ---------------------
 
+    def holds_dtensors(self, module: torch.nn.Module) -> bool:
+        """Whether ``module``'s parameters are DTensors (its state dicts go through torch's
+        DTensor-aware helpers); here: sharded by ``fully_shard``."""
+        return _is_sharded(module)
+
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full state dict on the main process (``{}`` elsewhere); call on every rank."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         module = self.unwrap_model(model)
-        if not _is_sharded(module):
+        if not self.holds_dtensors(module):
             return module.state_dict() if self.state.is_main_process else {}
         options = _options(full_state_dict=True, cpu_offload=True)
         state: Any = get_model_state_dict(module, options=options)  # tensors on rank 0 only
@@ -204,7 +209,7 @@ class FSDP(SingleProcess):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         module = self.unwrap_model(model)
-        if not _is_sharded(module):
+        if not self.holds_dtensors(module):
             return module.load_state_dict(state, strict=strict)
         options = _options(full_state_dict=True, strict=strict)
         return set_model_state_dict(module, dict(state), options=options)

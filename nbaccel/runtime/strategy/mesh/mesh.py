@@ -33,7 +33,7 @@ from ...parallel.tensor_parallel import (
     transformers_builds_its_own_mesh,
 )
 from ...process.state import ProcessState
-from ..fsdp.fsdp import FSDP, _options
+from ..fsdp.fsdp import FSDP
 from ..fsdp.fsdp_plugin import FullyShardedDataParallelPlugin
 
 
@@ -95,28 +95,9 @@ class MeshParallel(FSDP):
 
     # -- state dicts: DTensors (TP and/or FSDP) gathered to full tensors -----------------
 
-    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The full state dict on the main process (``{}`` elsewhere); call on every rank."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        module = self.unwrap_model(model)
-        if not is_tensor_parallel(module):
-            return super().model_state_dict(model)
-        options = _options(full_state_dict=True, cpu_offload=True)
-        state: Any = get_model_state_dict(module, options=options)  # tensors on rank 0 only
-        return dict(state)
-
-    def load_model_state_dict(
-        self, model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True
-    ) -> Any:
-        """Load a full state dict (every rank passes it) into the parallelised model."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        module = self.unwrap_model(model)
-        if not is_tensor_parallel(module):
-            return super().load_model_state_dict(model, state, strict=strict)
-        options = _options(full_state_dict=True, strict=strict)
-        return set_model_state_dict(module, dict(state), options=options)
+    def holds_dtensors(self, module: torch.nn.Module) -> bool:
+        """Sharded by ``fully_shard``, or split by tensor parallel alone."""
+        return super().holds_dtensors(module) or is_tensor_parallel(module)
 
     def __repr__(self) -> str:
         return f"MeshParallel({self.config!r}, mesh={self.device_mesh!r})"
