@@ -117,7 +117,7 @@ class ForkServer:
             if self.dead is None:
                 with contextlib.suppress(OSError):
                     self.sock.send(b"stop")
-            self._gone("it was stopped")
+            self._gone("it was stopped", leaving=True)
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and not self._reaped():
                 time.sleep(0.01)
@@ -150,12 +150,22 @@ class ForkServer:
             if self._next(0) is None:
                 break
 
-    def _gone(self, why: str) -> None:
+    def _gone(self, why: str, *, leaving: bool = False) -> None:
         if self.dead is None:
             self.dead = why
             _CLOSE_IN_CHILD.discard(self.sock.fileno())
             self.sock.close()
-        self._reaped()
+        if leaving or self._reaped():
+            return  # stop() waits for it itself
+        # Its end of file can come before its exit is reapable (killed, still exiting), or it
+        # stopped answering: end it, and reap it when it has gone, never leaving a zombie.
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+        threading.Thread(target=self._reap, name="nbaccel-forkserver-reap", daemon=True).start()
+
+    def _reap(self) -> None:
+        with contextlib.suppress(ChildProcessError, InterruptedError):
+            os.waitpid(self.pid, 0)
 
     def _reaped(self) -> bool:
         try:

@@ -3,12 +3,14 @@ back through it, and a driver touched before nbaccel's first use said in one lin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,9 +92,21 @@ def test_a_server_that_dies_at_the_request_means_this_launch_spawns(
         assert launch(from_server(os.getppid)) == os.getpid()  # spawned: this process's child
         assert _forkserver.usable() is False
         assert "did not answer" in str(_forkserver.why_not())
+        # the server that did not answer was ended and reaped: no zombie left
+        assert not psutil.pid_exists(server) or _wait_gone(server)
     finally:
-        os.kill(server, signal.SIGKILL)
-        os.kill(server, signal.SIGCONT)
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server, sig)
+
+
+def _wait_gone(pid: int) -> bool:
+    """Gone from the process table (a zombie is still there: it must be reaped by
+    nbaccel's side, which this only watches)."""
+    deadline = time.monotonic() + 60
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not psutil.pid_exists(pid)
 
 
 DRIVER_FIRST = """
