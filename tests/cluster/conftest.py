@@ -123,6 +123,22 @@ class LocalCluster:
         psutil.wait_procs(procs, timeout=30)
         return [p.pid for p in procs]
 
+    def idle(self) -> bool:
+        """No live actor and no placement group that is not removed, as Ray's state API
+        tells it (asked from a fresh process: this one never imports Ray)."""
+        probe = (
+            "import json, sys\n"
+            "from ray.util.state import list_actors, list_placement_groups\n"
+            "a = list_actors(address=sys.argv[1], filters=[('state', '!=', 'DEAD')])\n"
+            "g = list_placement_groups(address=sys.argv[1], filters=[('state', '!=', 'REMOVED')])\n"
+            "print(json.dumps([len(a), len(g)]))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", probe, f"http://127.0.0.1:{self.dashboard}"],
+            env=self.env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        return done.returncode == 0 and json.loads(done.stdout.splitlines()[-1]) == [0, 0]
+
     def stop(self) -> None:
         self._end(self.processes())
         shutil.rmtree(self.root, ignore_errors=True)
@@ -147,9 +163,12 @@ class LocalCluster:
                     os.waitpid(child.pid, os.WNOHANG)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """The session's local two-node cluster (skipped, saying why, without Ray)."""
+    """The local two-node cluster (skipped, saying why, without Ray): one per session, as
+    one module uses it (test_cluster_kernel.py); module-scoped so that it ends with that
+    module instead of idling beside every later file of its pytest-xdist worker (Ray's
+    daemons use CPU while idle)."""
     pytest.importorskip("ray", reason="needs the ray extra: pip install 'nbaccel[ray]'")
     cluster = LocalCluster()
     try:

@@ -10,6 +10,8 @@ no nbaccel worker process on the machine, no child of the kernel.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import Iterator
 
 import psutil
@@ -45,6 +47,25 @@ def train(steps, fail_rank=None):
     if rank == fail_rank:
         raise ValueError(f"bad batch on rank {{rank}}")
     return accelerator.unwrap_model(model).weight.detach().clone()
+
+def logged(steps):
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    g = torch.Generator().manual_seed(accelerator.process_index)
+    losses = []
+    for step in range(steps):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+        loss = ((model(x) - y) ** 2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.log({{"loss": loss.item()}}, step=step)
+        losses.append(loss.item())
+        time.sleep(0.05)
+    return losses
 
 def spin():
     print("spinning", flush=True)
@@ -191,6 +212,47 @@ def test_the_state_api_sees_the_launch_while_it_runs(kernel):
     assert wait_until(lambda: len(_workers()) == 2, 120)
     kernel.run("handle.stop()\ntry:\n    handle.result()\nexcept Exception as e:\n    print(type(e))",
                timeout=120)  # fmt: skip
+
+
+def test_live_charts_of_a_background_cluster_run_in_the_cell(kernel):
+    """``watch`` on a background run on the cluster charts every rank's logged values at
+    their steps: the events cross the machines on nbaccel's own channel."""
+    pytest.importorskip("ipywidgets")
+    kernel.run(
+        "from nbaccel.monitor import watch\n"
+        "handle = notebook_launcher(logged, (20,), num_processes=1, num_nodes=2,"
+        " cluster='ray', block=False, return_all_ranks=True)\n"
+        "monitor = watch(handle)",
+        timeout=300,
+    )
+    losses = kernel.evaluate_json("handle.result(timeout=240)", timeout=300)
+    kernel.drain(1.5)
+    data = kernel.evaluate_json("{r: v for r, v in monitor.chart_data()['loss'].items()}")
+    assert sorted(data) == ["0", "1"], data
+    for rank in (0, 1):  # every logged value, at its step, per rank
+        assert data[str(rank)] == [[float(s), v] for s, v in enumerate(losses[rank])]
+
+
+def test_the_kernels_death_leaves_nothing_on_the_cluster(ray_cluster, tmp_path):
+    """A kernel killed (-9) in the middle of a cluster run: Ray ends its driver's actors and
+    placement group, and the workers end with their channels."""
+    session = KernelSession(cwd=tmp_path, env=isolated_env(tmp_path))
+    session.start()
+    try:
+        session.run(SETUP.format(address=ray_cluster.address, ip=HEAD_IP), timeout=180)
+        session.run(
+            "handle = notebook_launcher(spin, num_processes=1, num_nodes=2, cluster='ray',"
+            " block=False)",
+            timeout=300,
+        )
+        assert wait_until(lambda: len(_workers()) == 2, 120)
+        assert not ray_cluster.idle()  # the check below can fail: it sees the run now
+        os.kill(session.pid, signal.SIGKILL)
+    finally:
+        with contextlib.suppress(Exception):
+            session.stop()
+    assert wait_until(lambda: not _workers(), 120), [p.cmdline() for p in _workers()]
+    assert wait_until(lambda: ray_cluster.idle(), 120), "actors or groups left on the cluster"
 
 
 def test_the_hang_report_brings_every_remote_rank_stack_into_the_cell(kernel, tmp_path):
