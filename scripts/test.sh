@@ -23,6 +23,7 @@
 SHARE_SETUP=180    # setup.sh + setup_browser.sh, empty download caches
 SHARE_LINT=30      # ruff (setup_xla.sh, the matrix and the stacks set up beside it)
 SHARE_MYPY=600     # mypy, beside the main run (ends by this second)
+SHARE_XLA=600      # setup_xla.sh, beside the main run (ends by this second)
 SHARE_MAIN=540     # the main pytest run (the cluster, parallelism, docs and fork-server suites too)
 SHARE_MATRIX=780   # the torch matrix's set-up and tests, beside the rest (ends by this second)
 SHARE_STACKS=780   # the stacks' set-up and tests, beside the rest (ends by this second)
@@ -71,8 +72,7 @@ stage "setup.sh, setup_browser.sh" "$SHARE_SETUP" setup
 # tests). They mostly download, unpack and wait on kernels. Each log is printed whole at the end.
 matrix=${NBACCEL_TORCH_MATRIX:-1}
 stacks=${NBACCEL_STACKS:-1}
-run_part xla bash scripts/setup_xla.sh &
-xla=$!
+stage "setup_xla.sh *" "$SHARE_XLA" run_part xla bash scripts/setup_xla.sh &
 # a failed matrix setup is retried and reported by scripts/test_torch_matrix.sh
 [ "$matrix" = "0" ] ||
   stage "torch matrix (set-up + tests) *" "$SHARE_MATRIX" run_part matrix \
@@ -137,10 +137,9 @@ passed=$({ grep -oE '[0-9]+ passed' "$SUMMARY" || true; } | awk '{s += $1} END {
 failed=$({ grep -oE '[0-9]+ (failed|errors?)' "$SUMMARY" || true; } | awk '{s += $1} END {print s + 0}')
 echo
 echo "============ time per stage: wall and CPU seconds (user + system), against each stage's share ============"
-# `times` here, in this shell: its second line is the CPU time of every process it waited for
-times >"$PARTS/times"
-cpu=$(sed -n 2p "$PARTS/times" | sed -E 's/([0-9]+)m([0-9.]+)s/\1 \2/g' |
-  awk '{printf "%.0f\n", $1 * 60 + $2 + $3 * 60 + $4}')
+# the whole run's CPU time: the stages' own, added up (bash's `times` here would miss the
+# stages that ran in background subshells)
+cpu=$(awk -F'|' '{s += $3} END {print s + 0}' "$PARTS/stages")
 echo "whole run|$((SECONDS - started))|$cpu|$SHARE_ALL" >>"$PARTS/stages"
 over=()
 while IFS='|' read -r name wall cpu share; do
