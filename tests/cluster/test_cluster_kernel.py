@@ -187,6 +187,20 @@ def test_a_warm_pool_across_cells_then_closed(kernel):
     )
     assert "POOL 2 True True True" in cell.stdout  # DDP: the same weights on both ranks
     assert len(_workers()) == 2  # warm: the workers live between the cells
+    # %%distributed cells on the cluster's pool: names kept per rank across cells, output
+    # per rank, rank 0's last expression as the cell's result
+    kernel.run("%load_ext nbaccel")
+    cell = kernel.run(
+        "%%distributed\n"
+        "import os\n"
+        "mine = accelerator.process_index * 10 + int(os.environ['GROUP_RANK'])\n"
+        "print(f'cell-rank-{accelerator.process_index}')\n"
+        "mine + 0.5",
+        timeout=300,
+    )
+    assert cell.text == "0.5", cell.describe()
+    assert "cell-rank-0" in cell.stdout and "cell-rank-1" in cell.stdout, cell.stdout
+    assert kernel.evaluate_json("pool.pull('mine', rank=None)") == [0, 11]  # rank 1: node 1
     kernel.run("pool.close()", timeout=120)
 
 
