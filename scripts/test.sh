@@ -62,7 +62,7 @@ run_part() {
 part_ok() { [ "$(cat "$PARTS/$1.code" 2>/dev/null || echo 1)" -eq 0 ]; }
 
 setup() {
-  bash scripts/setup.sh         # .venv: torch==2.13.0 (CPU), nbaccel -e [notebook,test]
+  bash scripts/setup.sh         # .venv: torch==2.13.0 (CPU), nbaccel -e [notebook,test,docs,ray]
   bash scripts/setup_browser.sh # Debian chromium + playwright + jupyterlab (tests marked browser)
 }
 stage "setup.sh, setup_browser.sh" "$SHARE_SETUP" setup
