@@ -12,8 +12,10 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -55,11 +57,13 @@ def jupyter_lab(
         tracker.mkdir(parents=True)
         (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     (tmp / "nbaccel.yaml").write_text(nbaccel_yaml)
+    # short: the kernels' IPC sockets live there (a socket's path holds 107 bytes at most)
+    runtime = tempfile.mkdtemp(prefix="nbjr-")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NBACCEL_", "JUPYTER"))}
     env.update(
         NBACCEL_CONFIG_FILE=str(tmp / "nbaccel.yaml"),
         JUPYTER_CONFIG_DIR=str(config_dir),
-        JUPYTER_RUNTIME_DIR=str(tmp / "jupyter-runtime"),
+        JUPYTER_RUNTIME_DIR=runtime,
         JUPYTERLAB_WORKSPACES_DIR=str(tmp / "jupyter-workspaces"),
         JUPYTERLAB_SETTINGS_DIR=str(settings),
         XDG_CACHE_HOME=str(tmp / "cache"),
@@ -71,6 +75,8 @@ def jupyter_lab(
             sys.executable, "-m", "jupyter", "lab", "--no-browser",
             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+            # the kernels over IPC: a free TCP port can be taken before the kernel binds it
+            "--KernelManager.transport=ipc",
             *(["--allow-root"] if os.geteuid() == 0 else []),
         ],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root,
@@ -99,3 +105,4 @@ def jupyter_lab(
                 if proc.is_running():
                     proc.kill()
         log.close()
+        shutil.rmtree(runtime, ignore_errors=True)

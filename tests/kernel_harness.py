@@ -272,9 +272,14 @@ class KernelSession:
                 env.pop(key, None)
             else:
                 env[key] = value
+        # IPC sockets, not TCP: a TCP port picked free by the manager can be taken by another
+        # process (a worker's rendezvous, a Ray node, a test beside) before the kernel binds
+        # it, and the kernel dies at start ("Address already in use": a CI run lost a test so).
         self._km = KernelManager(
             kernel_name=_KERNEL_NAME,
             kernel_spec_manager=KernelSpecManager(kernel_dirs=[self._spec_dir]),
+            transport="ipc",
+            ip=str(Path(self._spec_dir, "ipc")),  # absolute: the kernel runs in another cwd
         )
         self._km.shutdown_wait_time = 4.0
         try:
@@ -607,6 +612,10 @@ class KernelSession:
         finally:
             stop.set()
             thread.join()
+
+    def connection_info(self) -> dict[str, Any]:
+        """The kernel's connection info (transport, ip, ports), as its manager wrote it."""
+        return dict(self._require().get_connection_info())
 
     def listening_sockets(self, include_kernel: bool = False) -> list[tuple[int, str, int]]:
         """``(pid, ip, port)`` of every TCP socket in LISTEN state held by the kernel's descendants.

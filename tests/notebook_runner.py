@@ -120,6 +120,16 @@ def execute_notebook(
             def _only_our_spec(self) -> KernelSpecManager:
                 return specs
 
+            # IPC, not TCP: no port picked free can be taken by another process before the
+            # kernel binds it (see kernel_harness.KernelSession.start)
+            @default("transport")
+            def _ipc(self) -> str:
+                return "ipc"
+
+            @default("ip")
+            def _ipc_path(self) -> str:  # absolute: the kernel runs in the notebook's folder
+                return os.path.join(spec_root, "ipc")
+
         client = NotebookClient(
             notebook,
             timeout=timeout,

@@ -364,6 +364,18 @@ def test_rendezvous_listens_on_loopback_only(kernel):
     assert kernel.evaluate_json("held") is True
 
 
+def test_the_test_kernel_takes_no_tcp_port_picked_for_it(kernel):
+    """The harness's kernels talk over IPC sockets: a TCP port the manager picked free could
+    be taken by another process (a rendezvous, a Ray node, a test beside) before the kernel
+    bound it, and the kernel died at start ("Address already in use": a CI run lost a test so).
+    """
+    info = kernel.connection_info()
+    assert info["transport"] == "ipc", info
+    ports = {info[name] for name in ("shell_port", "iopub_port", "stdin_port", "hb_port")}
+    held = {port for _, _, port in kernel.listening_sockets(include_kernel=True)}
+    assert not ports & held, (info, held)
+
+
 # ---------------------------------------------------------------------------- 7
 BAD_INPUT_CELL = """
 def whoami():
