@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/editable_lock.sh
+source scripts/uv_lib.sh
 if [ ! -x /usr/bin/chromium ]; then
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -16,5 +17,6 @@ if [ ! -x .venv/bin/python ]; then
   bash scripts/setup.sh
 fi
 # The pip package only ships the driver; browsers come from `playwright install`, never run here.
-PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 editable_turn .venv/bin/python -m pip install -q -e ".[browser]"
+uv_ready
+PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 editable_turn uv_install .venv/bin/python -e ".[browser]"
 /usr/bin/chromium --version
