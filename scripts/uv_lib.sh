@@ -6,11 +6,11 @@
 #             configuration (scripts/uv_env.py: the machine's local wheels, indexes and caps)
 #   uv_install PYTHON ARGS...: `uv pip install ARGS` into PYTHON's environment
 UV_VERSION=0.13.9
-UV_BIN=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.tools/uv/bin/uv
+UV_CHECKOUT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+UV_BIN=$UV_CHECKOUT/.tools/uv/bin/uv
 
 uv_ready() {
-  local root
-  root=$(dirname "$(dirname "$(dirname "$UV_BIN")")")
+  local root=$UV_CHECKOUT
   (
     flock 8  # the set-ups beside each other ask at once (scripts/test.sh)
     if ! { [ -x "$UV_BIN" ] && "$UV_BIN" --version | grep -q " $UV_VERSION\b"; }; then
