@@ -15,7 +15,7 @@ uv_ready() {
     flock 8  # the set-ups beside each other ask at once (scripts/test.sh)
     if ! { [ -x "$UV_BIN" ] && "$UV_BIN" --version | grep -q " $UV_VERSION\b"; }; then
       rm -rf "$root/.tools/uv"
-      "${PYTHON:-python3}" -m pip install -q --disable-pip-version-check \
+      "${PYTHON:-python3}" -m pip install -qq --disable-pip-version-check --root-user-action=ignore \
         --target "$root/.tools/uv" "uv==$UV_VERSION"
     fi
   ) 8>"$root/.tools.lock"
