@@ -15,18 +15,21 @@
 # NVIDIA libraries torch links against (torch.cuda.is_available() is then False). When that
 # fails (no C compiler) the real NVIDIA wheels are installed instead.
 #
-# Idempotent and cheap to re-run: the torch wheels are cached in
-# ~/.cache/pip/nbaccel-torch-wheels/<python tag>/ ($NBACCEL_TORCH_WHEELS), and a venv that
+# Idempotent and cheap to re-run: uv (scripts/uv_lib.sh) keeps the torch wheels in its
+# cache, and a venv that
 # already imports its torch, this checkout's nbaccel and every requirement is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/editable_lock.sh
+source scripts/uv_lib.sh
 PY=${PYTHON:-python3}
 # Some machines cap pip at the torch they keep on disk (a global `constraint = ...` in
 # /etc/pip.conf, e.g. torch<=2.14.1), which makes the NEWEST release of the matrix
 # uninstallable ("ResolutionImpossible"). The matrix venvs install an exact torch wheel on
-# purpose, without its CUDA wheels, so this script alone asks pip for no constraints.
+# purpose, without its CUDA wheels, so this script alone asks pip (and so uv: uv_env.py)
+# for no constraints.
 export PIP_CONSTRAINT=/dev/null
+uv_ready
 source scripts/torch_matrix.env  # TORCH_MATRIX: the versions, oldest first
 if [ "$#" -gt 0 ]; then VERSIONS=("$@"); else read -r -a VERSIONS <<<"$TORCH_MATRIX"; fi
 
@@ -76,21 +79,12 @@ setup_one() {
     return 0
   fi
   [ -x "$vpy" ] || "$PY" -m venv "$venv"
-  local pip=("$vpy" -m pip install -q --disable-pip-version-check)
-  local tag wheels wheel
-  tag=$("$vpy" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-  wheels=${NBACCEL_TORCH_WHEELS:-$HOME/.cache/pip/nbaccel-torch-wheels}/$tag
-  "$vpy" -m pip download -q --disable-pip-version-check --no-deps -d "$wheels" "torch==$version"
-  wheel=$(ls "$wheels"/torch-"$version"-*.whl | head -n1)
-  # torch's own requirements (with their markers), read from the wheel, minus the GPU ones.
+  uv_install "$vpy" --no-deps "torch==$version"
+  # torch's own requirements (with their markers), read from its metadata, minus the GPU ones.
   local torch_deps
-  mapfile -t torch_deps < <("$vpy" - "$wheel" <<'PYEOF'
-import sys, zipfile
-from email.parser import Parser
-with zipfile.ZipFile(sys.argv[1]) as whl:
-    name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
-    meta = Parser().parsestr(whl.read(name).decode())
-for req in meta.get_all("Requires-Dist") or []:
+  mapfile -t torch_deps < <("$vpy" - <<'PYEOF'
+import importlib.metadata
+for req in importlib.metadata.requires("torch") or []:
     if "extra ==" in req:
         continue
     if req.lower().startswith(("nvidia-", "triton", "cuda-")):
@@ -98,9 +92,8 @@ for req in meta.get_all("Requires-Dist") or []:
     print(req)
 PYEOF
 )
-  "${pip[@]}" "$wheel" --no-deps
-  "${pip[@]}" "${torch_deps[@]}" "${DEPS[@]}" "${TEST_DEPS[@]}"
-  editable_turn "${pip[@]}" --no-deps -e .
+  uv_install "$vpy" "${torch_deps[@]}" "${DEPS[@]}" "${TEST_DEPS[@]}"
+  editable_turn uv_install "$vpy" --no-deps -e .
   local torch_lib
   torch_lib=$("$vpy" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("torch").submodule_search_locations[0], "lib"))')
   if [ "${NBACCEL_MATRIX_FULL_TORCH:-0}" != "1" ] && "$vpy" scripts/cuda_stubs.py "$torch_lib" \
@@ -109,7 +102,7 @@ PYEOF
   fi
   echo "setup_torch_matrix.sh: torch $version: installing its NVIDIA dependencies instead of stubs" >&2
   "$vpy" scripts/cuda_stubs.py "$torch_lib" --remove
-  "${pip[@]}" "$wheel"
+  uv_install "$vpy" "torch==$version"
   check "$vpy" "$version"
 }
 

@@ -15,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/editable_lock.sh
+source scripts/uv_lib.sh
 PY=${PYTHON:-python3}
 VENV=.xla-venv
 TORCH_VERSION=2.9.0
@@ -63,24 +64,18 @@ fi
 if [ ! -x "$VPY" ]; then
   "$PY" -m venv "$VENV"
 fi
-PIP=("$VPY" -m pip install -q --disable-pip-version-check)
+uv_ready
 
-# The two big wheels (980 MB) are kept in a cache folder of their own (pip's HTTP cache does
-# not keep them here), so re-creating the environment on the same machine downloads nothing.
-TAG=$("$VPY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-WHEELS=${NBACCEL_XLA_WHEELS:-$HOME/.cache/pip/nbaccel-xla-wheels}/$TAG
-"$VPY" -m pip download -q --disable-pip-version-check --no-deps -d "$WHEELS" \
-  "torch==$TORCH_VERSION" "torch_xla==$TORCH_VERSION"
-
-# One --no-deps install: torch/torch_xla, their pure-Python requirements (torch: filelock,
-# typing-extensions, sympy, networkx, jinja2, fsspec; torch_xla: absl-py, numpy, pyyaml,
-# requests) with theirs and nbaccel's; then nbaccel itself (editable, in turn).
-"${PIP[@]}" --no-deps \
-  "$WHEELS"/torch-"$TORCH_VERSION"-*.whl "$WHEELS"/torch_xla-"$TORCH_VERSION"-*.whl \
+# One --no-deps install (uv keeps the two big wheels, 980 MB, in its cache: re-creating the
+# environment on the same machine downloads nothing): torch/torch_xla, their pure-Python
+# requirements (torch: filelock, typing-extensions, sympy, networkx, jinja2, fsspec;
+# torch_xla: absl-py, numpy, pyyaml, requests) with theirs and nbaccel's; then nbaccel itself
+# (editable, in turn).
+uv_install "$VPY" --no-deps "torch==$TORCH_VERSION" "torch_xla==$TORCH_VERSION" \
   filelock "typing-extensions>=4.10" "sympy>=1.13.3" mpmath "networkx>=2.5.1" jinja2 markupsafe \
   "fsspec>=0.8.5" absl-py numpy pyyaml requests charset-normalizer idna urllib3 certifi \
   "${NBACCEL_DEPS[@]}" dill
-editable_turn "${PIP[@]}" --no-deps -e .
+editable_turn uv_install "$VPY" --no-deps -e .
 
 TORCH_LIB=$("$VPY" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("torch").submodule_search_locations[0], "lib"))')
 if [ "${NBACCEL_XLA_FULL_TORCH:-0}" != "1" ] && "$VPY" scripts/cuda_stubs.py "$TORCH_LIB" && check; then
@@ -89,5 +84,5 @@ fi
 
 echo "setup_xla.sh: installing torch's NVIDIA dependencies (about 2.8 GB) instead of stubs" >&2
 "$VPY" scripts/cuda_stubs.py "$TORCH_LIB" --remove
-"${PIP[@]}" "torch==$TORCH_VERSION" "torch_xla==$TORCH_VERSION"
+uv_install "$VPY" "torch==$TORCH_VERSION" "torch_xla==$TORCH_VERSION"
 check
