@@ -25,5 +25,7 @@ uv_ready() {
 uv_install() {
   local python=$1
   shift
-  "$UV_BIN" pip install -q --python "$python" "$@"
+  # --compile-bytecode: as pip does; where PYTHONDONTWRITEBYTECODE is set (this machine, CI),
+  # nothing else writes the .pyc files and every process would compile every module again
+  "$UV_BIN" pip install -q --compile-bytecode --python "$python" "$@"
 }
