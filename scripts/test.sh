@@ -56,11 +56,14 @@ stage() {
   return "$code"
 }
 # run_part NAME CMD...: CMD's output to $PARTS/NAME.log, its exit status to $PARTS/NAME.code
-# (for the parts that run in the background; `set -e` does not end them half-way)
+# (for the parts that run in the background; `set -e` does not end them half-way). They run
+# at a lower priority (nice 5, their kernels and workers too): the main run is the whole
+# run's critical path, and the lanes, which end minutes before it, fill the time its tests
+# spend waiting on processes instead of taking turns with it.
 run_part() {
   local name=$1 code=0
   shift
-  "$@" >"$PARTS/$name.log" 2>&1 || code=$?
+  nice -n "${NBACCEL_LANE_NICE:-5}" "$@" >"$PARTS/$name.log" 2>&1 || code=$?
   echo "$code" >"$PARTS/$name.code"
 }
 part_ok() { [ "$(cat "$PARTS/$1.code" 2>/dev/null || echo 1)" -eq 0 ]; }
