@@ -13,8 +13,8 @@ sits idle inside a C++ call of torch's with equal counts (a collective called di
 different ranks). A long computation without collectives is not hung. The report adds each
 rank's last collective from torch's flight recorder and names one called differently.
 **Waiting, not stuck**: a rank outside torch.distributed whose CPU time advanced by
-``BUSY_SHARE`` of the still time is working; the others "wait for rank N, which is busy in
-<frame>", and nothing is ended whatever ``on_hang`` says.
+``BUSY_SHARE`` of the last ``hang_after`` seconds is working; the others "wait for rank N,
+which is busy in <frame>", and nothing is ended whatever ``on_hang`` says.
 
 ``on_hang="report"`` writes the report where the job's output goes and publishes a ``"hang"``
 event per stuck rank; it comes again after 2, 4, 8, ... times ``hang_after``. ``"raise"``
@@ -106,9 +106,14 @@ class Watchdog:
         self._next_look = (time.monotonic() if now is None else now) + policy.look_every
         self._seen: tuple[Any, ...] | None = None
         self._since = 0.0  # when the last progress was seen
-        self._reports = 0  # reports since then
+        # reports since then, of ranks stuck and of ranks waiting for a working one: each
+        # backs off on its own (a rank reported working, then stopped, is stuck at the next
+        # look that finds it so, not after the working reports' back-off)
+        self._reports = {"stuck": 0, "busy": 0}
         self._counts: dict[int, int | None] = {}  # last known collective count per rank
-        self._cpu: dict[int, tuple[float, float]] = {}  # rank -> (cpu seconds, when)
+        # (when, rank -> cpu seconds) at each look since the stillness began, from the last
+        # one at least `after` seconds old on (the working judgment's window)
+        self._cpu: list[tuple[float, dict[int, float]]] = []
 
     def look(
         self,
@@ -132,14 +137,12 @@ class Watchdog:
         counts = {r: self._counts.get(r) for r in busy} | dict(finished)
         signature = (activity, tuple(sorted(busy)), tuple(sorted(counts.items())))
         if signature != self._seen:
-            self._seen, self._since, self._reports = signature, now, 0
-            # the window in which CPU time is counted starts with the stillness: a rank that
-            # only polls a file (or sleeps) is not working because it was busy a moment before
-            self._cpu = {r: (c, now) for r, c in cpu.items() if c is not None}
+            self._seen, self._since, self._reports = signature, now, {"stuck": 0, "busy": 0}
+            self._cpu = [(now, {r: c for r, c in cpu.items() if c is not None})]
             return None
         working = self._working(cpu, now)
         idle = now - self._since
-        if idle < self.policy.after * (2 ** (self._reports + 1) - 1):
+        if idle < self.policy.after * (2 ** (min(self._reports.values()) + 1) - 1):
             return None
         calls = {r: (answers.get(r, {}).get("waiting") or {}).get("call") for r in busy}
         known = {r: c for r, c in counts.items() if c is not None}
@@ -151,8 +154,11 @@ class Watchdog:
             return None  # nobody waits on a peer: a long computation, not a hang
         if working and not (waiting := [r for r in busy if r not in working]):
             return None
-        self._reports += 1
-        again = self.policy.after * 2**self._reports
+        kind = "busy" if working else "stuck"
+        if idle < self.policy.after * (2 ** (self._reports[kind] + 1) - 1):
+            return None
+        self._reports[kind] += 1
+        again = self.policy.after * 2 ** self._reports[kind]
         stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in working or busy}
         if working:  # the others wait for ranks that compute: reported, never ended
             where = ", ".join(
@@ -201,11 +207,23 @@ class Watchdog:
         return Hang(sorted(busy), "\n".join(lines), stacks, calls, idle, again)
 
     def _working(self, cpu_seconds: Mapping[int, float | None], now: float) -> list[int]:
-        """The ranks whose CPU time advanced by ``BUSY_SHARE`` of the time since no progress
-        was seen (over the whole window, not one look's: a loaded machine's noise averages out)."""
+        """The ranks whose CPU time advanced by ``BUSY_SHARE`` of the last ``after`` seconds
+        of the stillness (a window of many looks, not one: a loaded machine's noise, or the
+        probe's own answer, averages out). Not of the whole stillness: a rank that computed
+        for a second after the last progress, then stopped, was judged working for 20
+        seconds more (``on_hang="raise"`` came at 3 to 7 times ``hang_after``)."""
         seen = {r: cpu for r, cpu in cpu_seconds.items() if cpu is not None}
-        was = {r: self._cpu.setdefault(r, (cpu, now)) for r, cpu in seen.items()}  # (cpu, when)
-        return [r for r, (cpu, at) in was.items() if seen[r] - cpu >= BUSY_SHARE * (now - at) > 0]
+        self._cpu.append((now, seen))
+        # the last look at least `after` old starts the window (the stillness's first, if none)
+        start = max((i for i, (at, _) in enumerate(self._cpu) if at <= now - self.policy.after),
+                    default=0)  # fmt: skip
+        del self._cpu[:start]
+        working = []
+        for rank, cpu in seen.items():
+            at, was = next(((at, c[rank]) for at, c in self._cpu if rank in c), (now, cpu))
+            if cpu - was >= BUSY_SHARE * (now - at) > 0:
+                working.append(rank)
+        return working
 
 
 class HangWatch(Hook):

@@ -158,6 +158,24 @@ def test_a_rank_that_only_polls_is_stuck_whatever_one_looks_noise():
     assert not found[0].busy and "rank 1: not in a torch.distributed call" in text, text
 
 
+def test_a_rank_that_computed_then_stopped_is_stuck_after_hang_after_not_later():
+    """Working is judged over the last ``after`` seconds: a rank that computed for a second
+    after the last progress (building DeepSpeed's engine), then stopped, was judged working
+    until that second was 5% of the whole still time, and ``on_hang="raise"`` came at 3 to 7
+    times ``hang_after`` (a DeepSpeed test waited 38 to 182 s for a 12 s hang_after)."""
+    dog, script = _watch()
+    found = []
+    for step in range(1, 80):  # rank 0 waits in all_reduce; rank 1 works 1 s, then sleeps
+        t = step * 0.25
+        script.set(0, 1, "torch.distributed.all_reduce", cpu=1.0)
+        script.set(1, 0, cpu=1.0 + 0.9 * min(t - 0.25, 1.0), in_torch=None)
+        found += [h for h in [dog.look([0, 1], {}, 5, now=t)] if h is not None]
+    # at 2 s rank 1 worked within the last hang_after: "busy" is right then; stuck comes next
+    stuck = next(h for h in found if not h.busy)
+    assert stuck.seconds < 4, [(h.seconds, h.busy) for h in found]
+    assert "rank 1: not in a torch.distributed call" in stuck.text()
+
+
 def test_settings_default_environment_cli_and_errors(tmp_path):
     assert LaunchConfig().hang_after == DEFAULT_HANG_AFTER == 300.0
     assert LaunchConfig().on_hang == "report" and LaunchConfig().debug_collectives is False
