@@ -11,12 +11,13 @@
 #
 # Idempotent and cached: a stack that already imports what it should is left as it is (a
 # re-run takes seconds); Debian's packages are cached in ~/.cache/nbaccel/debs, the torch and
-# torch_xla wheels in ~/.cache/pip/nbaccel-torch-wheels (shared with the torch matrix).
+# torch_xla wheels in ~/.cache/pip/nbaccel-torch-wheels; uv installs them (scripts/uv_lib.sh).
 # Prints one line per stack with its versions; exit status 1 when one could not be built.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/stack_lib.sh
 source scripts/editable_lock.sh
+source scripts/uv_lib.sh
 if [ "$#" -gt 0 ]; then NAMES=("$@"); else read -r -a NAMES <<<"$STACKS"; fi
 
 # nbaccel's requirements minus torch and ipywidgets (each stack names its own), from setup.cfg.
@@ -81,7 +82,11 @@ build() { # build NAME: make the venv in the stack's root and install everything
   stack_make_root "$name" || return 1
   local vpy=/venvs/$name/bin/python
   [ -f "$root/venvs/$name/pyvenv.cfg" ] || stack_exec "$root" "$python" -m venv "/venvs/$name" || return 1
-  local pip=("$vpy" -m pip install -q)
+  # uv, this checkout's (/nbaccel/.tools: uv_ready), with a cache of its own in pip's mounted
+  # one (copies: the venv is on another mount) and PyPI as the root's pip sees it
+  local pip=(UV_CACHE_DIR=/root/.cache/pip/uv UV_LINK_MODE=copy
+    SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
+    /nbaccel/.tools/uv/bin/uv pip install -q --compile-bytecode --python "$vpy")
   tag=$(stack_exec "$root" "$vpy" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
   wheels=/root/.cache/pip/nbaccel-torch-wheels/$tag
   local want=("torch==$torch")
@@ -116,6 +121,7 @@ PYEOF
   stack_exec "$root" "$vpy" scripts/cuda_stubs.py "$lib" >/dev/null || return 1
 }
 
+uv_ready  # the uv the roots run, from the checkout they mount
 status=0
 for name in "${NAMES[@]}"; do
   if [ -z "$(stack_var "$name" SUITE)" ]; then
