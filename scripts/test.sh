@@ -20,11 +20,11 @@
 # the next suite added shows its cost at once. The shares add up to CI's budget on the
 # README's machine: 15 minutes (machines differ about 2x; CI stops at 30). Seconds of wall
 # time, measured from the start of the run for the lanes beside the main run.
-SHARE_SETUP=180    # setup.sh + setup_browser.sh, empty download caches
+SHARE_SETUP=90     # setup.sh + setup_browser.sh, empty download caches (uv: about 50 s)
 SHARE_LINT=30      # ruff (setup_xla.sh, the matrix and the stacks set up beside it)
 SHARE_MYPY=600     # mypy, beside the main run (ends by this second)
 SHARE_XLA=600      # setup_xla.sh, beside the main run (ends by this second)
-SHARE_MAIN=540     # the main pytest run (the cluster, parallelism, docs and fork-server suites too)
+SHARE_MAIN=780     # the main pytest run (the cluster, parallelism, docs and fork-server suites too)
 SHARE_MATRIX=780   # the torch matrix's set-up and tests, beside the rest (ends by this second)
 SHARE_STACKS=780   # the stacks' set-up and tests, beside the rest (ends by this second)
 SHARE_ALL=900      # the whole run
