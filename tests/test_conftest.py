@@ -118,13 +118,13 @@ def test_no_accelerator_state_passes_from_one_module_to_the_next(tmp_path):
 
 
 def test_the_longest_first_files_exist(pytestconfig):
-    # a renamed or moved file would silently lose its place at the front of the run
+    # a renamed or moved file would silently lose its place at the front (or end) of the run
     # (`from conftest import ...` may find another folder's conftest first: tests/stacks/)
     root = Path(__file__).resolve().parents[1]
     path = str(root / "tests" / "conftest.py")
     conftest = next(
         p for p in pytestconfig.pluginmanager.get_plugins() if getattr(p, "__file__", "") == path
     )
-    LONGEST_FIRST = conftest.LONGEST_FIRST
-    missing = [path for path in LONGEST_FIRST if not (root / path).is_file()]
-    assert not missing, f"conftest.LONGEST_FIRST names files that do not exist: {missing}"
+    listed = conftest.LONGEST_FIRST + conftest.LAST
+    missing = [path for path in listed if not (root / path).is_file()]
+    assert not missing, f"conftest.LONGEST_FIRST or LAST names files that do not exist: {missing}"
