@@ -40,6 +40,11 @@ def pip_settings(python: str) -> dict[str, str]:
     listed = subprocess.run(
         [python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False
     ).stdout
+    return parse_config_list(listed)
+
+
+def parse_config_list(listed: str) -> dict[str, str]:
+    """The effective values in ``pip config list``'s output (``section.key='value'`` lines)."""
     found: dict[str, dict[str, str]] = {}
     for line in listed.splitlines():
         match = re.match(r"^(:env:|[\w-]+)\.([\w-]+)='(.*)'$", line.strip())
