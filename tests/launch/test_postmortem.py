@@ -115,7 +115,8 @@ def test_launch_rank_leaves_after_debug_timeout():
     deadline = time.monotonic() + 30
     while not all(_gone(p.pid) for p in me.children()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(_gone(p.pid) for p in me.children())  # it left by itself at debug_timeout
+    left = [p for p in me.children() if not _gone(p.pid)]
+    assert not left, _where(left)  # it left by itself at debug_timeout
     with pytest.raises(LaunchError, match=r"has left.*debug_timeout"):
         nbaccel.debug()
     assert me.children() == [] and not _kept.holding_any()  # that look reaped it
@@ -190,6 +191,23 @@ def test_closing_the_pool_ends_a_rank_kept_for_debugging():
     assert psutil.wait_procs([kept], timeout=10)[1] == []
     with pytest.raises(LaunchError, match="the pool was closed"):
         nbaccel.debug()
+
+
+def _where(procs: list[psutil.Process]) -> str:
+    """What each process still running does (py-spy's dump of its Python stacks): a CI run
+    once found a kept rank still there 30 s after its debug_timeout, and nothing said where."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    out = []
+    for proc in procs:
+        try:
+            cmd = " ".join(proc.cmdline()[:6])
+            dump = subprocess.run(
+                [spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=30
+            )
+            out.append(f"pid {proc.pid} ({cmd}):\n{dump.stdout}{dump.stderr}")
+        except (OSError, psutil.Error, subprocess.SubprocessError) as err:
+            out.append(f"pid {proc.pid}: {err!r}")
+    return "still running:\n" + "\n".join(out)
 
 
 def _gone(pid: int) -> bool:
