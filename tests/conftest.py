@@ -106,7 +106,24 @@ def _restore_process_state():
                 dist.destroy_process_group()
     except Exception:
         pass
-    # Workers get a short grace period to exit; anything still alive is a leak.
+    _fail_on_leaks(before, "test")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_outlives_its_module():
+    """What a module's fixtures started (a kernel, a server, a Ray cluster) ends with the
+    module: the per-test check cannot see them, as they outlive every test of the module.
+    Autouse, so set up before and torn down after every fixture of the module's own (a
+    Ray head's client server, re-parented to pytest, once outlived its cluster's stop and
+    then failed another module's "no child left" check)."""
+    before = set(_children())
+    yield
+    _fail_on_leaks(before, "module's fixtures")
+
+
+def _fail_on_leaks(before: set[int], who: str) -> None:
+    """Fail if a descendant not in ``before`` is still there after a short grace period
+    (workers get one to exit), killing it so that it cannot fail the next check too."""
     deadline = time.monotonic() + 5
     leaked = {}
     while time.monotonic() < deadline:
@@ -120,7 +137,7 @@ def _restore_process_state():
                 psutil.Process(pid).kill()
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-        pytest.fail(f"test left child processes running (or unwaited): {leaked}")
+        pytest.fail(f"{who} left child processes running (or unwaited): {leaked}")
 
 
 @pytest.fixture(autouse=True, scope="module")

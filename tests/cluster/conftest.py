@@ -6,9 +6,9 @@ of loopback, the second node joining ``127.0.0.1:PORT``), with its own temp dir 
 custom resource (``node_head`` / ``node_b``) that tells the nodes apart, fixed free ports
 for every agent (two nodes share one address) and no idle worker kept: a rank's actor
 process ends with it (``RAY_num_workers_soft_limit=0``), so the conftest's leak check and
-the tests' "nothing left" checks see the truth. At the session's end every process whose
-command line names the cluster's temp dir is ended (never ``ray stop``, which would end
-any Ray on the machine).
+the tests' "nothing left" checks see the truth. At the module's end every process whose
+command line names the cluster's temp dir or its head's address is ended (never ``ray
+stop``, which would end any Ray on the machine).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class LocalCluster:
 
     def __init__(self) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="nbr", dir="/tmp"))  # Unix sockets: short
-        self.port, self.dashboard = _free_ports(2)
+        self.port, self.dashboard, self.client = _free_ports(3)
         self.address = f"{HEAD_IP}:{self.port}"
         self.ray = str(Path(sys.executable).parent / "ray")
         self.env = {**os.environ, **RAY_ENV}
@@ -93,17 +93,20 @@ class LocalCluster:
         self._start_retried(
             "head", HEAD_IP, "--head", f"--port={self.port}", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard}", "--include-dashboard=true",
+            f"--ray-client-server-port={self.client}",  # not Ray's fixed 10001
         )  # fmt: skip
         self._start_retried("b", NODE_B_IP, f"--address={self.address}")
         return self
 
     def processes(self, under: str | None = None) -> list[psutil.Process]:
-        """Every process of this cluster (its command line names its dir, or ``under``)."""
-        mine = under or str(self.root)
+        """Every process of this cluster: its command line names its dir (or ``under``), or,
+        for the whole cluster, its head's GCS address (the head's Ray client server names
+        only that, and its parent ``ray start`` has exited: nothing else leads to it)."""
+        marks = [under] if under else [str(self.root), f"--address={self.address}"]
         out = []
         for proc in psutil.process_iter(["cmdline"]):
             with contextlib.suppress(psutil.Error):
-                if any(mine in part for part in proc.info["cmdline"] or ()):
+                if any(m in part for part in proc.info["cmdline"] or () for m in marks):
                     out.append(proc)
         return out
 
