@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import psutil
@@ -317,6 +319,39 @@ def test_pdb_on_a_failed_remote_rank_from_the_cell(kernel):
     cell, prompts = kernel.execute_answering("nbaccel.debug()", ["p x", "q"], timeout=120)
     cell.raise_for_error()
     assert prompts == ["(Pdb) "] * 2 and "41" in cell.stdout.splitlines(), cell.stdout
+
+
+SCRIPT = """\
+import os, sys
+import torch
+from nbaccel import Accelerator
+
+accelerator = Accelerator()
+total = accelerator.reduce(torch.tensor([float(accelerator.process_index + 1)]), "sum")
+rank, node = accelerator.process_index, os.environ["GROUP_RANK"]
+print(f"script-rank-{rank}-node-{node}-sum-{total.item():g}", flush=True)
+sys.exit(3 if rank == 1 else 0)
+"""
+
+
+def test_nbaccel_launch_runs_a_script_on_the_cluster_with_the_failing_ranks_exit_code(
+    ray_cluster, tmp_path
+):
+    # the command line's face of `cluster`: its own Ray driver (no kernel), the ranks on
+    # both nodes in one process group, their lines on stdout once, rank 1's exit code back
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    command = [sys.executable, "-m", "nbaccel", "launch", "--cluster", ray_cluster.address,
+               "--num_nodes", "2", "--num_processes", "1", "--cpu", str(script)]  # fmt: skip
+    env = {k: v for k, v in ray_cluster.env.items() if not k.startswith(("NBACCEL_", "HF_"))}
+    env["XDG_CACHE_HOME"] = str(tmp_path)  # no saved config file of nbaccel's or Accelerate's
+    done = subprocess.run(
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    lines = done.stdout.splitlines()
+    assert sorted(lines) == ["script-rank-0-node-0-sum-3", "script-rank-1-node-1-sum-3"], done
+    assert done.returncode == 3, done
+    assert "nbaccel launch: rank 1 (pid " in done.stderr and "exited with code 3" in done.stderr
 
 
 # Last in this module (one module: one pytest worker, one cluster): node b is gone after it.
