@@ -132,9 +132,13 @@ def _fail_on_leaks(before: set[int], who: str) -> None:
             break
         time.sleep(0.1)
     if leaked:
+        procs = []
         for pid in leaked:
             with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
+                procs.append(psutil.Process(pid))
+                procs[-1].kill()
+        psutil.wait_procs(procs, timeout=5)  # reaps them (children, or orphans re-parented)
+        for pid in leaked:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
         pytest.fail(f"{who} left child processes running (or unwaited): {leaked}")

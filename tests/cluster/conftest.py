@@ -36,6 +36,10 @@ RAY_ENV = {
     "RAY_enable_worker_prestart": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
+    # a token in ~/.ray/auth_token (any earlier Ray on the machine may leave one) turns
+    # token authentication on where this is unset: in some of the cluster's processes
+    # and not others, a node then fails to join ("InvalidAuthToken", seen here)
+    "RAY_AUTH_MODE": "disabled",
 }
 
 
@@ -75,8 +79,9 @@ class LocalCluster:
         ]  # fmt: skip
         # its own process group: a test that kills "a node" kills only this one
         done = subprocess.run(
-            cmd, env=self.env, capture_output=True, text=True, timeout=180, start_new_session=True
-        )
+            cmd, env=self.env, capture_output=True, text=True, timeout=180, start_new_session=True,
+            cwd=self.root,  # where a rank that lacks the kernel's directory would work: not the repo
+        )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
 
