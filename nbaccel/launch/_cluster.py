@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -171,6 +172,36 @@ def _lost_error(lost: list[RemoteWorker]) -> LaunchError:
     )
 
 
+#: (kernel directory, node) pairs already said in this kernel: said once, not every launch
+_SAID_WORKDIRS: set[tuple[str, str]] = set()
+
+
+def _say_other_workdirs(
+    workdir: str, infos: list[dict[str, Any]], nodes: Mapping[int, str]
+) -> None:
+    """Warn (once per node and directory) about ranks whose node lacks the kernel's working
+    directory: their relative paths resolve elsewhere than the notebook's, silently else."""
+    elsewhere: dict[tuple[str, str], list[int]] = {}
+    for rank, info in enumerate(infos):
+        if not info.get("in_kernel_dir", True):
+            elsewhere.setdefault((nodes[rank], str(info["workdir"])), []).append(rank)
+    new = [
+        (key, ranks) for key, ranks in elsewhere.items() if (workdir, key[0]) not in _SAID_WORKDIRS
+    ]
+    if not new:
+        return
+    _SAID_WORKDIRS.update((workdir, node) for (node, _), _ in new)
+    said = "; ".join(f"rank(s) {ranks} on {node} run in {there}" for (node, there), ranks in new)
+    warnings.warn(
+        f"this kernel's directory {workdir} does not exist on every node: {said}, so their "
+        "relative paths (data files, save_state('ckpt'), output_dir) resolve there, not "
+        "beside the notebook. Fix: keep the notebook's directory on storage every node "
+        "mounts, or use absolute paths to shared storage. (Said once per node.)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
 def _kernel_host(ray: Any) -> str:
     if host := os.environ.get(HOST_VAR, "").strip():
         return host
@@ -233,14 +264,19 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement, shape: tuple[int, f
     per_node, resources = shape[0], shape[1:]
     actors = _actors(ray, plan, placement, per_node, resources)
     wait = cfg.timeout or _cluster_place.PLACE_WAIT
+    workdir = os.getcwd()
     infos = ray.get(
-        [a.describe.remote(reserve_store=rank == 0) for rank, a in enumerate(actors)],
+        [
+            a.describe.remote(reserve_store=rank == 0, workdir=workdir)
+            for rank, a in enumerate(actors)
+        ],
         timeout=wait,
     )
     for rank, info in enumerate(infos):
         where = f"node {info['ip']} ({info['node_id'][:8]})"
         placement.nodes[rank] = where
         _cluster_wire.check_versions(info, f"{where}, rank {rank}")
+    _say_other_workdirs(workdir, infos, placement.nodes)
     specs = _specs(plan, infos, per_node, round_, persistent, rank_env)
     listener = _cluster_wire.AuthListener(
         _kernel_host(ray), secret=secrets.token_bytes(32), timeout=wait

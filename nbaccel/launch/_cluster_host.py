@@ -12,8 +12,8 @@ worker dies with it.
 
 Example:
     >>> import asyncio
-    >>> asyncio.run(RankHost().describe(reserve_store=False))["store_port"] is None
-    True
+    >>> asyncio.run(RankHost().describe(reserve_store=False, workdir="/"))["workdir"]
+    '/'
 """
 
 from __future__ import annotations
@@ -52,16 +52,26 @@ class RankHost:
         self._store: socket.socket | None = None
         self._popen: subprocess.Popen[bytes] | None = None
         self._streams: list[socket.socket] = []
+        self._workdir: str | None = None
 
-    async def describe(self, *, reserve_store: bool) -> dict[str, Any]:
+    async def describe(self, *, reserve_store: bool, workdir: str) -> dict[str, Any]:
         """Node id, ip, pid and versions; global rank 0 also binds the rendezvous socket
-        its worker will host torch's store on (the kernel cannot reserve it remotely)."""
+        its worker will host torch's store on (the kernel cannot reserve it remotely).
+
+        ``workdir``: the kernel's working directory; the worker runs there if this node has
+        it (a home or project directory every node mounts), as a local rank would, so that
+        relative paths (data, ``save_state("ckpt")``) mean what they mean in the notebook.
+        Else it stays in the directory Ray started the actor in (``ray start``'s): said
+        back as ``workdir`` with ``in_kernel_dir`` False, for the kernel to say."""
         ip = node_ip()
+        here = os.path.isdir(workdir)
+        self._workdir = workdir if here else None
         node_id = ""
         with contextlib.suppress(Exception):
             import ray
 
-            node_id = ray.get_runtime_context().get_node_id()
+            if ray.is_initialized():  # in an actor; never start a Ray of its own elsewhere
+                node_id = ray.get_runtime_context().get_node_id()
         port = None
         if reserve_store:
             family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -76,6 +86,8 @@ class RankHost:
             "pid": os.getpid(),
             "store_fd": self._store.fileno() if self._store is not None else None,
             "store_port": port,
+            "workdir": workdir if here else os.getcwd(),
+            "in_kernel_dir": here,
             **_cluster_wire.versions(),
         }
 
@@ -101,6 +113,7 @@ class RankHost:
             stderr=streams["stderr"].fileno(),
             pass_fds=(channel, *store),
             env=env,
+            cwd=self._workdir,
         )
         for sock in [*self._streams, *([self._store] if self._store else [])]:
             sock.close()  # the worker holds them now; the actor keeps no copy

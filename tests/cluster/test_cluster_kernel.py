@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-from conftest import HEAD_IP, wait_until
+from conftest import HEAD_IP, RAY_ENV, wait_until
 from kernel_harness import KernelSession, isolated_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kernel, pytest.mark.integration]
@@ -105,7 +105,7 @@ def _workers() -> list[psutil.Process]:
 def kernel(ray_cluster, tmp_path_factory) -> Iterator[KernelSession]:
     _CLUSTER_ROOT[:] = [str(ray_cluster.root)]
     workdir = tmp_path_factory.mktemp("kernel")
-    session = KernelSession(cwd=workdir, env=isolated_env(workdir))
+    session = KernelSession(cwd=workdir, env={**isolated_env(workdir), **RAY_ENV})
     session.start()
     try:
         session.run(SETUP.format(address=ray_cluster.address, ip=HEAD_IP), timeout=180)
@@ -252,7 +252,7 @@ def test_live_charts_of_a_background_cluster_run_in_the_cell(kernel):
 def test_the_kernels_death_leaves_nothing_on_the_cluster(ray_cluster, tmp_path):
     """A kernel killed (-9) in the middle of a cluster run: Ray ends its driver's actors and
     placement group, and the workers end with their channels."""
-    session = KernelSession(cwd=tmp_path, env=isolated_env(tmp_path))
+    session = KernelSession(cwd=tmp_path, env={**isolated_env(tmp_path), **RAY_ENV})
     session.start()
     try:
         session.run(SETUP.format(address=ray_cluster.address, ip=HEAD_IP), timeout=180)
@@ -321,6 +321,40 @@ def test_pdb_on_a_failed_remote_rank_from_the_cell(kernel):
     assert prompts == ["(Pdb) "] * 2 and "41" in cell.stdout.splitlines(), cell.stdout
 
 
+SAVES = """
+import warnings
+def saves():
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = accelerator.prepare(nn.Linear(4, 4))
+    expected = [p.detach().clone() for p in model.parameters()]
+    accelerator.save_state("ckpt")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state("ckpt")
+    return [os.getcwd(), all(torch.equal(a, b) for a, b in zip(expected, model.parameters()))]
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ranks = notebook_launcher(saves, num_processes=1, num_nodes=2, cluster="ray",
+                              return_all_ranks=True)
+saved = [ranks, os.getcwd(), sorted(os.listdir("ckpt")),
+         [str(w.message) for w in caught if "does not exist on every node" in str(w.message)]]
+"""
+
+
+def test_ranks_work_in_the_kernels_directory_and_save_state_there(kernel):
+    # the nodes have the kernel's directory (one disk here, as a shared home or project
+    # mount): relative paths mean what they mean in the notebook, and the checkpoint is
+    # beside it, not in the directory Ray's node was started from
+    kernel.run(SAVES, timeout=300)
+    ranks, here, files, warned = kernel.evaluate_json("saved")
+    assert ranks == [[here, True], [here, True]], (ranks, here)
+    assert {"rank_0.pt", "rank_1.pt", "nbaccel_checkpoint.json"} <= set(files), files
+    assert warned == []
+
+
 SCRIPT = """\
 import os, sys
 import torch
@@ -339,10 +373,9 @@ def test_nbaccel_launch_runs_a_script_on_the_cluster_with_the_failing_ranks_exit
 ):
     # the command line's face of `cluster`: its own Ray driver (no kernel), the ranks on
     # both nodes in one process group, their lines on stdout once, rank 1's exit code back
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    (tmp_path / "train.py").write_text(SCRIPT)  # relative: the ranks run in the shell's dir
     command = [sys.executable, "-m", "nbaccel", "launch", "--cluster", ray_cluster.address,
-               "--num_nodes", "2", "--num_processes", "1", "--cpu", str(script)]  # fmt: skip
+               "--num_nodes", "2", "--num_processes", "1", "--cpu", "train.py"]  # fmt: skip
     env = {k: v for k, v in ray_cluster.env.items() if not k.startswith(("NBACCEL_", "HF_"))}
     env["XDG_CACHE_HOME"] = str(tmp_path)  # no saved config file of nbaccel's or Accelerate's
     done = subprocess.run(
