@@ -1,27 +1,41 @@
 """Where a rank on a cluster's node works: the kernel's directory if the node has it, else
 where Ray started it, said once. The real two-node run (the node has it) is in
-test_cluster_kernel.py; here the node that lacks it, with a real RankHost in this process
-(its ``describe`` as Ray calls it) and the kernel's warning. No cluster needed."""
+test_cluster_kernel.py; here the node that lacks it, with a real RankHost in a process of its
+own (its ``describe`` as Ray calls it) and the kernel's warning. No cluster needed."""
 
 from __future__ import annotations
 
-import asyncio
-import os
+import json
+import subprocess
+import sys
 import warnings
 
 import pytest
 
 from nbaccel.launch import _cluster
-from nbaccel.launch._cluster_host import RankHost
 
 pytestmark = [pytest.mark.cluster]
 
 
+DESCRIBE = (
+    "import asyncio, json, sys\n"
+    "from nbaccel.launch._cluster_host import RankHost\n"
+    "for d in sys.argv[1:]:\n"
+    "    print(json.dumps(asyncio.run(RankHost().describe(reserve_store=False, workdir=d))))"
+)
+
+
 def test_a_node_without_the_kernels_directory_says_where_its_rank_works(tmp_path):
-    gone = str(tmp_path / "not-on-this-node")
-    info = asyncio.run(RankHost().describe(reserve_store=False, workdir=gone))
-    assert info["in_kernel_dir"] is False and info["workdir"] == os.getcwd()
-    here = asyncio.run(RankHost().describe(reserve_store=False, workdir=str(tmp_path)))
+    # in a process of its own, started elsewhere, as an actor is (it imports Ray: this
+    # pytest worker never does)
+    gone, started = str(tmp_path / "not-on-this-node"), tmp_path / "ray-start-dir"
+    started.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", DESCRIBE, gone, str(tmp_path)],
+        cwd=started, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    info, here = (json.loads(line) for line in done.stdout.splitlines()[-2:])
+    assert info["in_kernel_dir"] is False and info["workdir"] == str(started)
     assert here["in_kernel_dir"] is True and here["workdir"] == str(tmp_path)
 
 
