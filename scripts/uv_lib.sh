@@ -25,7 +25,10 @@ uv_ready() {
 uv_install() {
   local python=$1
   shift
-  # --compile-bytecode: as pip does; where PYTHONDONTWRITEBYTECODE is set (this machine, CI),
-  # nothing else writes the .pyc files and every process would compile every module again
-  "$UV_BIN" pip install -q --compile-bytecode --python "$python" "$@"
+  # No --compile-bytecode (uv's default, unlike pip): compiling every file of .venv took 33 s
+  # of the set-up's wall and 61 CPU-s (26,725 files; measured), where a run imports a part of
+  # them and Python writes those .pyc files at their first import. That needs
+  # PYTHONDONTWRITEBYTECODE unset (this machine and CI set it: every process then compiles
+  # every module it imports, each time): scripts/test.sh and scripts/demo.sh unset it.
+  "$UV_BIN" pip install -q --python "$python" "$@"
 }

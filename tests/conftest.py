@@ -255,19 +255,19 @@ LONGEST_FIRST = (
 
 
 # Files that wait for a lane beside the main run (the xla tests for .xla-venv's set-up,
-# scripts/test.sh): collected last, so no worker sits waiting at the start (a CI run lost 31 s
-# of one worker so).
-LAST = ("tests/launch/test_xla.py",)
+# scripts/test.sh, about 150 s into the main run): collected right after LONGEST_FIRST
+# (about half the run in, the set-up long done): not first, where a worker sat waiting for
+# it (31 s once), nor last, where one worker ran it alone while the other had nothing left.
+WAITS_FOR_A_LANE = ("tests/launch/test_xla.py",)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("::", 1)[0] in MATRIX_MODULES:
             item.add_marker(pytest.mark.matrix)
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    rank |= {path: len(LONGEST_FIRST) + 1 + i for i, path in enumerate(LAST)}
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST + WAITS_FOR_A_LANE)}
     # stable: the tests of a file keep their order, and so do the files not listed
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONGEST_FIRST)))
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 # Markers whose tests must really run in the full suite: a skip there (a missing browser,

@@ -125,6 +125,8 @@ def test_the_longest_first_files_exist(pytestconfig):
     conftest = next(
         p for p in pytestconfig.pluginmanager.get_plugins() if getattr(p, "__file__", "") == path
     )
-    listed = conftest.LONGEST_FIRST + conftest.LAST
+    listed = conftest.LONGEST_FIRST + conftest.WAITS_FOR_A_LANE
     missing = [path for path in listed if not (root / path).is_file()]
-    assert not missing, f"conftest.LONGEST_FIRST or LAST names files that do not exist: {missing}"
+    assert not missing, (
+        f"conftest.LONGEST_FIRST or WAITS_FOR_A_LANE names files that do not exist: {missing}"
+    )

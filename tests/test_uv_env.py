@@ -49,3 +49,23 @@ def test_a_set_variable_wins_and_pips_dev_null_constraint_turns_the_cap_off():
         line.startswith(("export UV_CONSTRAINT", "export UV_FIND_LINKS")) for line in lines
     )
     assert not any("UV_INDEX_STRATEGY" in line for line in lines)
+
+
+def test_the_imported_modules_of_the_venv_have_their_bytecode():
+    # the set-ups compile no .pyc (scripts/uv_lib.sh): Python writes them at the first import,
+    # unless PYTHONDONTWRITEBYTECODE is set, and then every kernel and worker of the run
+    # compiles torch again (2,102 CPU-s for the main run instead of 1,433, measured once):
+    # scripts/test.sh unsets it
+    import sys
+
+    import torch
+
+    import nbaccel
+
+    for module in (torch, nbaccel):
+        cached = importlib.util.cache_from_source(str(module.__file__))
+        assert Path(cached).is_file(), (
+            f"{cached} missing: run the tests with PYTHONDONTWRITEBYTECODE unset "
+            "(scripts/test.sh does)"
+        )
+    assert not sys.dont_write_bytecode
