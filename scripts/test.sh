@@ -30,10 +30,9 @@ SHARE_STACKS=780   # the stacks' set-up and tests, beside the rest (ends by this
 SHARE_ALL=900      # the whole run
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Python writes its .pyc files in this run (gitignored __pycache__ folders; the venvs' at the
-# first import: the set-ups compile none, scripts/uv_lib.sh): where the machine sets
-# PYTHONDONTWRITEBYTECODE (this one and CI do), every kernel, spawned worker and script would
-# compile torch, nbaccel and the rest, and pytest would rewrite the test modules, each time.
+# Python writes its .pyc files in this run (gitignored __pycache__ folders): where the machine
+# sets PYTHONDONTWRITEBYTECODE (this one and CI do), every kernel, spawned worker and script
+# would compile nbaccel's modules and pytest would rewrite the test modules again, each time.
 unset PYTHONDONTWRITEBYTECODE
 started=$SECONDS
 SUMMARY=$(mktemp)

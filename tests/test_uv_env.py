@@ -52,10 +52,10 @@ def test_a_set_variable_wins_and_pips_dev_null_constraint_turns_the_cap_off():
 
 
 def test_the_imported_modules_of_the_venv_have_their_bytecode():
-    # the set-ups compile no .pyc (scripts/uv_lib.sh): Python writes them at the first import,
-    # unless PYTHONDONTWRITEBYTECODE is set, and then every kernel and worker of the run
-    # compiles torch again (2,102 CPU-s for the main run instead of 1,433, measured once):
-    # scripts/test.sh unsets it
+    # uv writes no .pyc unless told (scripts/uv_lib.sh tells it), and nbaccel's own modules
+    # (an editable install) get theirs at the first import, unless PYTHONDONTWRITEBYTECODE is
+    # set: then every kernel and worker of the run compiles them again (without both, the main
+    # run took 2,102 CPU-s instead of 1,433, measured once): scripts/test.sh unsets it
     import sys
 
     import torch

@@ -5,6 +5,7 @@ Real sockets on 127.0.0.1; no Ray needed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -55,9 +56,12 @@ def test_a_stranger_is_refused_before_anything_is_unpickled(tmp_path):
         # the stranger speaks first: a channel frame, and a hello-sized pickle, then leaves
         payload = pickle.dumps(_Marker(marker))
         with socket.create_connection(listener.address) as stranger:
-            stranger.sendall(HEADER.pack(len(payload)) + payload)
-            stranger.sendall(struct.pack("!I", len(payload)) + payload)
-            stranger.shutdown(socket.SHUT_WR)
+            # the kernel may refuse and close before the stranger is done talking (a CI run:
+            # ENOTCONN at the shutdown): what the stranger is told does not matter here
+            with contextlib.suppress(OSError):
+                stranger.sendall(HEADER.pack(len(payload)) + payload)
+                stranger.sendall(struct.pack("!I", len(payload)) + payload)
+                stranger.shutdown(socket.SHUT_WR)
             got = []
             rank = threading.Thread(target=_rank_connects, args=(listener.address, SECRET, got))
             rank.start()
