@@ -7,6 +7,10 @@ stack, the torch.distributed call they are in, their collective count).
 **Progress** between two looks: a rank's count of collectives on the default group changed,
 a rank published an event (``Accelerator.log``, a step, a tqdm redraw), or one finished.
 
+**Forming** the process group (torch's rendezvous and group set-up, the ``Accelerator``'s
+first collectives) is not judged: the launch's ``timeout`` bounds it; the still time starts
+when every busy rank has left it.
+
 **Hung**: no progress for ``hang_after`` seconds while a busy rank waits on a peer (it is in
 a torch.distributed call, or issued more collectives than another), or while every busy rank
 sits idle inside a C++ call of torch's with equal counts (a collective called differently on
@@ -136,6 +140,11 @@ class Watchdog:
         self._counts |= {r: answers[r].get("collectives") for r in busy if r in answers}
         counts = {r: self._counts.get(r) for r in busy} | dict(finished)
         signature = (activity, tuple(sorted(busy)), tuple(sorted(counts.items())))
+        if any(a.get("forming") for a in answers.values()):
+            # a rank still forms the process group: the launch's timeout bounds that (and
+            # names the rank that never came); the still time starts once it is formed
+            self._seen, self._cpu = None, []
+            return None
         if signature != self._seen:
             self._seen, self._since, self._reports = signature, now, {"stuck": 0, "busy": 0}
             self._cpu = [(now, {r: c for r, c in cpu.items() if c is not None})]

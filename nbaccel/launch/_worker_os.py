@@ -28,6 +28,15 @@ _DISTRIBUTED = (
     os.path.join(f"{os.sep}torch", "nn", "parallel", "distributed.py"),
 )
 _PEER = ("dst", "src", "peer", "group_dst", "group_src")  # point-to-point calls' partner
+# Forming the process group: torch's rendezvous and group set-up, and the Accelerator's own
+# first collectives (get_state in runtime/process/state.py: the ranks' agreement check).
+# Bounded by the launch's `timeout` (its error names the rank that never came), so never
+# judged "stuck" by the hang watchdog: on a loaded machine a group took more than 8 s to
+# form, and hang_after=2 with on_hang="raise" ended a healthy job.
+_FORMING_CALLS = frozenset(
+    {"init_process_group", "_new_process_group_helper", "_create_c10d_store", "new_group"}
+)
+_FORMING_OWN = os.path.join(f"{os.sep}nbaccel", "runtime", "process", "state.py")  # get_state
 
 
 def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
@@ -171,11 +180,21 @@ def main_thread_report(rank: int) -> dict[str, Any]:
     when it is inside torch.distributed. Safe from another thread of the process."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     waiting = None
+    forming = False
     inner = frame
-    while inner is not None and waiting is None:
+    while inner is not None:
         code = inner.f_code  # a module being imported is not a call that waits
-        if code.co_name != "<module>" and any(p in code.co_filename for p in _DISTRIBUTED):
+        if (
+            waiting is None
+            and code.co_name != "<module>"
+            and any(p in code.co_filename for p in _DISTRIBUTED)
+        ):
             waiting = {"call": _qualname(inner), "ranks": _ranks_of(inner, rank)}
+        forming = (
+            forming
+            or code.co_name in _FORMING_CALLS
+            or (code.co_name == "get_state" and code.co_filename.endswith(_FORMING_OWN))
+        )
         inner = inner.f_back
     summary = traceback.extract_stack(frame) if frame is not None else []
     # The user's frames are those below the worker's own (the job's call); above them, a
@@ -190,6 +209,7 @@ def main_thread_report(rank: int) -> dict[str, Any]:
     return {
         "stack": stack,
         "waiting": waiting,
+        "forming": forming,  # in the process group's formation (see _FORMING_CALLS)
         # the innermost frame, as "busy in <frame>" names it
         "frame": f"{where[0].name} ({os.path.basename(where[0].filename)}:{where[0].lineno})"
         if where

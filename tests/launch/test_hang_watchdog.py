@@ -176,6 +176,23 @@ def test_a_rank_that_computed_then_stopped_is_stuck_after_hang_after_not_later()
     assert "rank 1: not in a torch.distributed call" in stuck.text()
 
 
+def test_forming_the_process_group_is_not_judged_the_still_time_starts_after():
+    """A group that took more than 8 s to form on a loaded machine (a rank in torch's group
+    set-up, its peer in the Accelerator's first broadcast) was reported stuck at hang_after=2,
+    and on_hang="raise" ended a healthy job: forming is bounded by the launch's timeout."""
+    dog, script = _watch()
+    looks = []
+    for step in range(1, 121):  # 30 s: forming for 20 s, then both stuck in a broadcast
+        t = step * 0.25
+        forming = t <= 20
+        script.set(0, 0, "torch.distributed.broadcast", forming=forming)
+        script.set(1, 0, "torch.distributed._new_process_group_helper" if forming else
+                   "torch.distributed.broadcast", forming=forming)  # fmt: skip
+        looks.append((t, dog.look([0, 1], {}, 3, now=t)))
+    found = [t for t, hang in looks if hang is not None]
+    assert found and found[0] == 22.25, found  # 2 s after the first look at a formed group
+
+
 def test_settings_default_environment_cli_and_errors(tmp_path):
     assert LaunchConfig().hang_after == DEFAULT_HANG_AFTER == 300.0
     assert LaunchConfig().on_hang == "report" and LaunchConfig().debug_collectives is False
@@ -313,6 +330,28 @@ def test_ranks_waiting_for_a_working_rank_are_reported_and_on_hang_raise_ends_no
     assert "--- where rank 0 is ---" in text, text
     if "which is busy in its code" not in text:
         assert "which is busy in evaluates_alone" in text and "in evaluates_alone\n" in text, text
+
+
+def late_to_the_group(seconds: float) -> int:
+    from nbaccel import Accelerator
+
+    if os.environ["RANK"] == "1":
+        time.sleep(seconds)  # a slow start (a loaded machine, a slow import): rank 0 waits
+    accelerator = Accelerator(cpu=True)
+    accelerator.wait_for_everyone()
+    return accelerator.process_index
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_a_rank_late_to_form_the_group_is_not_a_hang():
+    # rank 0 waits in the rendezvous while rank 1 has not come yet: the launch's timeout
+    # bounds that, not hang_after (before: on_hang="raise" ended this healthy job at 1-2 s)
+    results = notebook_launcher(
+        late_to_the_group, (6.0,), num_processes=2, config=CPU, hang_after=1,
+        on_hang="raise", return_all_ranks=True,
+    )  # fmt: skip
+    assert results == [0, 1]
 
 
 def steady_but_slow(steps: int) -> int:
