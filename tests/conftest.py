@@ -138,9 +138,6 @@ def _fail_on_leaks(before: set[int], who: str) -> None:
                 procs.append(psutil.Process(pid))
                 procs[-1].kill()
         psutil.wait_procs(procs, timeout=5)  # reaps them (children, or orphans re-parented)
-        for pid in leaked:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
         pytest.fail(f"{who} left child processes running (or unwaited): {leaked}")
 
 
