@@ -115,8 +115,11 @@ xdist=(-n "$workers")
 # (NBACCEL_XLA_SETUP: the file holding its exit status). OMP_NUM_THREADS=1: the tests' own
 # processes (pytest, kernels, one-process runs) do not spin OpenMP threads against each other
 # on 2 cores (workers get one thread each there anyway; tests of the thread count set it).
+# NBACCEL_CPU_TOP: the main run ends with the CPU seconds of its costliest test files (theirs
+# and every process they started: tests/conftest.py), the first place to look when it grows.
 main_run() {
   NBACCEL_XLA_SETUP=$PARTS/xla.code OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
+    NBACCEL_CPU_TOP=${NBACCEL_CPU_TOP:-20} \
     NBACCEL_REQUIRE_ALL=${NBACCEL_REQUIRE_ALL:-1} .venv/bin/python -m pytest "${xdist[@]}" \
     --durations=25 "$@" 2>&1 | tee "$LOG"
 }

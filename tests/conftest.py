@@ -299,12 +299,40 @@ def pytest_collectreport(report):
         _UNRUN.append(f"{report.nodeid} was skipped whole at collection: {reason}")
 
 
+# The time guard's view into the main run (scripts/test.sh sets NBACCEL_CPU_TOP=N): the CPU
+# seconds each test file cost, user + system of the pytest process and of every process it
+# reaped while the file's tests, fixtures and teardowns ran -- its workers, kernels, scripts,
+# and (pytest being their subreaper) their orphaned grandchildren too. CPU, not wall: on a
+# loaded machine a file's wall time is mostly the other files' CPU. File -> [CPU s, wall s].
+_COST: dict[str, list[float]] = {}
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, reaped = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield  # setup, call, teardown: a module's fixtures end inside its last test's protocol
+    cost = _COST.setdefault(item.nodeid.split("::", 1)[0], [0.0, 0.0])
+    cost[0] += _cpu_seconds() - cpu
+    cost[1] += time.monotonic() - wall
+
+
 def pytest_sessionfinish(session, exitstatus):
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         # a pytest-xdist worker (scripts/test.sh runs the suite with -n 2): its deselections
         # and collection skips happen here, its summary is the controller's
         workeroutput["nbaccel_unrun"] = list(_UNRUN)
+        workeroutput["nbaccel_cost"] = _COST
         return
     if _require_all() and _UNRUN:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -317,9 +345,25 @@ def pytest_testnodedown(node, error):
     for line in getattr(node, "workeroutput", {}).get("nbaccel_unrun", ()):
         if line not in _UNRUN:
             _UNRUN.append(line)
+    # --dist loadfile: a file runs in one worker, but one split across workers adds up
+    for path, (cpu, wall) in getattr(node, "workeroutput", {}).get("nbaccel_cost", {}).items():
+        cost = _COST.setdefault(path, [0.0, 0.0])
+        cost[0] += cpu
+        cost[1] += wall
 
 
 def pytest_terminal_summary(terminalreporter):
+    top = int(os.environ.get("NBACCEL_CPU_TOP", "0") or 0)
+    if top > 0 and _COST:
+        total = sum(cpu for cpu, _ in _COST.values())
+        terminalreporter.section(
+            f"CPU per test file: the {min(top, len(_COST))} costliest of {len(_COST)} "
+            f"({total:.0f} s CPU in all: pytest and every process it reaped)"
+        )
+        for path, (cpu, wall) in sorted(_COST.items(), key=lambda kv: -kv[1][0])[:top]:
+            terminalreporter.write_line(
+                f"{cpu:7.1f} s CPU {wall:7.1f} s wall {100 * cpu / total:5.1f}%  {path}"
+            )
     if _require_all() and _UNRUN:
         terminalreporter.section("NBACCEL_REQUIRE_ALL: tests that did not run", red=True)
         for line in _UNRUN:

@@ -13,13 +13,19 @@ CONFTEST = Path(__file__).with_name("conftest.py")
 INI = "[pytest]\nmarkers =\n    integration: x\n    kernel: x\n    browser: x\n    xla: x\n    faults: x\n"
 
 
-def _pytest(tmp_path: Path, source: str, *args: str, require_all: bool = False):
+def _pytest(tmp_path: Path, source: str, *args: str, require_all: bool = False, cpu_top: int = 0):
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "pytest.ini").write_text(INI)
     (tmp_path / "test_case.py").write_text(source)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "NBACCEL_REQUIRE_ALL"}
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("NBACCEL_REQUIRE_ALL", "NBACCEL_CPU_TOP")
+    }
     if require_all:
         env["NBACCEL_REQUIRE_ALL"] = "1"
+    if cpu_top:
+        env["NBACCEL_CPU_TOP"] = str(cpu_top)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
          *args, str(tmp_path)],
@@ -97,6 +103,27 @@ def test_require_all_counts_what_xdist_workers_deselect_and_skip(tmp_path):
     assert out.returncode == 1, out.stdout
     assert out.stdout.count("skipped whole at collection") == 1, out.stdout  # named once
     assert "no_such_module_xyz" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "xdist"])
+def test_the_cpu_report_names_the_file_whose_processes_burned_it(tmp_path, workers):
+    # scripts/test.sh's guard prints the costliest files (NBACCEL_CPU_TOP): the CPU of the
+    # processes a file started counts for it -- here a child that spins for 1.5 s of CPU
+    if workers:
+        pytest.importorskip("xdist", reason="pytest-xdist (the test extra) is not installed")
+    (tmp_path / "test_idle.py").write_text("def test_idle():\n    pass\n")
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass\n"
+    source = f"import subprocess, sys\ndef test_spin():\n    subprocess.run([sys.executable, '-c', {spin!r}], check=True)\n"
+    args = ("-n", str(workers)) if workers else ()
+    out = _pytest(tmp_path, source, *args, cpu_top=5)
+    assert out.returncode == 0, out.stdout
+    assert "CPU per test file: the 2 costliest of 2" in out.stdout, out.stdout
+    rows = [
+        line.split() for line in out.stdout.splitlines() if line.endswith(".py") and "CPU" in line
+    ]
+    assert [row[-1] for row in rows] == ["test_case.py", "test_idle.py"], out.stdout
+    assert float(rows[0][0]) >= 1.4 and float(rows[1][0]) < 1.0, out.stdout
+    assert "CPU per test file" not in _pytest(tmp_path, source, *args).stdout
 
 
 def test_no_accelerator_state_passes_from_one_module_to_the_next(tmp_path):
