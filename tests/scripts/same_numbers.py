@@ -72,6 +72,7 @@ RESUMES = {
     "mid_epoch_continue": ("default", 7, "continue"),
     "mid_epoch_continue_workers": ("workers", 7, "continue"),
     "mid_epoch_iterable_skip": ("iterable", 7, "skip"),
+    "mid_epoch_stateful": ("default", 7, "stateful"),
     "mid_epoch_stateful_seedable": ("seedable", 7, "stateful"),
     "last_step_of_epoch_skip": ("default", "last", "skip"),
     "after_epoch": ("default", "epoch0", "skip"),

@@ -8,10 +8,12 @@ sample ids, loss (``float.hex``) and a digest of torch's global RNG state, and a
 final weights. It runs under Accelerate itself (``torchrun`` over gloo, ``ACCELERATE_USE_CPU``;
 one process: plain ``python``) and, with only the import changed, under nbaccel
 (``nbaccel launch``; one process: plain ``python``): every rank's record must be equal, bit for
-bit. The nbaccel runs also interrupt and resume the run seven ways (mid-epoch with
-``skip_first_batches``, the ``continue`` pattern, a stateful loader; at an epoch's last step;
-after an epoch; with workers; an iterable dataset): the resumed record must equal the
-uninterrupted one from the checkpoint on, global RNG digests included.
+bit. The nbaccel runs also interrupt and resume the run eight ways (mid-epoch with
+``skip_first_batches``, the ``continue`` pattern, a stateful loader with the default and the
+seedable sampler; at an epoch's last step; after an epoch; with workers; an iterable dataset):
+the resumed record must equal the uninterrupted one from the checkpoint on, global RNG digests
+included. (These are the resume patterns' guard for ``nbaccel launch``'d scripts:
+tests/scripts/test_real_scripts.py resumes across launches with one of them.)
 
 Accelerate is a test-only dependency (setup.cfg's ``test`` extra pins the version compared).
 """
@@ -114,7 +116,7 @@ def test_every_mode_gives_accelerates_numbers_bit_for_bit(runs):
 def test_a_resumed_run_continues_exactly_as_the_uninterrupted_one(runs):
     nproc, root = runs
     files = sorted((root / "nbaccel").glob("resume-*-rank*.json"))
-    assert len(files) == 7 * nproc
+    assert len(files) == 8 * nproc
     for path in files:
         record = json.loads(path.read_text())
         full, resumed, at = record["full"]["trace"], record["resumed"]["trace"], record["at"]
