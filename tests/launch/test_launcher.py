@@ -702,23 +702,20 @@ def test_two_nodes_in_one_process():
 
 
 # ---------------------------------------------------------------- spawn and interrupts
-def test_spawn_mode_returns_values():
+def _spawned_rank(offset: float) -> tuple[torch.Tensor, list[str]]:
+    return rank_tensor(offset), os.environ.get("PYTHONPATH", "").split(os.pathsep)
+
+
+def test_spawn_mode_returns_values_and_never_puts_the_package_folder_on_the_path():
     values = notebook_launcher(
-        rank_tensor, args=(0.5,), num_processes=2, start_method="spawn", return_all_ranks=True
+        _spawned_rank, args=(0.5,), num_processes=2, start_method="spawn", return_all_ranks=True
     )
-    assert [v.tolist() for v in values] == [[0.5, 0.5], [1.5, 1.5]]
-
-
-def _interpreter_path() -> list[str]:
-    return os.environ.get("PYTHONPATH", "").split(os.pathsep)
-
-
-def test_spawned_interpreters_never_see_the_package_folder_as_a_path_entry():
+    assert [v.tolist() for v, _ in values] == [[0.5, 0.5], [1.5, 1.5]]
     # On the path, nbaccel/ would shadow the standard library (nbaccel/logging.py is
     # found for `import logging`) in the fresh interpreter until the job's sys.path is in.
     package = os.path.dirname(os.path.abspath(nbaccel.__file__))
-    path = notebook_launcher(_interpreter_path, num_processes=2, start_method="spawn")
-    assert package not in path and os.path.dirname(package) in path
+    for _, path in values:
+        assert package not in path and os.path.dirname(package) in path
 
 
 NOTEBOOK_STYLE = textwrap.dedent(
