@@ -40,21 +40,7 @@ LOG=$(mktemp)
 PARTS=$(mktemp -d)
 trap 'rm -rf "$SUMMARY" "$LOG" "$PARTS"' EXIT
 
-# stage NAME SHARE CMD...: run CMD; print and record its wall and CPU time against SHARE
-# (SHARE is measured from the start of the run when NAME ends in "*": the lanes beside).
-stage() {
-  local name=$1 share=$2 code=0 times wall user sys cpu
-  shift 2
-  times=$(mktemp)
-  { TIMEFORMAT='%R %U %S'; time "$@" 2>&4; } 4>&2 2>"$times" || code=$?
-  read -r wall user sys <"$times"
-  rm -f "$times"
-  [[ "$name" != *"*" ]] || wall=$((SECONDS - started))
-  read -r wall cpu < <(awk -v w="$wall" -v u="$user" -v s="$sys" 'BEGIN {printf "%.0f %.0f\n", w, u + s}')
-  echo "$name|$wall|$cpu|$share" >>"$PARTS/stages"
-  echo "=== test.sh: $name: $wall s wall, $cpu s CPU (share $share s) at $((SECONDS - started))s"
-  return "$code"
-}
+source scripts/stage_lib.sh  # stage NAME SHARE CMD...: the time guard's one measure
 # run_part NAME CMD...: CMD's output to $PARTS/NAME.log, its exit status to $PARTS/NAME.code
 # (for the parts that run in the background; `set -e` does not end them half-way). They run
 # at a lower priority (nice 5, their kernels and workers too): the main run is the whole
