@@ -15,21 +15,22 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
-from conftest import HEAD_IP, RAY_ENV, wait_until
+from conftest import HEAD_IP, RAY_ENV, LocalCluster, wait_until
 from kernel_harness import KernelSession, isolated_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kernel, pytest.mark.integration]
 
-SETUP = """
+# A kernel's set-up in two cells: IMPORTS while the cluster starts (the module's kernels start
+# beside `ray start`, which mostly waits), then CONNECT, as a user would, to the started cluster.
+IMPORTS = """
 import os, sys, time
 import ray, torch
 from torch import nn
 from nbaccel import Accelerator, notebook_launcher, start_workers
-CONTEXT = ray.init(address={address!r}, _node_ip_address={ip!r}, log_to_driver=True)
-STATE = "http://" + CONTEXT.dashboard_url
 
 def train(steps, fail_rank=None):
     accelerator = Accelerator()
@@ -45,9 +46,9 @@ def train(steps, fail_rank=None):
         loss = ((model(x) - y) ** 2).mean()
         accelerator.backward(loss)
         optimizer.step()
-    print(f"line-of-rank-{{rank}}-node-{{os.environ['GROUP_RANK']}}")
+    print(f"line-of-rank-{rank}-node-{os.environ['GROUP_RANK']}")
     if rank == fail_rank:
-        raise ValueError(f"bad batch on rank {{rank}}")
+        raise ValueError(f"bad batch on rank {rank}")
     return accelerator.unwrap_model(model).weight.detach().clone()
 
 def logged(steps):
@@ -64,7 +65,7 @@ def logged(steps):
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        accelerator.log({{"loss": loss.item()}}, step=step)
+        accelerator.log({"loss": loss.item()}, step=step)
         losses.append(loss.item())
         time.sleep(0.05)
     return losses
@@ -79,7 +80,11 @@ def left_on_cluster():
     from ray.util.state import list_actors
     groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
     actors = list_actors(address=STATE, filters=[("state", "!=", "DEAD")])
-    return {{"groups": len(groups), "actors": len(actors)}}
+    return {"groups": len(groups), "actors": len(actors)}
+"""
+CONNECT = """
+CONTEXT = ray.init(address={address!r}, _node_ip_address={ip!r}, log_to_driver=True)
+STATE = "http://" + CONTEXT.dashboard_url
 """
 
 
@@ -101,17 +106,36 @@ def _workers() -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture(scope="module")
-def kernel(ray_cluster, tmp_path_factory) -> Iterator[KernelSession]:
-    _CLUSTER_ROOT[:] = [str(ray_cluster.root)]
-    workdir = tmp_path_factory.mktemp("kernel")
+def _importing_kernel(workdir: Path) -> tuple[KernelSession, str]:
+    """A kernel started and sent IMPORTS (not waited for): (session, the cell's msg id)."""
     session = KernelSession(cwd=workdir, env={**isolated_env(workdir), **RAY_ENV})
     session.start()
+    return session, session.submit(IMPORTS)
+
+
+def _connected(kernel: tuple[KernelSession, str], cluster: LocalCluster) -> KernelSession:
+    session, imports = kernel
+    session.collect(imports, timeout=180).raise_for_error()
+    session.run(CONNECT.format(address=cluster.address, ip=HEAD_IP), timeout=180)
+    return session
+
+
+@pytest.fixture(scope="module")
+def _kernels(tmp_path_factory) -> Iterator[list[tuple[KernelSession, str]]]:
+    """The module's two kernels (the shared one; the one a test kills), importing: requested
+    before ``ray_cluster``, so they start beside it."""
+    kernels = [_importing_kernel(tmp_path_factory.mktemp(name)) for name in ("kernel", "killed")]
     try:
-        session.run(SETUP.format(address=ray_cluster.address, ip=HEAD_IP), timeout=180)
-        yield session
+        yield kernels
     finally:
-        session.stop()
+        for session, _ in kernels:
+            session.stop()
+
+
+@pytest.fixture(scope="module")
+def kernel(_kernels, ray_cluster) -> KernelSession:
+    _CLUSTER_ROOT[:] = [str(ray_cluster.root)]
+    return _connected(_kernels[0], ray_cluster)
 
 
 def _nothing_left(kernel: KernelSession) -> None:
@@ -249,13 +273,12 @@ def test_live_charts_of_a_background_cluster_run_in_the_cell(kernel):
         assert data[str(rank)] == [[float(s), v] for s, v in enumerate(losses[rank])]
 
 
-def test_the_kernels_death_leaves_nothing_on_the_cluster(ray_cluster, tmp_path):
+def test_the_kernels_death_leaves_nothing_on_the_cluster(_kernels, ray_cluster):
     """A kernel killed (-9) in the middle of a cluster run: Ray ends its driver's actors and
     placement group, and the workers end with their channels."""
-    session = KernelSession(cwd=tmp_path, env={**isolated_env(tmp_path), **RAY_ENV})
-    session.start()
+    session = _kernels[1][0]
     try:
-        session.run(SETUP.format(address=ray_cluster.address, ip=HEAD_IP), timeout=180)
+        _connected(_kernels[1], ray_cluster)
         session.run(
             "handle = notebook_launcher(spin, num_processes=1, num_nodes=2, cluster='ray',"
             " block=False)",
