@@ -31,4 +31,5 @@ def test_a_stage_counts_its_own_cpu_not_that_of_a_lane_that_ends_meanwhile(tmp_p
     # (each lane's CPU twice in the whole run's sum)
     stages = _stages(tmp_path, 'stage "lane *" 100 spin 2 &\nstage "main" 100 sleep 4\nwait\n')
     assert stages["lane *"][1] >= 2, stages  # its own spin
-    assert stages["main"] == (4, 0), stages  # a sleep: four seconds of wall, no CPU
+    wall, cpu = stages["main"]
+    assert wall >= 4 and cpu == 0, stages  # a sleep: its four seconds of wall, no CPU
