@@ -78,12 +78,16 @@ class LocalCluster:
             *args,
         ]  # fmt: skip
         # its own process group: a test that kills "a node" kills only this one
+        began = time.monotonic()
         done = subprocess.run(
             cmd, env=self.env, capture_output=True, text=True, timeout=180, start_new_session=True,
             cwd=self.root,  # where a rank that lacks the kernel's directory would work: not the repo
         )  # fmt: skip
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed after {time.monotonic() - began:.1f} s:\n{done.stdout}\n"
+                f"{done.stderr}\n{self.diagnosis()}"
+            )
 
     def _start_retried(self, name: str, ip: str, *args: str) -> None:
         """Ray gives a node 30 s (fixed) to register with the GCS: on a loaded 2-core
@@ -102,6 +106,22 @@ class LocalCluster:
         )  # fmt: skip
         self._start_retried("b", NODE_B_IP, f"--address={self.address}")
         return self
+
+    def diagnosis(self) -> str:
+        """What a failed start leaves to read: the machine's load and pressure (CPU, I/O,
+        memory stall shares), and the last lines of every node's Ray logs so far."""
+        lines = [f"load average: {os.getloadavg()}"]
+        for kind in ("cpu", "io", "memory"):
+            with contextlib.suppress(OSError):
+                lines.append(
+                    f"pressure {kind}: "
+                    + Path(f"/proc/pressure/{kind}").read_text().replace("\n", "; ")
+                )
+        for log in sorted(self.root.glob("*/session_latest/logs/*")):
+            if log.suffix in (".out", ".err", ".log") and log.stat().st_size:
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                lines += [f"--- {log.relative_to(self.root)} (last lines)", *tail]
+        return "\n".join(lines)
 
     def processes(self, under: str | None = None) -> list[psutil.Process]:
         """Every process of this cluster: its command line names its dir (or ``under``), or,
