@@ -7,6 +7,8 @@
 # Extra arguments go to the main pytest run (e.g. `bash scripts/test.sh -k launcher`);
 # NBACCEL_TORCH_MATRIX=0 skips the matrix runs, NBACCEL_STACKS=0 the stacks,
 # NBACCEL_TEST_WORKERS=N sets the main run's pytest-xdist workers (default 2; 0: one process).
+# NBACCEL_TEST_LOAD=N is the slow-machine rehearsal: N CPU burners at normal priority beside the
+# whole run (2 on 2 cores: the machine at about half speed), ended with it (scripts/load_lib.sh).
 #
 # What runs beside what (the tests mostly wait on worker processes and kernels, so the cores
 # have room for a second lane; the editable installs of this checkout take turns through
@@ -38,7 +40,10 @@ started=$SECONDS
 SUMMARY=$(mktemp)
 LOG=$(mktemp)
 PARTS=$(mktemp -d)
-trap 'rm -rf "$SUMMARY" "$LOG" "$PARTS"' EXIT
+source scripts/load_lib.sh   # load_start N, load_stop: the slow-machine rehearsal's burners
+trap 'load_stop; rm -rf "$SUMMARY" "$LOG" "$PARTS"' EXIT
+trap 'exit 143' TERM HUP      # the EXIT trap ends the burners on these too
+load_start "${NBACCEL_TEST_LOAD:-0}"
 
 source scripts/stage_lib.sh  # stage NAME SHARE CMD...: the time guard's one measure
 # run_part NAME CMD...: CMD's output to $PARTS/NAME.log, its exit status to $PARTS/NAME.code
@@ -115,6 +120,7 @@ main_summary=$(grep -E '^=*\s*[0-9]+ (passed|failed|error)' "$LOG" | tail -n1 | 
 echo "torch $DEV_TORCH (dev pin, whole suite): ${main_summary:-no summary}" >"$SUMMARY"
 
 wait
+load_stop  # before the summary: the run's last line is its count
 cat "$PARTS/mypy.log"
 part_ok mypy || { echo "mypy failed (its report is above)"; status=1; }
 cat "$PARTS/xla.log"

@@ -1,0 +1,36 @@
+# Sourced by scripts/test.sh (and tests/test_load_lib.py): the slow-machine rehearsal.
+#
+# load_start N: start N CPU-burning processes at normal priority (nice 0: they compete with the
+# main run as another tenant's work would; on 2 cores, 2 burners leave the run about half the
+# machine) and say so; their pids go to $LOAD_PIDS. Each burner is started by a subshell that
+# exits at once, so it is not a job of this shell: test.sh's bare `wait`s never wait for it.
+# Each burner also checks, between bursts of about a tenth of a second, that the shell that
+# started it still lives: a run killed with SIGKILL (no trap runs) leaves no burner behind.
+# load_stop: end them (SIGKILL: a busy loop needs no grace) and say how long they ran.
+# N must be a whole number; anything else is refused before anything starts.
+LOAD_PIDS=()
+LOAD_STARTED=0
+load_start() {
+  local n=${1:-0} pid i
+  if ! [[ "$n" =~ ^[0-9]+$ ]]; then
+    echo "NBACCEL_TEST_LOAD must be a whole number of CPU burners (e.g. NBACCEL_TEST_LOAD=2), not '$n'" >&2
+    return 2
+  fi
+  [ "$n" -gt 0 ] || return 0
+  for ((i = 0; i < n; i++)); do
+    # shellcheck disable=SC2016  # the loop is the burner's own script
+    pid=$( (exec -a nbaccel-test-load bash -c \
+      'while kill -0 "$0" 2>/dev/null; do for ((i = 0; i < 100000; i++)); do :; done; done' \
+      "$$" </dev/null >/dev/null 2>&1 &
+      echo $!))
+    LOAD_PIDS+=("$pid")
+  done
+  LOAD_STARTED=$SECONDS
+  echo "=== slow-machine rehearsal: $n CPU burners at normal priority beside the whole run (pids ${LOAD_PIDS[*]})"
+}
+load_stop() {
+  [ "${#LOAD_PIDS[@]}" -gt 0 ] || return 0
+  kill -9 "${LOAD_PIDS[@]}" 2>/dev/null || true
+  echo "=== slow-machine rehearsal: ended ${#LOAD_PIDS[@]} CPU burners after $((SECONDS - LOAD_STARTED)) s"
+  LOAD_PIDS=()
+}
