@@ -1,0 +1,74 @@
+"""The test cluster's start waits for events, never for Ray's fixed 30 s (issue 49).
+
+A loaded machine made a node's raylet register with the GCS after ``ray start`` had given
+up (30 s, fixed): here node b's raylet is held stopped until its ``ray start`` has given up,
+on every try, and the cluster must still start, with node b listed alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import NODE_B_IP, LocalCluster, _is_raylet
+
+pytestmark = [pytest.mark.cluster, pytest.mark.integration]
+
+
+def _ray_start_of(cluster: LocalCluster, name: str) -> list[psutil.Process]:
+    found = []
+    for proc in cluster.processes(str(cluster.root / name)):
+        with contextlib.suppress(psutil.Error):
+            cmd = proc.cmdline()
+            if "start" in cmd and any(part.endswith("/ray") for part in cmd[:2]):
+                found.append(proc)
+    return found
+
+
+def _hold_raylets_until_ray_start_gives_up(
+    cluster: LocalCluster, stop: threading.Event
+) -> list[int]:
+    """Stops each raylet of node b as it appears and resumes it once the ``ray start`` that
+    started it has exited: its registration comes after Ray's deadline, whatever the load."""
+    held: list[int] = []
+    while not stop.is_set():
+        for raylet in cluster.processes(str(cluster.root / "b")):
+            if raylet.pid in held or not _is_raylet(raylet):
+                continue
+            with contextlib.suppress(psutil.Error):
+                raylet.suspend()
+                held.append(raylet.pid)
+                starters = _ray_start_of(cluster, "b")
+                while not stop.is_set() and any(
+                    p.is_running() and p.status() != "zombie" for p in starters
+                ):
+                    time.sleep(0.1)
+                raylet.resume()
+        time.sleep(0.02)
+    return held
+
+
+def test_a_node_that_registers_after_rays_deadline_still_joins():
+    pytest.importorskip("ray", reason="needs the ray extra: pip install 'nbaccel[ray]'")
+    cluster = LocalCluster()
+    stop = threading.Event()
+    held: list[int] = []
+    holder = threading.Thread(
+        target=lambda: held.extend(_hold_raylets_until_ray_start_gives_up(cluster, stop))
+    )
+    holder.start()
+    try:
+        cluster.start()
+        stop.set()
+        holder.join()
+        assert len(held) == 1, held  # one try: the late node was waited for, not restarted
+        assert cluster.late_nodes == ["b"]
+        assert NODE_B_IP in cluster.alive_nodes()
+    finally:
+        stop.set()
+        holder.join()
+        cluster.stop()
+    assert not cluster.processes()
