@@ -1,5 +1,9 @@
-# Sourced by scripts/test.sh (and tests/test_load_lib.py): the slow-machine rehearsal.
+# Sourced by scripts/test.sh (and tests/test_load_lib.py): the slow-machine rehearsal, and the
+# measure of the machine's speed that every run states (its figures mean nothing without it).
 #
+# speed_probe WHEN: a fixed workload (3 million Python multiply-adds, one core) and what it took:
+# its CPU seconds are the core's speed (about 0.6 s on the README's machine), its wall seconds
+# over its CPU seconds the contention at that moment (1.0 on an idle machine).
 # load_start N: start N CPU-burning processes at normal priority (nice 0: they compete with the
 # main run as another tenant's work would; on 2 cores, 2 burners leave the run about half the
 # machine) and say so; their pids go to $LOAD_PIDS. Each burner is started by a subshell that
@@ -33,4 +37,16 @@ load_stop() {
   kill -9 "${LOAD_PIDS[@]}" 2>/dev/null || true
   echo "=== slow-machine rehearsal: ended ${#LOAD_PIDS[@]} CPU burners after $((SECONDS - LOAD_STARTED)) s"
   LOAD_PIDS=()
+}
+speed_probe() {
+  python3 - "$1" <<'PYEOF'
+import sys, time
+cpu, wall = time.process_time(), time.monotonic()
+total = 0
+for i in range(3_000_000):
+    total += i * i
+cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+print(f"=== machine speed {sys.argv[1]}: a fixed workload took {cpu:.2f} CPU-s, {wall:.2f} s wall "
+      f"(contention {wall / max(cpu, 1e-9):.1f}x)")
+PYEOF
 }

@@ -44,6 +44,7 @@ source scripts/load_lib.sh   # load_start N, load_stop: the slow-machine rehears
 trap 'load_stop; rm -rf "$SUMMARY" "$LOG" "$PARTS"' EXIT
 trap 'exit 143' TERM HUP      # the EXIT trap ends the burners on these too
 load_start "${NBACCEL_TEST_LOAD:-0}"
+speed_probe "at the start"
 
 source scripts/stage_lib.sh  # stage NAME SHARE CMD...: the time guard's one measure
 # run_part NAME CMD...: CMD's output to $PARTS/NAME.log, its exit status to $PARTS/NAME.code
@@ -120,6 +121,7 @@ main_summary=$(grep -E '^=*\s*[0-9]+ (passed|failed|error)' "$LOG" | tail -n1 | 
 echo "torch $DEV_TORCH (dev pin, whole suite): ${main_summary:-no summary}" >"$SUMMARY"
 
 wait
+speed_probe "at the end"
 load_stop  # before the summary: the run's last line is its count
 cat "$PARTS/mypy.log"
 part_ok mypy || { echo "mypy failed (its report is above)"; status=1; }

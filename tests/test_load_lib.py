@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -94,3 +95,17 @@ def test_a_load_that_is_not_a_whole_number_is_refused_before_anything_starts():
     assert done.returncode == 2
     assert "NBACCEL_TEST_LOAD must be a whole number" in done.stderr and "'2x'" in done.stderr
     assert _burners() <= before
+
+
+def test_the_speed_probe_states_the_cores_speed_and_the_contention():
+    done = subprocess.run(
+        _script('speed_probe "at the start"\n'), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"took ([0-9.]+) CPU-s, ([0-9.]+) s wall", done.stdout)
+    assert done.stdout.startswith("=== machine speed at the start: a fixed workload took "), (
+        done.stdout
+    )
+    assert found, done.stdout
+    cpu, wall = float(found[1]), float(found[2])
+    assert 0 < cpu <= wall * 1.05 and f"contention {wall / cpu:.1f}x" in done.stdout, done.stdout
