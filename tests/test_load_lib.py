@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -56,6 +57,9 @@ def test_the_burners_burn_at_normal_priority_outlive_a_bare_wait_and_end_with_lo
         assert len(pids) == 2
         assert _until(lambda: all(_cpu(pid) > 0.05 for pid in pids)), "the burners do not burn"
         assert all(psutil.Process(pid).nice() == psutil.Process(run.pid).nice() for pid in pids)
+        # each its own session: Linux shares the CPU between sessions first (autogroup), and
+        # the suite's kernels, workers and Ray nodes are sessions of their own
+        assert all(os.getsid(pid) == pid for pid in pids)
         stop.touch()
         out, _ = run.communicate(timeout=120)  # a `wait` that waited for a burner never returns
     finally:
