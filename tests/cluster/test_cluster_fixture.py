@@ -8,12 +8,14 @@ on every try, and the cluster must still start, with node b listed alive.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
 
 import psutil
 import pytest
-from conftest import NODE_B_IP, LocalCluster, _is_raylet
+from conftest import HANG_GUARD_S, HEAD_IP, NODE_B_IP, LocalCluster, _is_raylet
 
 pytestmark = [pytest.mark.cluster, pytest.mark.integration]
 
@@ -51,6 +53,23 @@ def _hold_raylets_until_ray_start_gives_up(
     return held
 
 
+def _runs_a_task_on_node_b(cluster: LocalCluster) -> str:
+    """The address a task placed on node b reports (from a fresh process: this one never
+    imports Ray)."""
+    probe = (
+        "import sys, ray\n"
+        "ray.init(address=sys.argv[1], _node_ip_address=sys.argv[2], log_to_driver=False)\n"
+        "where = ray.remote(resources={'node_b': 0.01})(ray.util.get_node_ip_address)\n"
+        "print(ray.get(where.remote()))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, cluster.address, HEAD_IP], env=cluster.env,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()[-1]
+
+
 def test_a_node_that_registers_after_rays_deadline_still_joins():
     pytest.importorskip("ray", reason="needs the ray extra: pip install 'nbaccel[ray]'")
     cluster = LocalCluster()
@@ -67,6 +86,7 @@ def test_a_node_that_registers_after_rays_deadline_still_joins():
         assert len(held) == 1, held  # one try: the late node was waited for, not restarted
         assert cluster.late_nodes == ["b"]
         assert NODE_B_IP in cluster.alive_nodes()
+        assert _runs_a_task_on_node_b(cluster) == NODE_B_IP  # a node, not only a listing
     finally:
         stop.set()
         holder.join()
