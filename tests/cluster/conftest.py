@@ -1,24 +1,29 @@
-"""One local two-node Ray cluster per test session, every part of it on 127.0.0.1.
+"""A local two-node Ray cluster on loopback, for the module that asks for it.
 
 ``ray.cluster_utils.Cluster`` binds its GCS to the machine's primary address; here each
-node is its own ``ray start`` (``--node-ip-address=127.0.0.1``, the head's GCS on a port
-of loopback, the second node joining ``127.0.0.1:PORT``), with its own temp dir and a
+node is its own ``ray start`` on an address of its own in the loopback range (the head on
+127.0.0.2, its GCS on a free port there; node b on 127.0.0.3 joining it: Ray rewrites
+127.0.0.1 to the primary address, not the rest of 127/8), with its own temp dir and a
 custom resource (``node_head`` / ``node_b``) that tells the nodes apart, fixed free ports
-for every agent (two nodes share one address) and no idle worker kept: a rank's actor
+for every agent, and no idle worker kept: a rank's actor
 process ends with it (``RAY_num_workers_soft_limit=0``), so the conftest's leak check and
 the tests' "nothing left" checks see the truth. At the module's end every process whose
 command line names the cluster's temp dir or its head's address is ended (never ``ray
 stop``, which would end any Ray on the machine).
 
-Nothing here depends on the machine's speed. ``ray start`` gives a node's raylet a fixed 30 s
-(not configurable) to register with the GCS, and the raylet registers only once its dashboard
-agent, a Python process importing much of Ray, is up: on a loaded 2-core machine that import
-alone took longer (issue 49: the whole suite's lanes, the head's own dashboard processes and
-the module's kernels importing beside it). When ``ray start`` gives up that way it leaves the
-node's processes running, and the node joins when its raylet gets there; so the fixture then
-waits for the event itself, the node listed alive by the cluster's state API, for as long as
-the node's raylet lives (its death is the failure, reported with the node's logs). Node b
-starts once the head's dashboard answers, not while the head's processes still import.
+Nothing here depends on the machine's speed. ``ray start`` gives a node's raylet a fixed
+30 s (not configurable) to register with the GCS, and the raylet registers only once its
+dashboard agent, a Python process importing much of Ray, is up: on a loaded 2-core machine
+that import alone took longer (issue 49). Linux shares the CPU between sessions first
+(autogroup), and in the whole suite every kernel and nbaccel worker is a session of its own,
+as is each Ray node (its raylet, agents and the head's dozen dashboard processes): the
+node's share was a small fraction of the machine, which the load average did not show (CPU
+burners started in one shell are one session: beside five of them the cluster started in
+time). When ``ray start`` gives up that way it leaves the node's processes running, and the
+node joins when its raylet gets there; so the fixture then waits for the event itself, the
+node listed alive by the cluster's state API, for as long as the node's raylet lives (its
+death is the failure, reported with the node's logs). Node b starts once the head's
+dashboard answers, not while the head's processes still import.
 """
 
 from __future__ import annotations
