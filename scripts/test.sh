@@ -19,17 +19,18 @@
 #
 # The time guard: every stage prints its wall time and its CPU time (user + system, of all
 # its processes), and a stage that took longer than its share below is named at the end, so
-# the next suite added shows its cost at once. The shares add up to CI's budget on the
-# README's machine: 15 minutes (machines differ about 2x; CI stops at 30). Seconds of wall
-# time, measured from the start of the run for the lanes beside the main run.
+# the next suite added shows its cost at once. The shares add up to the README's promise for an
+# idle fresh machine: 20 minutes (machines differ about 2x; CI stops at 90; under the
+# slow-machine rehearsal stages pass their shares, which is said, not failed). Seconds of
+# wall time, measured from the start of the run for the lanes beside the main run.
 SHARE_SETUP=90     # setup.sh + setup_browser.sh, empty download caches (uv: about 50 s)
 SHARE_LINT=30      # ruff (setup_xla.sh, the matrix and the stacks set up beside it)
 SHARE_MYPY=600     # mypy, beside the main run (ends by this second)
 SHARE_XLA=600      # setup_xla.sh, beside the main run (ends by this second)
-SHARE_MAIN=780     # the main pytest run (the cluster, parallelism, docs and fork-server suites too)
-SHARE_MATRIX=780   # the torch matrix's set-up and tests, beside the rest (ends by this second)
-SHARE_STACKS=780   # the stacks' set-up and tests, beside the rest (ends by this second)
-SHARE_ALL=900      # the whole run
+SHARE_MAIN=1080    # the main pytest run (the cluster, parallelism, docs and fork-server suites too)
+SHARE_MATRIX=1080  # the torch matrix's set-up and tests, beside the rest (ends by this second)
+SHARE_STACKS=1080  # the stacks' set-up and tests, beside the rest (ends by this second)
+SHARE_ALL=1200     # the whole run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Python writes its .pyc files in this run (gitignored __pycache__ folders): where the machine
