@@ -104,22 +104,44 @@ def publish(target: str, manifest: dict[str, Any]) -> None:
     """Write ``manifest`` as the checkpoint at ``target`` (one atomic object write), then
     remove the data folder it replaced and folders of saves that never completed."""
     fs, root = filesystem(target)
-    previous = manifest_save_id(target)
+    try:
+        previous = str(_read_json(fs, join(root, MANIFEST)).get("data", ""))
+    except (OSError, ValueError, AttributeError):
+        previous = ""
     body = (
         json.dumps({**manifest, "format": FORMAT, "version": VERSION}, indent=2) + "\n"
     ).encode()
     fs.pipe_file(join(root, MANIFEST), body)
     fs.invalidate_cache(root)
     current = manifest["save_id"]
-    group = current.split(".", 1)[0]
+    keep = {manifest["data"], DATA + current}
     for name in _children(fs, root):
-        if not name.startswith(DATA) or name == DATA + current:
-            continue
         save_id = name[len(DATA) :]
-        # the replaced save's folder, and folders of other runs (their saves died before
-        # their manifest); a folder of this run's next save may already be filling up
-        if save_id == previous or save_id.split(".", 1)[0] != group:
+        if not name.startswith(DATA) or name in keep:
+            continue
+        # the data of the checkpoint just replaced, and of saves that died before publishing
+        if name == previous or _died_before(save_id, current):
             fs.rm(join(root, name), recursive=True)
+
+
+def _died_before(other: str, current: str) -> bool:
+    """True if save ``other`` can only be one that died before its manifest: it is of
+    another run, or an earlier save of this Accelerator. (A folder of this run's *next*
+    save may already be filling up: other ranks do not wait for this one.)
+
+    Save ids are ``<run>.<accelerator>.<step>.<count>``
+    (:func:`nbaccel.runtime.saving._checkpoint_write.save_id_for`).
+    """
+    mine, theirs = current.split("."), other.split(".")
+    if len(mine) != 4 or len(theirs) != 4 or mine[0] != theirs[0]:
+        return True
+    try:
+        return mine[1] == theirs[1] and (int(theirs[2]), int(theirs[3])) < (
+            int(mine[2]),
+            int(mine[3]),
+        )
+    except ValueError:
+        return False
 
 
 def read_manifest(target: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,11 +89,19 @@ def save_remote(acc: Any, target: str, safe_serialization: bool) -> None:
     main = acc.state.is_main_process
     try:
         remote.check_target(target)
+        data = remote.data_folder(target, save_id)
+        if main and remote.manifest_save_id(target) == save_id:
+            # this id is published there already (ids repeat only in odd cases): never
+            # overwrite a published checkpoint's files in place; other ranks' files of
+            # this save then miss it, and they keep their RNG state with a warning
+            data = f"{data}.{uuid.uuid4().hex[:8]}"
         with remote.staging_folder(target) as folder:
             _write_own(acc, Path(folder), save_id, main, safe_serialization)
-            files = remote.upload_folder(Path(folder), remote.data_folder(target, save_id))
+            files = remote.upload_folder(Path(folder), data)
         if main:
-            remote.publish(target, _manifest(acc, save_id, files, safe_serialization))
+            manifest = _manifest(acc, save_id, files, safe_serialization)
+            manifest["data"] = basename(data)
+            remote.publish(target, manifest)
             acc._unpublished_save = None
         else:
             before = remote.manifest_save_id(target)

@@ -234,12 +234,14 @@ def load_state(
             from ._checkpoint_remote import fetched
 
             with fetched(source) as (folder, manifest):
+                acc._loaded_save_id = manifest.get("save_id", "")
                 _check_counts(acc, manifest, source)
                 _load_into(acc, folder, manifest, weights_only=weights_only, strict=strict)
         elif _rank_files_only(acc, source):
             _restore_rank(acc, source, None, weights_only=weights_only)
         else:
             manifest = read_manifest(source)
+            acc._loaded_save_id = manifest.get("save_id", "")
             _check_counts(acc, manifest, source)
             _load_into(acc, source, manifest, weights_only=weights_only, strict=strict)
     except Exception as err:
@@ -249,10 +251,25 @@ def load_state(
     elif error is not None:
         raise error
     assert source is not None
+    _continue_save_ids(acc)
     match = AUTO_NAME.fullmatch(basename(source) if isinstance(source, str) else source.name)
     if acc.project_configuration.automatic_checkpoint_naming and match:
         acc.project_configuration.iteration = int(match.group(1)) + 1
     return str(source)
+
+
+def _continue_save_ids(acc: Any) -> None:
+    """After a load, number the saves at the restored step after the loaded one.
+
+    A save id counts saves per step (:func:`._checkpoint_write.save_id_for`); the step
+    goes back to the checkpoint's, so without this the next save there would reuse the
+    loaded checkpoint's id and be taken for it. Every rank reads the same manifest, so the
+    ranks stay in agreement.
+    """
+    loaded = getattr(acc, "_loaded_save_id", "")
+    parts = str(loaded).split(".")
+    if len(parts) == 4 and parts[2].isdigit() and parts[3].isdigit() and int(parts[2]) == acc.step:
+        acc._save_count = (acc.step, int(parts[3]))
 
 
 def _await_own_save(acc: Any, input_dir: str | os.PathLike[str] | None) -> None:
