@@ -247,6 +247,52 @@ def test_two_ranks_save_and_load_through_file_urls(tmp_path, monkeypatch):
     assert os.listdir(work) == []  # no local "file:" folder
 
 
+def _fsdp_worker(target):
+    from nbaccel import Accelerator, FullyShardedDataParallelPlugin
+    from nbaccel.runtime.process.state import reset_state
+
+    def build(seed):
+        reset_state()
+        plugin = FullyShardedDataParallelPlugin(
+            auto_wrap_policy="size_based_wrap",
+            state_dict_type="SHARDED_STATE_DICT",
+            min_num_params=50,
+        )
+        acc = Accelerator(fsdp_plugin=plugin)
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return (acc, *acc.prepare(model, optimizer))
+
+    acc, model, optimizer = build(0)
+    for _ in range(3):
+        acc.backward(model(torch.randn(4, 4)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    acc.save_state(target)  # every rank uploads its own shard
+    acc, model, optimizer = build(1234)
+    acc.load_state(target)
+    got = acc.get_state_dict(model)
+    return {"same": all(torch.equal(saved[k], got[k]) for k in saved), "step": acc.step}
+
+
+def test_fsdp_ranks_each_upload_their_shard_and_load_it_back(s3, tmp_path, monkeypatch):
+    _, env = s3
+    monkeypatch.chdir(tmp_path)
+    target = f"s3://{BUCKET}/fsdp/ckpt"
+    results = run_on_workers(_fsdp_worker, 2, args=(target,), env={**SHORT, **env})
+    assert all(r["same"] and r["step"] == 3 for r in results), results
+    manifest = json.loads(_Bucket().cat("fsdp/ckpt/nbaccel_checkpoint.json"))
+    # each rank's shard file is listed (so confirmed uploaded) before the manifest was written
+    for folder in ("model.dcp", "optimizer.dcp"):
+        assert {f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp", f"{folder}/.metadata"} <= set(
+            manifest["files"]
+        )
+    assert {"rank_0.pt", "rank_1.pt"} <= set(manifest["sha256"])
+    assert os.listdir(tmp_path) == []
+
+
 # -- a save that the store's going away cuts short -------------------------------------------
 
 
@@ -291,6 +337,22 @@ def test_interrupted_save_leaves_the_previous_checkpoint_loadable(s3, tmp_path, 
     assert acc.load_state(target) == target
     assert _same(first, _weights(acc, model))
     assert acc.step == 2
+    # the interrupted save's part is not a checkpoint; the next save there removes it
+    bucket = _Bucket()
+    assert len({k.split("/")[0] for k in bucket.keys("run2/ckpt/")}) == 3
+    acc.save_state(target)  # at the loaded step: a new save, not taken for the loaded one
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    acc.load_state(target)
+    assert _same(first, _weights(acc, model))
+    _train(acc, model, optimizer, loader, 3)  # past the step of the interrupted save
+    acc.save_state(target)
+    manifest = json.loads(bucket.cat("run2/ckpt/nbaccel_checkpoint.json"))
+    assert {k.split("/")[0] for k in bucket.keys("run2/ckpt/")} == {
+        "nbaccel_checkpoint.json",
+        manifest["data"],
+    }
     assert os.listdir(tmp_path) == []
 
 
