@@ -297,9 +297,6 @@ def test_fsdp_ranks_each_upload_their_shard_and_load_it_back(s3, tmp_path, monke
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_loadable(s3, tmp_path, monkeypatch):
-    from nbaccel.checkpoint import remote, store
-    from nbaccel.errors import CheckpointError
-
     server, _ = s3
     monkeypatch.chdir(tmp_path)
     target = f"s3://{BUCKET}/run2/ckpt"
@@ -307,6 +304,11 @@ def test_interrupted_save_leaves_the_previous_checkpoint_loadable(s3, tmp_path, 
     _train(acc, model, optimizer, loader, 2)
     first = _weights(acc, model)
     acc.save_state(target)
+    assert os.listdir(tmp_path) == []  # into the store, not into a local folder "s3:"
+
+    from nbaccel.checkpoint import remote, store
+    from nbaccel.errors import CheckpointError
+
     _train(acc, model, optimizer, loader, 2)
     assert not _same(first, _weights(acc, model))
 
@@ -393,12 +395,15 @@ def test_a_partial_or_damaged_checkpoint_is_never_loaded(s3, tmp_path, monkeypat
 
 
 def test_a_url_nothing_handles_or_whose_package_is_missing_is_refused(tmp_path, monkeypatch):
-    from nbaccel.errors import StorageError
-
     monkeypatch.chdir(tmp_path)
     acc, model, *_ = _build()
-    with pytest.raises(StorageError, match="no installed package handles nosuchstore://"):
+    with pytest.raises(Exception, match="no installed package handles nosuchstore://") as caught:
         acc.save_state("nosuchstore://bucket/ckpt")
+    assert type(caught.value).__name__ == "StorageError"
+    assert os.listdir(tmp_path) == []
+
+    from nbaccel.errors import StorageError
+
     # gs:// needs gcsfs: refused naming it (made missing here whether or not it is installed)
     monkeypatch.setitem(sys.modules, "gcsfs", None)
     with pytest.raises(StorageError, match="pip install gcsfs"):
