@@ -423,3 +423,22 @@ def test_a_url_nothing_handles_or_whose_package_is_missing_is_refused(tmp_path, 
             )
         )
     assert os.listdir(tmp_path) == []  # no "s3:", "gs:" or "nosuchstore:" folder
+
+
+def test_trackers_refuse_a_store_logging_dir_instead_of_a_local_s3_folder(tmp_path, monkeypatch):
+    from nbaccel.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    acc, *_ = _build(project_dir=f"s3://{BUCKET}/run", log_with="jsonl")
+    with pytest.raises(ConfigError, match="trackers write local files"):
+        acc.init_trackers("exp")
+    # a local logging_dir beside a store project_dir works
+    acc, *_ = _build(
+        project_config=ProjectConfiguration(
+            project_dir=f"s3://{BUCKET}/run", logging_dir=str(tmp_path / "logs")
+        ),
+        log_with="jsonl",
+    )
+    acc.init_trackers("exp")
+    acc.end_training()
+    assert os.listdir(tmp_path) == ["logs"]
