@@ -37,6 +37,11 @@ class CheckpointError(NbaccelError, RuntimeError):
     """A file or directory is not a complete nbaccel checkpoint, or needs unsafe loading."""
 
 
+class StorageError(NbaccelError, RuntimeError):
+    """An object store named by a URL (``s3://``, ``gs://``...) cannot be used: its
+    package is not installed, no package handles its scheme, or it cannot be reached."""
+
+
 class CUDAInitializedError(LaunchError):
     """CUDA was initialised in this process before a fork-based launch.
 
@@ -158,6 +163,7 @@ __all__ = [
     "NbaccelError",
     "RanksMissingError",
     "Stopped",
+    "StorageError",
     "WorkerError",
     "WorkerTimeoutError",
     "too_few_gpus_error",

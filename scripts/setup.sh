@@ -15,8 +15,9 @@ uv_ready
 TORCH_SPEC=${NBACCEL_TORCH_SPEC:-torch==2.13.0}
 uv_install .venv/bin/python "$TORCH_SPEC"
 # docs: the documentation site (bash scripts/docs.sh build, tests/docs): MkDocs, Material, mkdocstrings;
-# ray: cluster="ray" and tests/cluster. One install, one resolution.
-editable_turn uv_install .venv/bin/python -e ".[notebook,test,docs,ray]"
+# ray: cluster="ray" and tests/cluster; storage: checkpoints on object storage (fsspec, s3fs).
+# One install, one resolution.
+editable_turn uv_install .venv/bin/python -e ".[notebook,test,docs,ray,storage]"
 # DeepSpeed (the optional `deepspeed` extra; tests of strategy="deepspeed"): an sdist whose build
 # imports torch, hence --no-build-isolation after torch (its build needs setuptools and wheel
 # from the venv); uv keeps the built wheel in its cache. Only when missing (measured on a fresh

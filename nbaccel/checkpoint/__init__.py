@@ -1,7 +1,9 @@
-"""Files on disk: the atomic checkpoint-directory protocol and weights I/O.
+"""Checkpoint files on disk and on object storage: the atomic directory protocol, weights I/O.
 
 * :mod:`~nbaccel.checkpoint.directory` -- temporary name, fsync, manifest, rename, pruning;
-* :mod:`~nbaccel.checkpoint.weights` -- safetensors/torch files, shards plus index, tied weights.
+* :mod:`~nbaccel.checkpoint.weights` -- safetensors/torch files, shards plus index, tied weights;
+* :mod:`~nbaccel.checkpoint.store` -- fsspec URLs: open a store or refuse naming the package;
+* :mod:`~nbaccel.checkpoint.remote` -- the same protocol on object storage (manifest last).
 
 What goes into a checkpoint is decided by :mod:`nbaccel.runtime.saving.checkpointing`.
 """

@@ -16,8 +16,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...checkpoint.store import is_url
+from ...errors import ConfigError
 from ...tracking import events
 from ._process_api import ProcessAPI
+
+
+def _refuse_store_logging_dir(log_with: Any, logging_dir: Any) -> None:
+    """Trackers write local files: an object-store ``logging_dir`` (the default when
+    ``project_dir`` is a URL) would become a local folder named ``s3:``; refuse it."""
+    from ...tracking.base import GeneralTracker
+
+    items = log_with if isinstance(log_with, list | tuple) else [log_with]
+    built_here = [i for i in items if not isinstance(i, GeneralTracker)]
+    if built_here and isinstance(logging_dir, str) and is_url(logging_dir):
+        raise ConfigError(
+            f"logging_dir={logging_dir!r} is an object-store URL (it defaults to project_dir), "
+            "but trackers write local files. Pass a local one: ProjectConfiguration("
+            "project_dir=..., logging_dir='runs/logs'); checkpoints still go to the store."
+        )
 
 
 class TrackingAPI(ProcessAPI):
@@ -34,6 +51,8 @@ class TrackingAPI(ProcessAPI):
         """Start the ``log_with`` trackers on the main process and store ``config``."""
         from ...tracking import trackers
 
+        if self.log_with is not None:
+            _refuse_store_logging_dir(self.log_with, self.logging_dir)
         if self.is_main_process and self.log_with is not None:
             self.trackers = trackers.start_trackers(
                 self.log_with, project_name, self.logging_dir, config, init_kwargs or {}

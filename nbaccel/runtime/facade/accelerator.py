@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ...checkpoint.store import check as check_store
 from ...config import launch_config, normalize_precision
 from ...errors import ConfigError
 from ...tracking import steps as step_clock
@@ -237,6 +238,9 @@ class Accelerator(AccelerateAttributes, TrackingAPI, CollectiveAPI, CheckpointAP
             config.project_dir = project_dir
             if config.logging_dir in (None, previous):
                 config.logging_dir = project_dir
+        # an object-store project_dir whose package is missing fails here, on every rank,
+        # before training starts (not at the first save)
+        check_store(self.project_configuration.project_dir or "")
         self.log_with = log_with
         self.trackers: list[Any] = []
         self.gradient_accumulation_plugin = plugin or GradientAccumulationPlugin(num_steps=steps)

@@ -38,8 +38,9 @@ from ...checkpoint.directory import (
 )
 from ...checkpoint.durable import make_dirs
 from ...checkpoint.rank_files import only_rank_files
+from ...checkpoint.store import is_url
 from ...checkpoint.weights import CheckpointError, dedupe_tied, torch_save, write_safetensors
-from ...errors import ConfigError
+from ...errors import ConfigError, StorageError
 from ..process import rank_check
 from .hooks import weights_to_save
 
@@ -170,17 +171,26 @@ def _os_errno(err: BaseException) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def write_error(err: Exception, target: Path) -> Exception:
+def write_error(err: Exception, target: Path | str) -> Exception:
     """A save that could not write: say where, why, that the previous copy is intact, the fix."""
-    if isinstance(err, ConfigError | CheckpointError):
+    if isinstance(err, ConfigError | CheckpointError | StorageError):
         return err
     code = _os_errno(err)
     reason = os.strerror(code) if code is not None else f"{type(err).__name__}: {err}"
-    fix = _WRITE_FIXES.get(code or -1, "check the directory and the disk")
+    left = "nothing half-written is left"
+    if isinstance(target, str) and is_url(target):  # the store, not a disk, failed
+        fix = (
+            f"check that the store of {target!r} is reachable and that its credentials "
+            "(environment, profile) allow writing there"
+        )
+        # an object store has no rename: parts of this save may be there, never its manifest
+        left = "the parts this save uploaded are not a checkpoint (no manifest) and go with the next save"
+    else:
+        fix = _WRITE_FIXES.get(code or -1, "check the directory and the disk")
     wrapped = CheckpointError(
         f"save_state could not write {str(target)!r}: {reason} ({type(err).__name__}: "
         f"{str(err).splitlines()[0] if str(err) else ''}). The previous checkpoint is "
-        f"untouched and still loads; nothing half-written is left. Fix: {fix}."
+        f"untouched and still loads; {left}. Fix: {fix}."
     )
     wrapped.__cause__ = err
     return wrapped

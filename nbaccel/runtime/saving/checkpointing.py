@@ -24,6 +24,14 @@ exchange): a process killed at any point leaves the previous checkpoint loadable
 disk, read-only directory) raises a ``CheckpointError`` naming the path, the reason
 and the fix.
 
+Object storage: a path may be an fsspec URL (``s3://bucket/run/ckpt``, ``gs://...``; a
+``project_dir`` URL for automatic naming). Each rank uploads its own files and the
+manifest is written last, after every part was confirmed in the store
+(:mod:`nbaccel.runtime.saving._checkpoint_remote`, :mod:`nbaccel.checkpoint.remote`);
+``file://`` URLs are local paths. A URL whose package is missing or whose scheme nothing
+handles is refused before anything is written. Save hooks get a private local folder
+whose files are uploaded; load hooks get the downloaded copy.
+
 Loaders: ``load_state`` restores each prepared loader's epoch, seed and shuffle
 generators, and the loader starts at the beginning of that epoch (scripts skip what
 they saw, e.g. with ``skip_first_batches``), as in Accelerate; with
@@ -33,6 +41,7 @@ saved position inside the epoch.
 Example:
     >>> path = accelerator.save_state("ckpt")  # doctest: +SKIP
     >>> accelerator.load_state(path)  # doctest: +SKIP
+    >>> accelerator.save_state("s3://bucket/run/ckpt")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ...checkpoint import remote
 from ...checkpoint.directory import (
     AUTO_NAME,
     MANIFEST,
@@ -54,6 +64,7 @@ from ...checkpoint.directory import (
     read_manifest,
 )
 from ...checkpoint.rank_files import manifest_save_id, read_rank_file
+from ...checkpoint.store import as_local, basename, check, is_url, join, parent, scheme
 from ...checkpoint.weights import CheckpointError, read_weights, torch_load
 from ...errors import ConfigError
 from ..process import rank_check
@@ -72,7 +83,8 @@ def save_state(
 
     Args:
         acc: the Accelerator (replicated training: any ranks; FSDP: every rank).
-        output_dir: where to save; ``None`` with automatic naming means
+        output_dir: where to save: a path or an fsspec URL (``s3://bucket/run/ckpt``);
+            ``None`` with automatic naming means
             ``project_dir/checkpoints/checkpoint_{iteration}``.
         safe_serialization: models as safetensors (default) or torch ``.bin``.
     """
@@ -84,10 +96,15 @@ def save_state(
             "project_dir=..., automatic_checkpoint_naming=True))."
         )
     if output_dir is None:
-        target = checkpoints_root(acc) / f"checkpoint_{config.iteration}"
+        root = _auto_root(acc)
+        name = f"checkpoint_{config.iteration}"
+        where = join(root, name) if isinstance(root, str) else root / name
     else:
-        target = Path(output_dir)
-    target = target.absolute()
+        where = _location(output_dir)
+    if isinstance(where, str):
+        _save_to_store(acc, where, safe_serialization, auto=auto)
+        return where
+    target = where.absolute()
     collective = acc.strategy.collective_state
     if collective:
         rank_check.all_ranks_enter("save_state", FIX)
@@ -109,10 +126,53 @@ def save_state(
     return str(target)
 
 
+def _location(path: str | os.PathLike[str]) -> Path | str:
+    """A local path (``file://`` URLs included) as a Path; an object-store URL as itself,
+    its store opened first: a missing package or unknown scheme is refused here, before
+    anything is written (``Path("s3://b/x")`` would be the local folder ``s3:``)."""
+    if isinstance(path, str) and is_url(path):
+        check(path)
+        return path.rstrip("/")
+    return as_local(path)
+
+
+def _auto_root(acc: Any) -> Path | str:
+    """Where automatic naming puts checkpoints: ``project_dir/checkpoints``, on disk or a store."""
+    project_dir = acc.project_configuration.project_dir
+    if isinstance(project_dir, str) and scheme(project_dir) is not None:
+        where = _location(project_dir)
+        return join(where, "checkpoints") if isinstance(where, str) else where / "checkpoints"
+    return checkpoints_root(acc)
+
+
+def _save_to_store(acc: Any, target: str, safe_serialization: bool, *, auto: bool) -> None:
+    """:func:`save_state` to an object store (:mod:`._checkpoint_remote`)."""
+    from ._checkpoint_remote import save_remote
+
+    collective = acc.strategy.collective_state
+    if collective:
+        rank_check.all_ranks_enter("save_state", FIX)
+    save_remote(acc, target, safe_serialization)
+    if not auto:
+        return
+    config = acc.project_configuration
+    config.iteration += 1
+    error = None
+    if acc.state.is_main_process:
+        try:
+            remote.prune(parent(target), config.total_limit)
+        except Exception as err:
+            error = err
+    if collective:  # nobody looks for "the latest checkpoint" while old ones go
+        all_ok(acc, error, "save_state (pruning)")
+    elif error is not None:
+        raise error
+
+
 # -- load_state ---------------------------------------------------------------------------
 
 
-def _check_counts(acc: Any, manifest: dict[str, Any], source: Path) -> None:
+def _check_counts(acc: Any, manifest: dict[str, Any], source: Path | str) -> None:
     counts = manifest.get("counts", {})
     for kind, have in (
         ("models", acc._models),
@@ -128,17 +188,18 @@ def _check_counts(acc: Any, manifest: dict[str, Any], source: Path) -> None:
             )
 
 
-def _source(acc: Any, input_dir: str | os.PathLike[str] | None) -> Path:
+def _source(acc: Any, input_dir: str | os.PathLike[str] | None) -> Path | str:
     if input_dir is not None:
-        return Path(input_dir)
+        return _location(input_dir)
     if not acc.project_configuration.automatic_checkpoint_naming:
         raise ConfigError(
             "load_state() needs input_dir unless ProjectConfiguration("
             "automatic_checkpoint_naming=True) is set."
         )
-    source = latest_checkpoint(checkpoints_root(acc))
+    root = _auto_root(acc)
+    source = remote.latest_checkpoint(root) if isinstance(root, str) else latest_checkpoint(root)
     if source is None:
-        raise FileNotFoundError(f"no complete checkpoint under {str(checkpoints_root(acc))!r}.")
+        raise FileNotFoundError(f"no complete checkpoint under {str(root)!r}.")
     return source
 
 
@@ -154,8 +215,9 @@ def load_state(
     Args:
         acc: the Accelerator, after ``prepare`` (replicated training: any ranks; FSDP:
             every rank).
-        input_dir: a checkpoint directory; ``None`` with automatic naming loads the latest
-            complete ``checkpoint_{i}`` and continues numbering after it.
+        input_dir: a checkpoint directory or URL; ``None`` with automatic naming loads the
+            latest complete ``checkpoint_{i}`` under ``project_dir`` and continues
+            numbering after it.
         weights_only: keep True; False lets torch unpickle arbitrary objects (trusted files only).
         strict: model keys must match exactly.
     """
@@ -163,15 +225,23 @@ def load_state(
     if collective:
         rank_check.all_ranks_enter("load_state", FIX)
     error: BaseException | None = None
-    source: Path | None = None
+    source: Path | str | None = None
     try:
         if not collective:
             _await_own_save(acc, input_dir)
         source = _source(acc, input_dir)
-        if _rank_files_only(acc, source):
+        if isinstance(source, str):
+            from ._checkpoint_remote import fetched
+
+            with fetched(source) as (folder, manifest):
+                acc._loaded_save_id = manifest.get("save_id", "")
+                _check_counts(acc, manifest, source)
+                _load_into(acc, folder, manifest, weights_only=weights_only, strict=strict)
+        elif _rank_files_only(acc, source):
             _restore_rank(acc, source, None, weights_only=weights_only)
         else:
             manifest = read_manifest(source)
+            acc._loaded_save_id = manifest.get("save_id", "")
             _check_counts(acc, manifest, source)
             _load_into(acc, source, manifest, weights_only=weights_only, strict=strict)
     except Exception as err:
@@ -181,10 +251,25 @@ def load_state(
     elif error is not None:
         raise error
     assert source is not None
-    match = AUTO_NAME.fullmatch(source.name)
+    _continue_save_ids(acc)
+    match = AUTO_NAME.fullmatch(basename(source) if isinstance(source, str) else source.name)
     if acc.project_configuration.automatic_checkpoint_naming and match:
         acc.project_configuration.iteration = int(match.group(1)) + 1
     return str(source)
+
+
+def _continue_save_ids(acc: Any) -> None:
+    """After a load, number the saves at the restored step after the loaded one.
+
+    A save id counts saves per step (:func:`._checkpoint_write.save_id_for`); the step
+    goes back to the checkpoint's, so without this the next save there would reuse the
+    loaded checkpoint's id and be taken for it. Every rank reads the same manifest, so the
+    ranks stay in agreement.
+    """
+    loaded = getattr(acc, "_loaded_save_id", "")
+    parts = str(loaded).split(".")
+    if len(parts) == 4 and parts[2].isdigit() and parts[3].isdigit() and int(parts[2]) == acc.step:
+        acc._save_count = (acc.step, int(parts[3]))
 
 
 def _await_own_save(acc: Any, input_dir: str | os.PathLike[str] | None) -> None:
@@ -200,13 +285,16 @@ def _await_own_save(acc: Any, input_dir: str | os.PathLike[str] | None) -> None:
     if pending is None:
         return
     target, before = pending  # what the target held when this rank wrote its file
-    if input_dir is not None and Path(input_dir).absolute() != target:
-        return
+    if input_dir is not None:
+        where = _location(input_dir)
+        if (where if isinstance(where, str) else where.absolute()) != target:
+            return
     if not _needs_shared(acc):
         return  # nothing shared to wait for (e.g. each rank saved to its own directory)
+    published = remote.manifest_save_id if isinstance(target, str) else manifest_save_id
     seconds = rank_check.timeout_seconds()
     deadline, pause = time.monotonic() + seconds, 0.01
-    while manifest_save_id(target) == before:  # until this save (or a later one) is in
+    while published(target) == before:  # until this save (or a later one) is in
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"rank {acc.state.rank} saved its part of {str(target)!r} but the main process "

@@ -17,13 +17,16 @@ Example:
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from ...checkpoint import remote
 from ...checkpoint.durable import replace, temp_name
+from ...checkpoint.store import as_local, check, is_url
 from ...checkpoint.weights import (
     CheckpointError,
     dedupe_tied,
@@ -108,7 +111,8 @@ def load_checkpoint_in_model(
         model: the model (wrappers such as DDP are looked through). A sharded (FSDP)
             model loads safetensors weights shard by shard: each rank reads its rows only.
         checkpoint: ``*.safetensors``, a torch ``*.bin``/``*.pt`` state dict, a folder
-            written by ``save_model``, or a ``*.index.json``.
+            written by ``save_model``, or a ``*.index.json``; a path or an fsspec URL
+            (``s3://bucket/model``: downloaded to a temporary folder first).
         device_map: ``None`` (leave parameters where they are), a device, or a dict
             ``{module_name: device}`` (``""`` is the whole model) applied after loading.
         offload_folder, offload_buffers, offload_8bit_bnb: disk/CPU offload of a dispatched
@@ -136,6 +140,19 @@ def load_checkpoint_in_model(
                 "nbaccel does not do: load the weights and model.to(device), or shard a model "
                 "too big for one device with FSDP2 (FullyShardedDataParallelPlugin(cpu_offload=True))."
             )
+    if isinstance(checkpoint, str) and is_url(checkpoint):  # read from a local copy
+        with tempfile.TemporaryDirectory(prefix="nbaccel-weights-") as folder:
+            local = remote.fetch_weights(checkpoint, Path(folder))
+            return load_checkpoint_in_model(
+                model,
+                local,
+                device_map=device_map,
+                dtype=dtype,
+                keep_in_fp32_modules=keep_in_fp32_modules,
+                strict=strict,
+                weights_only=weights_only,
+            )
+    checkpoint = as_local(checkpoint)  # file:// URLs too
     target = unwrap_model(model)
     if is_sharded_model(target):  # FSDP: each rank reads only its shard's rows
         missing, unexpected = load_weights_into_sharded(target, checkpoint, strict=strict)
@@ -161,15 +178,21 @@ def save_model(
     save_directory: str | os.PathLike[str],
     max_shard_size: int | str = "10GB",
     safe_serialization: bool = True,
-) -> list[Path]:
+) -> list[Path] | list[str]:
     """Write ``model``'s unwrapped weights from the main process; shards + index when large.
 
     Replicated training: call it on every rank or on the main process alone. FSDP: call
     it on every rank (the full weights are gathered to the main process); a call made
     on some ranks only fails with an error naming the others. Returns the files written
-    (empty on other ranks).
+    (empty on other ranks). ``save_directory`` may be an fsspec URL (``s3://bucket/model``):
+    the files are built in a private temporary folder and uploaded, the index last.
     """
     parse_size(max_shard_size)  # validate on every rank, not only where it writes
+    url = isinstance(save_directory, str) and is_url(save_directory)
+    if url:  # a missing package or unknown scheme: refused on every rank, nothing written
+        check(save_directory)
+    else:
+        save_directory = as_local(save_directory)
     if acc.strategy.collective_state:  # FSDP gathers the weights: every rank takes part
         rank_check.all_ranks_enter("save_model", COLLECTIVE_FIX)
     elif not acc.state.is_main_process:
@@ -177,6 +200,12 @@ def save_model(
     state = acc.strategy.model_state_dict(model)
     if not acc.state.is_main_process:
         return []
+    if url:  # built in a private folder, uploaded from there (the index last)
+        with tempfile.TemporaryDirectory(prefix="nbaccel-weights-") as folder:
+            save_model_files(
+                state, folder, max_shard_size=max_shard_size, safe_serialization=safe_serialization
+            )
+            return remote.upload_weights(Path(folder), str(save_directory))
     return save_model_files(
         state,
         save_directory,
@@ -188,8 +217,18 @@ def save_model(
 def save(acc: Any, obj: Any, f: Any, safe_serialization: bool = False) -> None:
     """Save ``obj`` to ``f`` once per machine (the local main process), atomically for paths.
 
-    With ``safe_serialization=True`` ``obj`` must be a dict of tensors (safetensors).
+    With ``safe_serialization=True`` ``obj`` must be a dict of tensors (safetensors). ``f``
+    may be an fsspec URL (``s3://bucket/obj.pt``): written by the main process into a
+    private temporary file, then uploaded.
     """
+    if isinstance(f, str) and is_url(f):
+        check(f)  # on every rank: a missing package is an error everywhere
+        if acc.state.is_main_process:  # one store for all machines: one writer
+            with tempfile.TemporaryDirectory(prefix="nbaccel-save-") as folder:
+                local = str(Path(folder) / "obj")
+                _save_local(obj, local, safe_serialization)
+                remote.upload_file(Path(local), f)
+        return
     if not acc.state.is_local_main_process:
         return
     if hasattr(f, "write"):
@@ -197,7 +236,11 @@ def save(acc: Any, obj: Any, f: Any, safe_serialization: bool = False) -> None:
             raise ConfigError("safe_serialization=True needs a file path, not an open file object.")
         torch.save(obj, f)
         return
-    path = Path(f)
+    _save_local(obj, as_local(f), safe_serialization)
+
+
+def _save_local(obj: Any, path: str | os.PathLike[str], safe_serialization: bool) -> None:
+    path = Path(path)
     tmp = temp_name(path)
     try:
         if safe_serialization:
