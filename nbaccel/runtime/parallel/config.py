@@ -41,8 +41,9 @@ class TorchTensorParallelConfig:
     """Tensor-parallel settings (Accelerate's ``tp_handler``).
 
     Args:
-        enable_async_tp: Accelerate's asynchronous TP (CUDA symmetric memory): refused
-            on the CPU when tensor parallel is on.
+        enable_async_tp: Accelerate's asynchronous TP (a torch.compile pass over CUDA
+            symmetric memory): refused on every device, before any model exists, because
+            nbaccel does not compile the model for it (it would change nothing).
         plan: nbaccel's addition: ``{submodule name: torch ParallelStyle}`` applied with
             ``torch.distributed.tensor.parallel.parallelize_module`` on the ``tp`` mesh when
             ``prepare`` sees a module that is not parallelised yet; ``"auto"``: a

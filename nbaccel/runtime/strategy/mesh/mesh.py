@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from ....errors import ConfigError
 from ...parallel.config import ParallelismConfig
 from ...parallel.export import route_save_pretrained
 from ...parallel.tensor_parallel import (
@@ -80,18 +79,34 @@ class MeshParallel(FSDP):
     ) -> torch.nn.Module:
         trainable = any(p.requires_grad for p in model.parameters())
         if self.config.tp_enabled and (trainable or is_tensor_parallel(model)):
-            handler = self.config.tp_handler
-            if handler is not None and handler.enable_async_tp and self.state.device.type != "cuda":
-                raise ConfigError(
-                    "TorchTensorParallelConfig(enable_async_tp=True) needs CUDA symmetric "
-                    "memory; on this device use enable_async_tp=False."
-                )
+            handler = self.config.tp_handler  # enable_async_tp: refused in check_runnable
             apply_tensor_parallel(model, self.device_mesh["tp"], getattr(handler, "plan", None))
+        elif self.config.tp_enabled and self.state.is_main_process:
+            # a frozen model (a teacher, a reference model) is legitimate, but the user's plan
+            # is then not applied: say so once, with what each rank holds instead
+            warnings.warn(self._frozen_model_warning(model), UserWarning, stacklevel=3)
         if not self.config.fsdp_enabled:
             self._models.add(model)
             route_save_pretrained(model, strategy=self)  # its own would die on the shards
             return model
         return super().wrap_model(model, ddp_kwargs=ddp_kwargs)
+
+    def _frozen_model_warning(self, model: torch.nn.Module) -> str:
+        config = self.config
+        holds = (
+            f"FSDP2 shards it whole over {' x '.join(config.fsdp_dim_names)}, so each of the "
+            f"{config.tp_size} tensor-parallel ranks of a group holds the same shard"
+            if config.fsdp_enabled
+            else "every rank holds the whole model"
+        )
+        return (
+            f"prepare(): this {type(model).__name__} has no trainable parameters, so tensor "
+            f"parallel (tp_size={config.tp_size}) is not applied to it (the plan is unused) "
+            f"and {holds}. Fine for a frozen model used for inference; to split it, "
+            "parallelise it yourself before prepare with torch's parallelize_module(model, "
+            "accelerator.torch_device_mesh['tp'], plan), or prepare it with trainable "
+            "parameters (requires_grad=True)."
+        )
 
     # -- state dicts: DTensors (TP and/or FSDP) gathered to full tensors -----------------
 
