@@ -45,8 +45,8 @@ def test_dimension_names_and_sizes_follow_accelerate():
     assert hsdp_tp.non_dp_dim_names == ["tp"]
     assert hsdp_tp.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
     assert (hsdp_tp.data_parallel_size, hsdp_tp.non_data_parallel_size) == (4, 2)
-    # tensor parallel innermost: ranks 2k and 2k+1 read the same data
-    assert [hsdp_tp.data_parallel_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # which data each rank reads comes from the mesh alone (data_parallel_share), one
+    # computation for the Accelerator and prepare_data_loader: tests/parallel/test_mesh_training
     cp = ParallelismConfig(dp_shard_size=2, cp_size=2)
     assert (cp.dp_shard_cp_dim_names, cp.dp_cp_dim_names) == (
         ["dp_shard", "cp"],
@@ -145,6 +145,21 @@ def test_an_older_torch_is_refused_naming_the_version_to_install(monkeypatch):
     two = dataclasses.replace(get_state(cpu=True), world_size=2)
     with pytest.raises(ConfigError, match=r"parallelism_config needs torch>=2\.9"):
         resolve_parallelism(ParallelismConfig(dp_shard_size=2), two)
+
+
+def test_the_callers_config_is_never_written_to(monkeypatch):
+    """resolve_parallelism completes sizes (all 1 on 2 processes: replicate 2) on a copy:
+    the caller's object may serve another Accelerator or launch with other sizes."""
+    import dataclasses
+
+    from nbaccel.runtime.parallel.api import resolve_parallelism
+    from nbaccel.runtime.process.state import get_state
+
+    two = dataclasses.replace(get_state(cpu=True), world_size=2)
+    config = ParallelismConfig()
+    with pytest.raises(ConfigError, match="deepspeed_plugin"):  # refused after completing
+        resolve_parallelism(config, two, deepspeed_plugin=object())
+    assert (config.dp_replicate_size, config.total_size, config.device_mesh) == (1, 1, None)
 
 
 def test_strategy_deepspeed_next_to_sharding_sizes_is_refused_naming_both(monkeypatch):
