@@ -26,10 +26,9 @@ import torch
 from ...parallel.config import ParallelismConfig
 from ...parallel.export import route_save_pretrained
 from ...parallel.tensor_parallel import (
-    TRANSFORMERS_MESH_WARNING,
     apply_tensor_parallel,
+    check_transformers_mesh,
     is_tensor_parallel,
-    transformers_builds_its_own_mesh,
 )
 from ...process.state import ProcessState
 from ..fsdp.fsdp import FSDP
@@ -57,9 +56,7 @@ class MeshParallel(FSDP):
             self.state = dataclasses.replace(self.state, distributed_type=state.distributed_type)
             self.name = "tp"
         self.device_mesh = config.get_device_mesh(state.device.type)
-        tp_with_dp = config.tp_enabled and config.data_parallel_size > 1
-        if tp_with_dp and state.is_main_process and transformers_builds_its_own_mesh():
-            warnings.warn(TRANSFORMERS_MESH_WARNING, UserWarning, stacklevel=3)
+        check_transformers_mesh(config)  # before from_pretrained(tp_plan=...) could fail
         if config.fsdp_enabled:
             # without cp, dp_shard_cp is dp_shard: slice the real dimensions (torch deprecates
             # slicing flattened ones from the root mesh)
