@@ -375,7 +375,8 @@ def _one_config_object_for_several_accelerators(shared, tp_sized):
     frozen = _model().requires_grad_(False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        acc.prepare(frozen)
+        prepared = acc.prepare(frozen)
+    seen["frozen_kinds"] = sorted({type(p).__name__ for p in prepared.parameters()})
     seen["warnings"] = [str(w.message) for w in caught if "no trainable" in str(w.message)]
     return seen
 
@@ -404,9 +405,11 @@ def test_one_config_object_serves_two_launches_of_other_sizes_untouched():
             assert seen["completed"] == processes  # this launch's size, not the last one's
             assert seen["shared_after"] == (1, True) and seen["distinct"]
             assert seen["tp_sized_after"] and seen["new_mesh_each_time"]
+            assert seen["frozen_kinds"] == ["Parameter"]  # whole: neither split nor sharded
             if rank == 0:
                 (message,) = seen["warnings"]
                 assert "tensor parallel (tp_size=2) is not applied" in message
+                assert "every rank holds the whole model" in message
                 assert "parallelize_module" in message
             else:
                 assert seen["warnings"] == []  # said once, by the main process

@@ -89,20 +89,14 @@ class MeshParallel(FSDP):
         return super().wrap_model(model, ddp_kwargs=ddp_kwargs)
 
     def _frozen_model_warning(self, model: torch.nn.Module) -> str:
-        config = self.config
-        holds = (
-            f"FSDP2 shards it whole over {' x '.join(config.fsdp_dim_names)}, so each of the "
-            f"{config.tp_size} tensor-parallel ranks of a group holds the same shard"
-            if config.fsdp_enabled
-            else "every rank holds the whole model"
-        )
+        # FSDP.wrap_model leaves a model with nothing to train unsharded as well
         return (
             f"prepare(): this {type(model).__name__} has no trainable parameters, so tensor "
-            f"parallel (tp_size={config.tp_size}) is not applied to it (the plan is unused) "
-            f"and {holds}. Fine for a frozen model used for inference; to split it, "
-            "parallelise it yourself before prepare with torch's parallelize_module(model, "
-            "accelerator.torch_device_mesh['tp'], plan), or prepare it with trainable "
-            "parameters (requires_grad=True)."
+            f"parallel (tp_size={self.config.tp_size}) is not applied to it (the plan is "
+            "unused) and it is not sharded either: every rank holds the whole model. Fine for "
+            "a frozen model used for inference; to split it, parallelise it yourself before "
+            "prepare with torch's parallelize_module(model, accelerator.torch_device_mesh['tp'], "
+            "plan), or prepare it with trainable parameters (requires_grad=True)."
         )
 
     # -- state dicts: DTensors (TP and/or FSDP) gathered to full tensors -----------------
