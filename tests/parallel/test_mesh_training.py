@@ -414,3 +414,31 @@ def test_one_config_object_serves_two_launches_of_other_sizes_untouched():
             else:
                 assert seen["warnings"] == []  # said once, by the main process
     assert (shared.dp_replicate_size, shared.device_mesh) == (1, None)
+
+
+def _gathered_after_forward():
+    """After forward, before backward: are the root's parameters still gathered, for
+    nbaccel's FSDP2 and for the same model with torch's fully_shard by hand?"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from nbaccel import Accelerator, ParallelismConfig
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2))
+    ours = acc.prepare(_model())
+    by_hand = fully_shard(_model(), mesh=init_device_mesh("cpu", (2,)))
+    seen = {}
+    for name, model in (("nbaccel", ours), ("by hand", by_hand)):
+        loss = model(torch.ones(2, 4)).sum()
+        seen[name] = not any(isinstance(p, DTensor) for p in model.parameters())
+        loss.backward()
+    return seen
+
+
+def test_the_root_keeps_its_parameters_gathered_until_backward_as_torch_by_hand():
+    """An explicit reshard_after_forward=True on the root freed them after forward and
+    all-gathered them again for backward: one all-gather per step more than torch's default
+    (the TP x FSDP2 bench's 1.21x, bench/RESULTS_MESH.md)."""
+    for seen in run_on_workers(_gathered_after_forward, 2):
+        assert seen == {"nbaccel": True, "by hand": True}
