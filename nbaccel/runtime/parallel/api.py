@@ -102,7 +102,8 @@ class ParallelAPI:
 
     @property
     def parallelism_config(self) -> ParallelismConfig | None:
-        """The ``ParallelismConfig`` given to the Accelerator (sizes completed), else None."""
+        """A copy of the ``ParallelismConfig`` given to the Accelerator, its sizes completed
+        and its mesh built (the caller's object is left untouched), else None."""
         return self._parallelism
 
     @property
