@@ -134,7 +134,7 @@ inner units and `False` for the root, which backward needs first. nbaccel now gi
 root torch's default under `True` (`FSDP._root_reshard`; test:
 `test_the_root_keeps_its_parameters_gathered_until_backward_as_torch_by_hand`); the
 phase medians became 412 ms (nbaccel) against 400 ms (by hand). The same change applies
-to HSDP and plain FSDP2 (one root each), measured below the same way.
+to HSDP and plain FSDP2 (one root each), measured above the same way.
 """
 
 
