@@ -8,10 +8,13 @@
 #   bash scripts/gpu_check.sh                 # install, tests, bench, report
 #   bash scripts/gpu_check.sh --tests-only    # one part per call: the device tool allows
 #   bash scripts/gpu_check.sh --bench-only    #   10 minutes a command
+#   bash scripts/gpu_check.sh --mesh-only     # the sharded bench (bench/mesh_parallel.py:
+#                                             #   TP x FSDP2, HSDP, FSDP2 vs torch by hand)
 #   bash scripts/gpu_check.sh --smoke         # on a CPU machine: plumbing only, no GPU
 #
 # Options also: --no-install. Environment: PYTHON (default python3, the image's torch),
 # GPU_TEST_BUDGET / GPU_BENCH_BUDGET (seconds; default 250 each, 480 for a part run alone),
+# GPU_MESH_BUDGET (seconds, default 480), GPU_MESH_STEPS (default 30),
 # PYTEST_ARGS, GPU_BENCH_ONLY (bench parts, e.g. "fp8,spawn"; default all: step,launch,fp8,spawn,pool,forkserver),
 # NBACCEL_COMMIT (the commit to name in the report where the copy has no .git),
 # GPU_CHECK_DIR (where the results go, default bench/gpu).
@@ -22,11 +25,12 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 DIR=${GPU_CHECK_DIR:-bench/gpu}
 WHEELS=.gpu-wheels
-TESTS=1 BENCH=1 INSTALL=1 SMOKE=0
+TESTS=1 BENCH=1 INSTALL=1 SMOKE=0 MESH=0
 for arg in "$@"; do
   case "$arg" in
     --tests-only) BENCH=0 ;;
     --bench-only) TESTS=0 ;;
+    --mesh-only) TESTS=0 BENCH=0 MESH=1 ;;
     --no-install) INSTALL=0 ;;
     --smoke) SMOKE=1 ;;
     *) echo "unknown option $arg (see the top of $0)" >&2; exit 2 ;;
@@ -98,10 +102,23 @@ if [ "$BENCH" = 1 ]; then
   if [ "$code" = 0 ]; then step "bench: ok"; else step "bench: FAILED (exit $code)"; FAILED=1; fi
 fi
 
+if [ "$MESH" = 1 ]; then
+  # 4 CPU processes over gloo: one GPU cannot hold several NCCL ranks, but the lent
+  # machine's 16 idle cores give steadier figures than a shared 2-core box
+  rm -f "$DIR/mesh_bench.md"
+  mesh=(--steps "${GPU_MESH_STEPS:-30}")
+  [ "$SMOKE" = 1 ] && mesh=(--steps 2 --layouts tp_fsdp)
+  OMP_NUM_THREADS=1 timeout -s INT -k 30 "${GPU_MESH_BUDGET:-480}" \
+    "$PY" bench/mesh_parallel.py "${mesh[@]}" --out "$DIR/mesh_bench.md"
+  code=$?
+  if [ "$code" = 0 ]; then step "mesh bench: ok"; else step "mesh bench: FAILED (exit $code)"; FAILED=1; fi
+fi
+
 "$PY" bench/gpu_report.py --dir "$DIR" || FAILED=1
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
-  for f in REPORT.md report.json gpu_bench.md gpu_bench.json gpu_tests.xml gpu_tests.log env.json; do
+  for f in REPORT.md report.json gpu_bench.md gpu_bench.json gpu_tests.xml gpu_tests.log env.json \
+      mesh_bench.md; do
     [ -f "$DIR/$f" ] && cp "$DIR/$f" "$OUT/"
   done
 fi

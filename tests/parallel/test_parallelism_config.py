@@ -45,8 +45,8 @@ def test_dimension_names_and_sizes_follow_accelerate():
     assert hsdp_tp.non_dp_dim_names == ["tp"]
     assert hsdp_tp.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
     assert (hsdp_tp.data_parallel_size, hsdp_tp.non_data_parallel_size) == (4, 2)
-    # tensor parallel innermost: ranks 2k and 2k+1 read the same data
-    assert [hsdp_tp.data_parallel_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # which data each rank reads comes from the mesh alone (data_parallel_share), one
+    # computation for the Accelerator and prepare_data_loader: tests/parallel/test_mesh_training
     cp = ParallelismConfig(dp_shard_size=2, cp_size=2)
     assert (cp.dp_shard_cp_dim_names, cp.dp_cp_dim_names) == (
         ["dp_shard", "cp"],
@@ -70,6 +70,19 @@ def test_sizes_are_checked_against_the_process_count_before_anything_starts():
     with pytest.raises(ConfigError, match="DeepSpeed's sequence-parallel"):
         check_runnable(ParallelismConfig(sp_size=2), device_type="cuda", num_processes=2)
     check_runnable(ParallelismConfig(), device_type="cpu", num_processes=3)  # replicate: fine
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_async_tensor_parallel_is_refused_on_every_device_saying_why(device_type):
+    """It only acts inside a torch.compile'd graph that nbaccel does not make: on CUDA it
+    used to be accepted and change nothing."""
+    handler = TorchTensorParallelConfig(enable_async_tp=True)
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2, tp_handler=handler)
+    with pytest.raises(ConfigError, match=r"enable_async_tp=True\): .*torch\.compile.*"):
+        check_runnable(config, device_type=device_type, num_processes=4)
+    check_runnable(  # the default stays accepted
+        ParallelismConfig(dp_shard_size=2, tp_size=2), device_type=device_type, num_processes=4
+    )
 
 
 def test_accelerator_takes_the_config_and_refuses_a_mismatch_on_one_process():
@@ -132,3 +145,38 @@ def test_an_older_torch_is_refused_naming_the_version_to_install(monkeypatch):
     two = dataclasses.replace(get_state(cpu=True), world_size=2)
     with pytest.raises(ConfigError, match=r"parallelism_config needs torch>=2\.9"):
         resolve_parallelism(ParallelismConfig(dp_shard_size=2), two)
+
+
+def test_the_callers_config_is_never_written_to(monkeypatch):
+    """resolve_parallelism completes sizes (all 1 on 2 processes: replicate 2) on a copy:
+    the caller's object may serve another Accelerator or launch with other sizes."""
+    import dataclasses
+
+    from nbaccel.runtime.parallel.api import resolve_parallelism
+    from nbaccel.runtime.process.state import get_state
+
+    two = dataclasses.replace(get_state(cpu=True), world_size=2)
+    config = ParallelismConfig()
+    with pytest.raises(ConfigError, match="deepspeed_plugin"):  # refused after completing
+        resolve_parallelism(config, two, deepspeed_plugin=object())
+    assert (config.dp_replicate_size, config.total_size, config.device_mesh) == (1, 1, None)
+
+
+def test_strategy_deepspeed_next_to_sharding_sizes_is_refused_naming_both(monkeypatch):
+    """The mesh strategy used to win silently over the launch configuration's
+    strategy='deepspeed' (an explicit deepspeed_plugin is refused the same way)."""
+    from nbaccel.config import LaunchConfig
+    from nbaccel.runtime.parallel.from_launch import check_launch
+    from nbaccel.runtime.process.state import get_state
+    from nbaccel.runtime.strategy import select_strategy
+
+    monkeypatch.setenv("NBACCEL_STRATEGY", "deepspeed")
+    with pytest.raises(ConfigError, match=r"strategy='deepspeed'.*set strategy='fsdp'"):
+        select_strategy(get_state(cpu=True), parallelism=ParallelismConfig(dp_shard_size=2))
+    cfg = LaunchConfig(strategy="deepspeed", parallelism_config_tp_size=2, compute_device="cpu")
+    with pytest.raises(ConfigError, match=r"parallelism_config_\* fields 1"):
+        check_launch(cfg, num_processes=2)  # the launcher: before any process starts
+    check_launch(  # pure replication is data parallel, which DeepSpeed does: accepted
+        LaunchConfig(strategy="deepspeed", parallelism_config_dp_replicate_size=2),
+        num_processes=2,
+    )

@@ -7,7 +7,8 @@ script's last line, ``model.save_pretrained`` on the sharded model, which writes
 weights equal to one plain process that trained on the same global batches; each step's
 loss equals that process's; HSDP resumed from its sharded checkpoint continues exactly.
 TP x FSDP (``--dp-shard-size 2 --tp-size 2``): this transformers builds its own mesh and
-refuses before the first step (nbaccel warns why and what runs instead).
+would stop inside ``from_pretrained``; nbaccel refuses in ``Accelerator(...)``, before the
+model is loaded, saying why and what runs instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nbaccel.errors import WorkerError
+from nbaccel.errors import ConfigError, WorkerError
 from nbaccel.launch.testing import run_on_workers
 from nbaccel.platform import torchcompat
 
@@ -146,11 +147,19 @@ def test_hsdp_resumed_from_its_sharded_checkpoint_continues_exactly(tmp, hsdp):
         assert torch.equal(resumed[key], value), key
 
 
-def test_tensor_parallel_through_transformers_own_mesh_is_refused_before_training(tmp):
-    with pytest.raises(
-        WorkerError, match="The parallel mesh requires 2 processes, but world_size is 4"
-    ):
+def test_tensor_parallel_through_transformers_own_mesh_is_refused_by_nbaccel_before_loading(
+    tmp,
+):
+    """transformers 5.x ignores device_mesh= and would stop inside from_pretrained; nbaccel
+    refuses in Accelerator(...), before the model is loaded, naming the version and plan=."""
+    with pytest.raises(WorkerError) as caught:
         _launch(tmp, "tp", "--dp-shard-size", "2", "--tp-size", "2")
+    assert isinstance(caught.value, ConfigError)  # nbaccel's error, not transformers'
+    text = str(caught.value)
+    assert f"transformers {transformers.__version__} ignores device_mesh=" in text
+    assert "TorchTensorParallelConfig(plan='auto')" in text
+    assert "The parallel mesh requires" in text  # what transformers would have said
+    assert "modeling_utils.py" not in caught.value.remote_traceback  # loading never began
     assert not (tmp / "tp.json").exists() and not (tmp / "tp").exists()
 
 

@@ -17,12 +17,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 from ...errors import ConfigError
 from ..process.state import ProcessState
 from .checks import check_runnable
-from .config import ParallelismConfig
+from .config import ParallelismConfig, data_parallel_share, leads_its_group
 
 
 def resolve_parallelism(
@@ -32,7 +33,8 @@ def resolve_parallelism(
     fsdp_plugin: Any = None,
     deepspeed_plugin: Any = None,
 ) -> ParallelismConfig | None:
-    """The checked config for this process (``None``: none given), its mesh built.
+    """A checked copy of ``config`` for this process (``None``: none given), its sizes
+    completed and its mesh built; ``config`` itself is left as the caller made it.
 
     ``runtime.strategy.select_strategy`` then picks the mesh strategy when it shards or
     splits tensors (pure replication is DDP).
@@ -55,6 +57,9 @@ def resolve_parallelism(
             f"parallelism_config={config!r}: pass a ParallelismConfig(dp_shard_size=..., "
             "tp_size=...) from nbaccel (or accelerate.parallelism_config under nbaccel)."
         )
+    # a copy: the caller's object may serve another Accelerator or launch, with other sizes;
+    # it must not carry this one's completed sizes or its mesh (the copy has no mesh yet)
+    config = dataclasses.replace(config)
     if state.world_size == 1 and config.total_size == 1:
         return config  # nothing to arrange
     if config.total_size == 1:  # Accelerate's rule: all 1 on many processes = replicate
@@ -97,7 +102,8 @@ class ParallelAPI:
 
     @property
     def parallelism_config(self) -> ParallelismConfig | None:
-        """The ``ParallelismConfig`` given to the Accelerator (sizes completed), else None."""
+        """A copy of the ``ParallelismConfig`` given to the Accelerator, its sizes completed
+        and its mesh built (the caller's object is left untouched), else None."""
         return self._parallelism
 
     @property
@@ -120,7 +126,9 @@ class ParallelAPI:
         config, state = self._parallelism, self._process
         if config is None or config.device_mesh is None:
             return state.world_size, state.rank
-        return config.data_parallel_size, config.data_parallel_rank(state.rank)
+        # read from the mesh, as prepare_data_loader(torch_device_mesh=...) reads it: one
+        # computation, so both ways of sharding data always agree
+        return data_parallel_share(config.device_mesh)
 
     def _reads_own_share(self) -> bool:
         """Whether this rank's data is its group's: the first rank of its tensor/context
@@ -128,7 +136,7 @@ class ParallelAPI:
         config = self._parallelism
         if config is None or config.device_mesh is None:
             return True
-        return self._process.rank % config.non_data_parallel_size == 0
+        return leads_its_group(config.device_mesh)
 
     @property
     def context_parallel_rank(self) -> int:

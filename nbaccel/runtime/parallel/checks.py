@@ -1,4 +1,5 @@
-"""Refusals before any work: sizes against the process count, context and sequence parallel.
+"""Refusals before any work: sizes against the process count, context and sequence
+parallel, asynchronous tensor parallel.
 
 Run by the launcher before it starts processes (``parallelism_config_*`` launch fields)
 and by ``Accelerator(parallelism_config=...)`` before any model exists.
@@ -25,6 +26,13 @@ _SP_WHY = (
     "sequence-parallel engine on GPUs, which nbaccel does not drive; set sp_size=1 and use "
     "tp_size/dp_shard_size (or cp_size on CUDA GPUs)"
 )
+_ASYNC_TP_WHY = (
+    "asynchronous tensor parallel is a torch.compile pass (inductor's micro-pipeline TP, "
+    "torch._inductor.config._micro_pipeline_tp, over CUDA symmetric memory) that only acts "
+    "inside a compiled graph; nbaccel applies tensor parallel with parallelize_module and "
+    "does not compile the model for it, so the setting would change nothing. Set "
+    "enable_async_tp=False (tensor parallel runs with torch's ordinary collectives)"
+)
 
 
 def check_runnable(config: ParallelismConfig, *, device_type: str, num_processes: int) -> None:
@@ -32,7 +40,7 @@ def check_runnable(config: ParallelismConfig, *, device_type: str, num_processes
 
     Raises:
         ConfigError: sizes against ``num_processes``; context parallel off CUDA;
-            sequence parallel.
+            sequence parallel; ``enable_async_tp=True`` on any device.
     """
     if config.total_size > 1:  # all sizes 1: replicate over however many there are
         config.check_world_size(num_processes, where="the launch")
@@ -42,6 +50,30 @@ def check_runnable(config: ParallelismConfig, *, device_type: str, num_processes
         raise ConfigError(
             f"ParallelismConfig(cp_size={config.cp_size}) on {device_type!r}: {_CP_WHY}."
         )
+    handler = config.tp_handler
+    if handler is not None and handler.enable_async_tp:
+        # refused everywhere, CUDA included: a setting nbaccel would silently ignore is worse
+        # than an error before the first step
+        raise ConfigError(f"TorchTensorParallelConfig(enable_async_tp=True): {_ASYNC_TP_WHY}.")
 
 
-__all__ = ["check_runnable"]
+def check_strategy(config: ParallelismConfig, *, strategy: str) -> None:
+    """Refuse a launch configuration's ``strategy="deepspeed"`` next to sizes that shard or
+    split the model: the mesh strategy (FSDP2 / tensor parallel) would run and DeepSpeed,
+    asked for by name, would not -- as ``Accelerator(deepspeed_plugin=...,
+    parallelism_config=...)`` is refused.
+
+    Raises:
+        ConfigError: naming both settings and the two ways out.
+    """
+    if strategy == "deepspeed" and (config.tp_enabled or config.fsdp_enabled):
+        raise ConfigError(
+            f"the launch configuration says strategy='deepspeed', and {config!r} shards or "
+            "splits the model (FSDP2 / tensor parallel over a DeviceMesh): DeepSpeed shards "
+            "on its own, only one of them can run. To train with DeepSpeed drop the sizes "
+            "(parallelism_config=None, the parallelism_config_* fields 1); to train on the mesh "
+            "set strategy='fsdp' (or 'ddp')."
+        )
+
+
+__all__ = ["check_runnable", "check_strategy"]

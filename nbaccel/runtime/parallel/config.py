@@ -16,8 +16,8 @@ Example:
     >>> config = ParallelismConfig(dp_shard_size=2, tp_size=2)
     >>> config.total_size, config.dp_dim_names, config.non_dp_dim_names
     (4, ['dp_shard'], ['tp'])
-    >>> config.data_parallel_rank(3)
-    1
+    >>> config.data_parallel_size, config.non_data_parallel_size
+    (2, 2)
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ class TorchTensorParallelConfig:
     """Tensor-parallel settings (Accelerate's ``tp_handler``).
 
     Args:
-        enable_async_tp: Accelerate's asynchronous TP (CUDA symmetric memory): refused
-            on the CPU when tensor parallel is on.
+        enable_async_tp: Accelerate's asynchronous TP (a torch.compile pass over CUDA
+            symmetric memory): refused on every device, before any model exists, because
+            nbaccel does not compile the model for it (it would change nothing).
         plan: nbaccel's addition: ``{submodule name: torch ParallelStyle}`` applied with
             ``torch.distributed.tensor.parallel.parallelize_module`` on the ``tp`` mesh when
             ``prepare`` sees a module that is not parallelised yet; ``"auto"``: a
@@ -225,11 +226,6 @@ class ParallelismConfig:
 
     # -- ranks and the mesh -----------------------------------------------------------------
 
-    def data_parallel_rank(self, rank: int) -> int:
-        """Which data-parallel shard of the data ``rank`` reads (its ``dp`` coordinate):
-        tensor/context/sequence parallel are inner dimensions, so ``rank // their size``."""
-        return rank // self.non_data_parallel_size
-
     def check_world_size(self, world_size: int, *, where: str = "the process group") -> None:
         """Raise unless the sizes multiply to ``world_size`` (the number of processes).
 
@@ -302,6 +298,18 @@ def data_parallel_share(mesh: Any) -> tuple[int, int]:
     return size, index
 
 
+def leads_its_group(mesh: Any) -> bool:
+    """Whether this rank is the first of its tensor/context/sequence-parallel group on
+    ``mesh`` (the ranks of one group read the same batch; one of them speaks for it).
+
+    Example:
+        >>> leads_its_group(None)
+        True
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return all(int(mesh[dim].get_local_rank()) == 0 for dim in ("cp", "sp", "tp") if dim in names)
+
+
 __all__ = [
     "ENV_PREFIX",
     "MESH_ORDER",
@@ -310,4 +318,5 @@ __all__ = [
     "TorchContextParallelConfig",
     "TorchTensorParallelConfig",
     "data_parallel_share",
+    "leads_its_group",
 ]

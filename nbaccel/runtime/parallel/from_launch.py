@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.launch_config import PARALLELISM_SIZE_FIELDS
-from .checks import check_runnable
+from .checks import check_runnable, check_strategy
 from .config import ParallelismConfig
 
 _PREFIX = "parallelism_config_"
@@ -37,7 +37,8 @@ def check_launch(cfg: Any, *, num_processes: int) -> None:
     launch lacks, before anything starts.
 
     Raises:
-        ConfigError: naming the sizes, the process count and the fix.
+        ConfigError: naming the sizes, the process count and the fix; sizes that shard
+            next to ``strategy="deepspeed"``.
     """
     config = parallelism_from_launch(cfg)
     if config is None:
@@ -50,6 +51,7 @@ def check_launch(cfg: Any, *, num_processes: int) -> None:
     check_runnable(
         config, device_type="cuda" if device == "gpu" else device, num_processes=num_processes
     )
+    check_strategy(config, strategy=cfg.strategy)
 
 
 __all__ = ["check_launch", "parallelism_from_launch"]

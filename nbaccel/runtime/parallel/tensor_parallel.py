@@ -8,7 +8,8 @@ A plain module is parallelised with torch's ``parallelize_module`` and parallel 
 ``parallelize_module`` call) is checked: its tensor-parallel mesh must be this mesh's
 ``tp`` dimension, else FSDP would shard across the wrong ranks and training would give
 wrong numbers -- transformers versions that build their own mesh from the world size are
-refused here, before the first step, saying so.
+refused here, before the first step, saying so; and :func:`check_transformers_mesh`
+refuses, before any model is loaded, the one layout such a transformers cannot load.
 
 Example:
     >>> import torch
@@ -79,14 +80,42 @@ def transformers_builds_its_own_mesh() -> bool:
     return hasattr(utils, "initialize_distributed_mesh")
 
 
-TRANSFORMERS_MESH_WARNING = (
-    "tp_size > 1 with dp_shard/dp_replicate: this transformers builds its own tensor-parallel "
-    "mesh from tp_size and the world size and ignores device_mesh=, so from_pretrained(..., "
-    "tp_plan='auto', tp_size=...) fails with 'The parallel mesh requires N processes, but "
-    "world_size is M'. Load the model without tp_plan and give nbaccel a plan instead: "
-    "ParallelismConfig(tp_handler=TorchTensorParallelConfig(plan={...})) (torch's "
-    "ColwiseParallel/RowwiseParallel on the 'tp' mesh)."
-)
+def check_transformers_mesh(config: Any) -> None:
+    """Refuse, before any model is loaded, tensor parallel x data parallel with no plan of
+    nbaccel's when the transformers imported here builds its own mesh.
+
+    Without a plan, the model is expected to come parallelised, and Accelerate's way is
+    ``from_pretrained(tp_plan="auto", tp_size=..., device_mesh=...)``; transformers 5.x
+    ignores ``device_mesh=``, builds a mesh of ``tp_size`` processes and stops inside
+    loading ("The parallel mesh requires 2 processes, but world_size is 4"). Refused here,
+    in ``Accelerator(...)``, so the user reads nbaccel's error and its fix first.
+
+    Raises:
+        ConfigError: naming the transformers version and ``plan=``.
+    """
+    import sys
+
+    handler = getattr(config, "tp_handler", None)
+    if (
+        not config.tp_enabled
+        or config.data_parallel_size == 1  # tp alone: transformers' mesh is nbaccel's
+        or getattr(handler, "plan", None)
+        or not transformers_builds_its_own_mesh()
+    ):
+        return
+    version = getattr(sys.modules["transformers"], "__version__", "?")
+    raise ConfigError(
+        f"{config!r} without a tensor-parallel plan: the model would have to come parallelised "
+        f"from from_pretrained(..., tp_plan='auto', device_mesh=...), but transformers "
+        f"{version} ignores device_mesh= and builds its own mesh of tp_size processes, which "
+        f"cannot hold {config.total_size} (it stops while loading: 'The parallel mesh "
+        "requires N processes, but world_size is M'). Load the model without tp_plan/tp_size "
+        "and let nbaccel split it on its 'tp' mesh: ParallelismConfig(..., tp_handler="
+        "TorchTensorParallelConfig(plan='auto')) applies the model's own plan (or plan={...} "
+        "with torch's ColwiseParallel/RowwiseParallel). A model you parallelise yourself on "
+        "accelerator.torch_device_mesh['tp'] before prepare is checked, not split again: "
+        "give the plan you applied."
+    )
 
 
 def _styles() -> dict[str, Any]:
@@ -161,9 +190,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, plan: Any) -> to
 
 
 __all__ = [
-    "TRANSFORMERS_MESH_WARNING",
     "apply_tensor_parallel",
     "check_tp_mesh",
+    "check_transformers_mesh",
     "is_tensor_parallel",
     "transformers_builds_its_own_mesh",
     "transformers_plan",

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import launch_config
+from ..parallel.checks import check_strategy
 from ..process.state import DistributedType, ProcessState
 from .base import PrepareContext, Prepared, SingleProcess
 from .ddp.comm_hooks import DDPCommunicationHookType, check_hook_options
@@ -31,6 +32,12 @@ from .mesh.mesh import MeshParallel
 from .xla.xla import XLA
 
 Strategy = SingleProcess  # the interface every strategy implements
+
+
+def _shards(parallelism: Any) -> bool:
+    """Whether a ``ParallelismConfig`` needs the mesh strategy (pure replication is DDP)."""
+    return parallelism is not None and bool(parallelism.tp_enabled or parallelism.fsdp_enabled)
+
 
 _BY_TYPE: dict[DistributedType, type[SingleProcess]] = {
     DistributedType.NO: SingleProcess,
@@ -53,15 +60,22 @@ def select_strategy(
     when a plugin is given (or the launch configuration says
     ``strategy="deepspeed"``/``"fsdp"``), else the one for the distributed type. The
     strategy's ``state`` is the state the Accelerator reports (``DistributedType.FSDP``
-    under FSDP, ``DEEPSPEED`` under DeepSpeed)."""
+    under FSDP, ``DEEPSPEED`` under DeepSpeed).
+
+    Raises:
+        ConfigError: the launch configuration says ``strategy="deepspeed"`` while
+            ``parallelism`` shards or splits the model.
+    """
     from_config = fsdp_plugin is None and deepspeed_plugin is None
     if from_config and state.distributed_type is not DistributedType.XLA:
         cfg = launch_config()  # read once: the launcher's object in a worker
+        if parallelism is not None:  # strategy="deepspeed" would silently not run: refused
+            check_strategy(parallelism, strategy=cfg.strategy)
         if cfg.strategy == "deepspeed":  # also one process (ZeRO-Offload on one GPU)
             deepspeed_plugin = DeepSpeedPlugin.from_config(cfg)
         elif cfg.strategy == "fsdp" and state.world_size > 1:
             fsdp_plugin = FullyShardedDataParallelPlugin.from_config(cfg)
-    if parallelism is not None and (parallelism.tp_enabled or parallelism.fsdp_enabled):
+    if _shards(parallelism):
         plugin = fsdp_plugin if parallelism.fsdp_enabled else None
         return MeshParallel(state, parallelism, plugin, mixed_precision=mixed_precision)
     if deepspeed_plugin is not None:

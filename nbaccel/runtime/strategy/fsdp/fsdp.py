@@ -148,7 +148,7 @@ class FSDP(SingleProcess):
             kwargs["ignored_params"] = ignored
         for module in targets:  # bottom-up: a unit is sharded before the unit around it
             fully_shard(module, **kwargs)
-        fully_shard(model, **kwargs)
+        fully_shard(model, **{**kwargs, "reshard_after_forward": self._root_reshard()})
         device = torch.device("cpu") if self.plugin.cpu_offload else self.state.device
         materialize(model, device, full)
         for param in ignored:  # FSDP does not place them: they stay whole, on this device
@@ -162,6 +162,28 @@ class FSDP(SingleProcess):
 
         route_save_pretrained(model, strategy=self)  # its own would die on the shards
         return model
+
+    def _root_reshard(self) -> bool | int | None:
+        """``reshard_after_forward`` for the root: torch's own rule under the default
+        ``True`` (FULL_SHARD).
+
+        Backward needs the root's parameters first, so torch's default (``None``: ``True``
+        for inner units, ``False`` for the root) keeps them gathered between forward and
+        backward; an explicit ``True`` on the root frees them and all-gathers them again at
+        the start of backward -- one more all-gather per step than the same model sharded by
+        hand (measured: bench/RESULTS_MESH.md). ``False`` or an int is passed as given."""
+        value = self.plugin.reshard_after_forward
+        if value is not True:
+            return value
+        import inspect
+
+        from torch.distributed.fsdp import fully_shard
+
+        try:  # torch's None picks per module; a torch without it gets the root's value
+            default = inspect.signature(fully_shard).parameters["reshard_after_forward"].default
+        except (KeyError, TypeError, ValueError):
+            default = True
+        return None if default is None else False
 
     def _rank0_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """With cpu_ram_efficient_loading: rank 0's real weights, to be broadcast; else None."""

@@ -53,7 +53,10 @@ class FullyShardedDataParallelPlugin:
         fsdp_version: 2 (the only version nbaccel implements: ``fully_shard``).
         reshard_after_forward: free the gathered parameters after forward (``True``,
             ZeRO-3-like), keep them until backward (``False``, ZeRO-2-like), or an int:
-            reshard to that many ranks.
+            reshard to that many ranks. Under ``True`` the root module keeps its
+            parameters gathered until backward, which needs them first (torch's own
+            default for ``fully_shard``; Accelerate reshards the root too, at the cost of
+            one more all-gather per step).
         auto_wrap_policy: which submodules become their own sharding unit (gathered and
             freed one at a time): ``"transformer_based_wrap"`` (the classes named in
             ``transformer_cls_names_to_wrap``, else the model's ``_no_split_modules``),

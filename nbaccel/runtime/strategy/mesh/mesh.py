@@ -23,14 +23,12 @@ from typing import Any
 
 import torch
 
-from ....errors import ConfigError
 from ...parallel.config import ParallelismConfig
 from ...parallel.export import route_save_pretrained
 from ...parallel.tensor_parallel import (
-    TRANSFORMERS_MESH_WARNING,
     apply_tensor_parallel,
+    check_transformers_mesh,
     is_tensor_parallel,
-    transformers_builds_its_own_mesh,
 )
 from ...process.state import ProcessState
 from ..fsdp.fsdp import FSDP
@@ -58,9 +56,7 @@ class MeshParallel(FSDP):
             self.state = dataclasses.replace(self.state, distributed_type=state.distributed_type)
             self.name = "tp"
         self.device_mesh = config.get_device_mesh(state.device.type)
-        tp_with_dp = config.tp_enabled and config.data_parallel_size > 1
-        if tp_with_dp and state.is_main_process and transformers_builds_its_own_mesh():
-            warnings.warn(TRANSFORMERS_MESH_WARNING, UserWarning, stacklevel=3)
+        check_transformers_mesh(config)  # before from_pretrained(tp_plan=...) could fail
         if config.fsdp_enabled:
             # without cp, dp_shard_cp is dp_shard: slice the real dimensions (torch deprecates
             # slicing flattened ones from the root mesh)
@@ -80,18 +76,28 @@ class MeshParallel(FSDP):
     ) -> torch.nn.Module:
         trainable = any(p.requires_grad for p in model.parameters())
         if self.config.tp_enabled and (trainable or is_tensor_parallel(model)):
-            handler = self.config.tp_handler
-            if handler is not None and handler.enable_async_tp and self.state.device.type != "cuda":
-                raise ConfigError(
-                    "TorchTensorParallelConfig(enable_async_tp=True) needs CUDA symmetric "
-                    "memory; on this device use enable_async_tp=False."
-                )
+            handler = self.config.tp_handler  # enable_async_tp: refused in check_runnable
             apply_tensor_parallel(model, self.device_mesh["tp"], getattr(handler, "plan", None))
+        elif self.config.tp_enabled and self.state.is_main_process:
+            # a frozen model (a teacher, a reference model) is legitimate, but the user's plan
+            # is then not applied: say so once, with what each rank holds instead
+            warnings.warn(self._frozen_model_warning(model), UserWarning, stacklevel=3)
         if not self.config.fsdp_enabled:
             self._models.add(model)
             route_save_pretrained(model, strategy=self)  # its own would die on the shards
             return model
         return super().wrap_model(model, ddp_kwargs=ddp_kwargs)
+
+    def _frozen_model_warning(self, model: torch.nn.Module) -> str:
+        # FSDP.wrap_model leaves a model with nothing to train unsharded as well
+        return (
+            f"prepare(): this {type(model).__name__} has no trainable parameters, so tensor "
+            f"parallel (tp_size={self.config.tp_size}) is not applied to it (the plan is "
+            "unused) and it is not sharded either: every rank holds the whole model. Fine for "
+            "a frozen model used for inference; to split it, parallelise it yourself before "
+            "prepare with torch's parallelize_module(model, accelerator.torch_device_mesh['tp'], "
+            "plan), or prepare it with trainable parameters (requires_grad=True)."
+        )
 
     # -- state dicts: DTensors (TP and/or FSDP) gathered to full tensors -----------------
 
