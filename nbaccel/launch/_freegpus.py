@@ -81,7 +81,8 @@ def precision_line(
     """
     if mixed_precision != "bf16":
         return None
-    old = [i for i in used if i < len(facts.capabilities) and facts.capabilities[i] < (8, 0)]
+    capabilities = facts.capabilities
+    old = [i for i in used if i < len(capabilities) and gpufacts.lacks_bf16(capabilities[i])]
     if not old:
         return None
     name, (major, minor) = facts.names[old[0]], facts.capabilities[old[0]]
