@@ -49,22 +49,6 @@ class GpuFacts:
         return len(self.names)
 
 
-#: the compute capability from which a GPU runs bf16 natively (Ampere); older ones emulate it
-BF16_CAPABILITY = (8, 0)
-
-
-def lacks_bf16(capability: tuple[int, int]) -> bool:
-    """Whether a GPU of this compute capability has no native bf16 (runs it emulated, many
-    times slower). The one place this is decided; a GPU known by name only is looked up
-    (:func:`nbaccel.platform.hosts.gpu_without_bf16`).
-
-    Example:
-        >>> lacks_bf16((7, 5)), lacks_bf16((8, 0))
-        (True, False)
-    """
-    return tuple(capability) < BF16_CAPABILITY
-
-
 def parse_matrix(text: str) -> list[list[str]]:
     """The GPU-by-GPU cells of ``nvidia-smi topo -m`` or ``topo -p2p r`` (rows ``GPUi``).
 
@@ -162,12 +146,4 @@ def p2p_works(pairs: list[tuple[int, int]], timeout: float = 30.0) -> bool:
     return True
 
 
-__all__ = [
-    "BF16_CAPABILITY",
-    "GpuFacts",
-    "gpu_facts",
-    "lacks_bf16",
-    "p2p_works",
-    "parse_matrix",
-    "shm_size",
-]
+__all__ = ["GpuFacts", "gpu_facts", "p2p_works", "parse_matrix", "shm_size"]

@@ -28,8 +28,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .gpufacts import lacks_bf16
-
 # TPU generations whose "-N" in the accelerator type counts TensorCores, two per chip,
 # with one XLA device per chip (megacore); elsewhere N is the number of XLA devices.
 _CORES_PER_DEVICE = {"v4": 2, "v5p": 2}
@@ -123,6 +121,23 @@ def detect_host(
     return NotebookHost(name, f"{service}, CPU only" if name != "local" else service, "cpu")
 
 
+#: the compute capability from which a GPU runs bf16 natively (Ampere); older ones emulate it
+BF16_CAPABILITY = (8, 0)
+
+
+def lacks_bf16(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability has no native bf16 (runs it emulated, many
+    times slower). The one place this is decided: by compute capability, as
+    :func:`nbaccel.platform.gpufacts.gpu_facts` reads it; a GPU known by its name only is
+    looked up first (:func:`name_capability`).
+
+    Example:
+        >>> lacks_bf16((7, 5)), lacks_bf16((8, 0))
+        (True, False)
+    """
+    return tuple(capability) < BF16_CAPABILITY
+
+
 def gpu_without_bf16(gpu_names: Sequence[str]) -> str | None:
     """The first of ``gpu_names`` with no native bf16 (compute capability < 8.0), or None.
 
@@ -184,9 +199,11 @@ def _short_gpu_name(name: str) -> str:
 
 
 __all__ = [
+    "BF16_CAPABILITY",
     "NotebookHost",
     "detect_host",
     "gpu_without_bf16",
+    "lacks_bf16",
     "name_capability",
     "precision_problem",
     "supported_precisions",

@@ -221,8 +221,8 @@ def test_bf16_by_name_and_by_compute_capability_is_one_decision(name):
     host's defaults) gets the decision the compute capability gets (issue 50: it was made
     twice, by a name list and by a capability bound)."""
     from nbaccel.launch._freegpus import precision_line
-    from nbaccel.platform.gpufacts import GpuFacts, lacks_bf16
-    from nbaccel.platform.hosts import gpu_without_bf16, name_capability
+    from nbaccel.platform.gpufacts import GpuFacts
+    from nbaccel.platform.hosts import gpu_without_bf16, lacks_bf16, name_capability
 
     capability = name_capability(name)
     assert capability is not None, name
