@@ -36,8 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"nbaccel {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (config, launch, test, env):
-        module.register(subparsers)
+    for module in (config, launch, test, env):  # each module: one subcommand, named after it
+        command = subparsers.add_parser(
+            module.__name__.rpartition(".")[2],
+            help=module.HELP,
+            description=module.DESCRIPTION.replace("``", ""),
+            epilog=module.EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command)
+        command.set_defaults(func=module.run)
     return parser
 
 

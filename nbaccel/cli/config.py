@@ -44,14 +44,14 @@ arguments and NBACCEL_* environment variables take precedence over it.
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "config",
-        help="create the launch config (questionnaire, or --default)",
-        description=__doc__.replace("``", ""),
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+#: the line ``nbaccel --help`` lists this command by
+HELP = "create the launch config (questionnaire, or --default)"
+#: what ``nbaccel config --help`` opens with
+DESCRIPTION = __doc__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``nbaccel config`` (its parser is made by :func:`nbaccel.cli.build_parser`)."""
     parser.add_argument(
         "--default", action="store_true", help="write a config for this hardware, no questions"
     )
@@ -70,7 +70,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--force", action="store_true", help="with --default: overwrite an existing file"
     )
-    parser.set_defaults(func=run)
 
 
 def _show(path: Path) -> None:
@@ -216,4 +215,4 @@ def run(args: argparse.Namespace) -> int:
     return _run_questionnaire(args)
 
 
-__all__ = ["questionnaire", "register", "run"]
+__all__ = ["add_arguments", "questionnaire", "run"]

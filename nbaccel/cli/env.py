@@ -23,15 +23,14 @@ examples:
 _PACKAGES = ("torch", "numpy", "safetensors", "ipywidgets", "ipykernel", "jupyterlab", "torch_xla")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "env",
-        help="print versions, platform, devices and the active config",
-        description=__doc__.splitlines()[0].replace("``", ""),
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.set_defaults(func=run)
+#: the line ``nbaccel --help`` lists this command by
+HELP = "print versions, platform, devices and the active config"
+#: what ``nbaccel env --help`` opens with
+DESCRIPTION = __doc__.splitlines()[0]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """None: ``nbaccel env`` only reports (its parser is made by :func:`nbaccel.cli.build_parser`)."""
 
 
 def _version(name: str) -> str:
@@ -98,4 +97,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "report", "run"]
+__all__ = ["add_arguments", "report", "run"]

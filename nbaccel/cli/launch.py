@@ -39,19 +39,18 @@ code is the script's (the first failing rank's, for several processes).
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "launch",
-        help="run a training script on all devices (torchrun for several processes)",
-        description=__doc__.splitlines()[0].replace("``", ""),
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+#: the line ``nbaccel --help`` lists this command by
+HELP = "run a training script on all devices (torchrun for several processes)"
+#: what ``nbaccel launch --help`` opens with
+DESCRIPTION = __doc__.splitlines()[0]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``nbaccel launch`` (its parser is made by :func:`nbaccel.cli.build_parser`)."""
     add_launch_arguments(parser)
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module")
     parser.add_argument("script", metavar="SCRIPT", help="the training script (or module, -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
-    parser.set_defaults(func=run)
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,10 +119,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 __all__ = [
+    "add_arguments",
     "add_launch_arguments",
     "config_file_to_read",
     "launch",
     "processes_per_node",
-    "register",
     "run",
 ]

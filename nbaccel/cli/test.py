@@ -29,16 +29,15 @@ examples:
 _SELF_CHECK = Path(__file__).resolve().parents[1] / "runtime" / "facade" / "selfcheck.py"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "test",
-        help="run a short distributed self-check and say whether the setup works",
-        description=__doc__.replace("``", ""),
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+#: the line ``nbaccel --help`` lists this command by
+HELP = "run a short distributed self-check and say whether the setup works"
+#: what ``nbaccel test --help`` opens with
+DESCRIPTION = __doc__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``nbaccel test`` (its parser is made by :func:`nbaccel.cli.build_parser`)."""
     add_launch_arguments(parser)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,4 +73,4 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-__all__ = ["register", "run"]
+__all__ = ["add_arguments", "run"]

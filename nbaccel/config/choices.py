@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import enum
 from typing import Literal, get_args
 
 from ..errors import ConfigError
@@ -38,6 +39,23 @@ ON_HANG: tuple[str, ...] = get_args(OnHangType)
 DEEPSPEED_OFFLOAD_DEVICES: tuple[str, ...] = get_args(DeepSpeedOffloadType)
 DEEPSPEED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 RDZV_BACKENDS: tuple[str, ...] = get_args(RdzvBackendType)
+
+
+class ChoiceEnum(str, enum.Enum):
+    """An enum of choices, each also its string, printed as its value (``str(m) ==
+    m.value``, what Python 3.11's ``enum.StrEnum`` does; nbaccel supports 3.10): the
+    base of the choice enums the peer's API names (``DynamoBackend``,
+    ``DDPCommunicationHookType``), so an option shows and compares as its string.
+
+    Example:
+        >>> class Mode(ChoiceEnum):
+        ...     FAST = "fast"
+        >>> str(Mode.FAST), f"{Mode.FAST}", Mode.FAST == "fast"
+        ('fast', 'fast', True)
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
 
 
 def normalize_precision(value: object, *, argument: str = "mixed_precision") -> str:
@@ -74,6 +92,7 @@ __all__ = [
     "RDZV_BACKENDS",
     "START_METHODS",
     "STRATEGIES",
+    "ChoiceEnum",
     "ComputeDeviceType",
     "DeepSpeedOffloadType",
     "FsdpStateDictType",

@@ -202,12 +202,9 @@ def _say_other_workdirs(
     )
 
 
-def _kernel_host(ray: Any) -> str:
-    if host := os.environ.get(HOST_VAR, "").strip():
-        return host
-    with contextlib.suppress(Exception):
-        return str(ray.util.get_node_ip_address())
-    return "127.0.0.1"
+def _kernel_host() -> str:
+    """Where the kernel listens for its ranks: NBACCEL_CLUSTER_HOST, else Ray's address."""
+    return os.environ.get(HOST_VAR, "").strip() or _cluster_wire.node_ip()
 
 
 def start_cluster_group(
@@ -279,7 +276,7 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement, shape: tuple[int, f
     _say_other_workdirs(workdir, infos, placement.nodes)
     specs = _specs(plan, infos, per_node, round_, persistent, rank_env)
     listener = _cluster_wire.AuthListener(
-        _kernel_host(ray), secret=secrets.token_bytes(32), timeout=wait
+        _kernel_host(), secret=secrets.token_bytes(32), timeout=wait
     )
     try:
         launched = [

@@ -35,16 +35,6 @@ def _package_root() -> str:
     return os.path.dirname(package)
 
 
-def node_ip() -> str:
-    """The address Ray knows this node by (the one its peers reach it at)."""
-    try:
-        import ray
-
-        return str(ray.util.get_node_ip_address())
-    except Exception:
-        return "127.0.0.1"
-
-
 class RankHost:
     """One rank's host process on a node (made a Ray actor by :mod:`._cluster`)."""
 
@@ -63,7 +53,7 @@ class RankHost:
         relative paths (data, ``save_state("ckpt")``) mean what they mean in the notebook.
         Else it stays in the directory Ray started the actor in (``ray start``'s): said
         back as ``workdir`` with ``in_kernel_dir`` False, for the kernel to say."""
-        ip = node_ip()
+        ip = _cluster_wire.node_ip()
         here = os.path.isdir(workdir)
         self._workdir = workdir if here else None
         node_id = ""
@@ -140,4 +130,4 @@ class RankHost:
             self._popen.send_signal(signum)
 
 
-__all__ = ["RankHost", "node_ip"]
+__all__ = ["RankHost"]

@@ -75,6 +75,23 @@ def _timed(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
+def _untimed(sock: socket.socket) -> None:
+    """Reads and writes on ``sock`` wait as long as it takes again (after the challenge):
+    a training step may keep a rank silent for any time."""
+    _timed(sock, 0.0)
+
+
+def node_ip() -> str:
+    """The address Ray knows this node by (the one its peers reach it at); 127.0.0.1 when
+    Ray cannot say (not installed, or not connected: one machine)."""
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:
+        return "127.0.0.1"
+
+
 def _authenticate(sock: socket.socket, secret: bytes, *, server: bool) -> socket.socket:
     """The HMAC challenge both ways on ``sock``; returns a socket on the same connection."""
     _timed(sock, AUTH_TIMEOUT)
@@ -123,8 +140,7 @@ def connect(address: tuple[str, int], secret: bytes, hello: dict[str, Any]) -> s
     try:
         _authenticate(sock, secret, server=False)
         _send_json(sock, {**hello, **versions()})
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
+        _untimed(sock)
         return sock
     except BaseException:
         sock.close()
@@ -176,8 +192,7 @@ class AuthListener:
         try:
             _authenticate(sock, self.secret, server=True)
             hello = _recv_json(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
+            _untimed(sock)
         except (AuthenticationError, OSError, EOFError, ValueError, ConnectionError):
             with self._lock:
                 self.refused += 1

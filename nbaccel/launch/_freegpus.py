@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..platform import gpufacts
+from ..platform import gpufacts, hosts
 from ..platform.gpufacts import GpuFacts
 
 #: seconds the peer-to-peer copy between two GPUs may take before it counts as hung
@@ -81,7 +81,8 @@ def precision_line(
     """
     if mixed_precision != "bf16":
         return None
-    old = [i for i in used if i < len(facts.capabilities) and facts.capabilities[i] < (8, 0)]
+    capabilities = facts.capabilities
+    old = [i for i in used if i < len(capabilities) and hosts.lacks_bf16(capabilities[i])]
     if not old:
         return None
     name, (major, minor) = facts.names[old[0]], facts.capabilities[old[0]]

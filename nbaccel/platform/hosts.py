@@ -32,8 +32,17 @@ from typing import Any
 # with one XLA device per chip (megacore); elsewhere N is the number of XLA devices.
 _CORES_PER_DEVICE = {"v4": 2, "v5p": 2}
 _GENERATION_NAMES = {"v5litepod": "v5e", "v6litepod": "v6e"}
-# GPUs without bf16 (compute capability < 8.0) that hosted notebooks hand out.
-_NO_BF16_GPUS = ("T4", "P100", "V100", "K80")
+# The compute capability of the GPUs hosted notebooks hand out, by name: for when only
+# the name is known (an nvidia-smi too old to report compute_cap, the host's defaults).
+_CAPABILITIES: dict[str, tuple[int, int]] = {
+    "T4": (7, 5),
+    "P100": (6, 0),
+    "V100": (7, 0),
+    "K80": (3, 7),
+    "L4": (8, 9),
+    "A100": (8, 0),
+    "H100": (9, 0),
+}
 
 
 @dataclass(frozen=True)
@@ -106,10 +115,27 @@ def detect_host(
     if gpu_names:
         count = len(gpu_names)
         model = _short_gpu_name(gpu_names[0])
-        precision = "fp16" if any(g in model for g in _NO_BF16_GPUS) else "bf16"
+        precision = "fp16" if gpu_without_bf16(gpu_names[:1]) else "bf16"
         shape = f"{model} x{count}" if count > 1 else model
         return NotebookHost(name, f"{service}, GPU {shape}", "gpu", count, precision)
     return NotebookHost(name, f"{service}, CPU only" if name != "local" else service, "cpu")
+
+
+#: the compute capability from which a GPU runs bf16 natively (Ampere); older ones emulate it
+BF16_CAPABILITY = (8, 0)
+
+
+def lacks_bf16(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability has no native bf16 (runs it emulated, many
+    times slower). The one place this is decided: by compute capability, as
+    :func:`nbaccel.platform.gpufacts.gpu_facts` reads it; a GPU known by its name only is
+    looked up first (:func:`name_capability`).
+
+    Example:
+        >>> lacks_bf16((7, 5)), lacks_bf16((8, 0))
+        (True, False)
+    """
+    return tuple(capability) < BF16_CAPABILITY
 
 
 def gpu_without_bf16(gpu_names: Sequence[str]) -> str | None:
@@ -119,7 +145,18 @@ def gpu_without_bf16(gpu_names: Sequence[str]) -> str | None:
         >>> gpu_without_bf16(["Tesla T4", "Tesla T4"]), gpu_without_bf16(["NVIDIA A100"])
         ('Tesla T4', None)
     """
-    return next((g for g in gpu_names if _short_gpu_name(g).startswith(_NO_BF16_GPUS)), None)
+    return next((g for g in gpu_names if (c := name_capability(g)) and lacks_bf16(c)), None)
+
+
+def name_capability(gpu_name: str) -> tuple[int, int] | None:
+    """The compute capability of a GPU known by its name, or None for a name not listed.
+
+    Example:
+        >>> name_capability("Tesla T4"), name_capability("NVIDIA A100-SXM4-40GB")
+        ((7, 5), (8, 0))
+    """
+    short = _short_gpu_name(gpu_name)
+    return next((c for model, c in _CAPABILITIES.items() if short.startswith(model)), None)
 
 
 def supported_precisions(gpu_names: Sequence[str], choices: Sequence[str]) -> tuple[str, ...]:
@@ -162,9 +199,12 @@ def _short_gpu_name(name: str) -> str:
 
 
 __all__ = [
+    "BF16_CAPABILITY",
     "NotebookHost",
     "detect_host",
     "gpu_without_bf16",
+    "lacks_bf16",
+    "name_capability",
     "precision_problem",
     "supported_precisions",
     "tpu_devices",

@@ -1,6 +1,6 @@
 """The cluster channel's door: nothing is unpickled before the launch's secret is proven.
 
-Real sockets on 127.0.0.1; no Ray needed.
+Real sockets on 127.0.0.1 (and 127.0.0.2: loopback, any address of 127/8); no Ray needed.
 """
 
 from __future__ import annotations
@@ -104,25 +104,39 @@ def test_a_wrong_secret_gets_no_connection():
 
 
 def test_a_silent_stranger_delays_no_rank():
+    """Ordered by events, not timed: the rank is taken while the stranger, connected
+    before it and silent, is still being challenged (not yet refused). A door that checked
+    connections one after another would let the rank in only once the stranger's challenge
+    had timed out (AUTH_TIMEOUT) and been counted as refused, however fast the machine."""
     listener = _cluster_wire.AuthListener("127.0.0.1", secret=SECRET, timeout=120)
     try:
         with socket.create_connection(listener.address):  # connects, never answers
             got: list = []
             rank = threading.Thread(target=_rank_connects, args=(listener.address, SECRET, got))
             rank.start()
-            sock, hello = listener.accept()
+            # past the stranger's challenge timeout: a serial door fails the next assertion,
+            # not this wait
+            sock, hello = listener.accept(time.monotonic() + 3 * _cluster_wire.AUTH_TIMEOUT)
+            pending = listener.refused
             rank.join()
             assert hello["rank"] == 0
+            assert pending == 0, "the rank got in only after the silent stranger was refused"
             sock.close()
             got[0].close()
+        assert _refused(listener, 1)  # the stranger, once gone, is refused
     finally:
         listener.close()
 
 
 def test_listens_on_the_given_address_only():
-    listener = _cluster_wire.AuthListener("127.0.0.1", secret=SECRET, timeout=1)
+    """Bound to 127.0.0.2 (not the default, not every address): it says so, and the same
+    port on 127.0.0.1 has no listener (a socket bound to 0.0.0.0 would answer there)."""
+    listener = _cluster_wire.AuthListener("127.0.0.2", secret=SECRET, timeout=1)
     try:
-        assert listener.address[0] == "127.0.0.1"
+        host, port = listener.address
+        assert host == "127.0.0.2"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
         with pytest.raises(TimeoutError):
             listener.accept()
     finally:

@@ -28,12 +28,30 @@ def test_the_p2p_copy_check_runs_bounded_on_one_gpu() -> None:
 
 
 def test_the_p2p_copy_check_between_two_gpus_agrees_with_the_topology() -> None:
+    """The launch's peer-to-peer decision on this machine's first two GPUs, the copy run
+    for real. Without NVLink (the 2xT4 case the check is for) the copy decides:
+    ``NCCL_P2P_DISABLE=1`` exactly when it fails; with no peer path reported, disabled
+    without a copy; with NVLink, nothing set and the copy works."""
     facts = gpufacts.gpu_facts()
     if facts.count < 2:
         skip_for_hardware("needs two GPUs for a peer-to-peer copy")
-    works = gpufacts.p2p_works([(0, 1)], timeout=120)
+    copies: list[bool] = []
+
+    def check(pairs: list[tuple[int, int]]) -> bool:
+        copies.append(gpufacts.p2p_works(pairs, timeout=120))
+        return copies[-1]
+
+    env, line = _freegpus.p2p_decision(facts, [0, 1], {}, check)
     if facts.nvlink[0][1]:
-        assert works, facts  # NVLinked GPUs copy over their peer path
+        assert env == {} and line is None and not copies, (facts, env, line)
+        assert gpufacts.p2p_works([(0, 1)], timeout=120), facts  # NVLinked GPUs copy
+    elif facts.p2p[0][1] is False or facts.p2p[1][0] is False:
+        assert env == {"NCCL_P2P_DISABLE": "1"} and not copies, (facts, env)
+        assert line is not None and "no peer-to-peer path" in line, line
+    else:
+        assert len(copies) == 1, (facts, copies)  # no NVLink, a peer path: the copy decides
+        assert (env == {"NCCL_P2P_DISABLE": "1"}) is (not copies[0]), (facts, copies, env)
+        assert (line is not None and "a copy between them" in line) is (not copies[0]), line
 
 
 def test_this_machines_decisions_for_a_two_process_launch() -> None:

@@ -211,3 +211,21 @@ def test_panel_offers_fp16_on_t4_and_flags_a_saved_bf16(monkeypatch, tmp_path):
     assert panel.launch_button.disabled
     a100 = Hardware("gpu", 1, ("NVIDIA A100-SXM4-40GB",), 4)
     assert "bf16" in LaunchPanel(lambda: None, hardware=a100).controls["mixed_precision"].options
+
+
+@pytest.mark.parametrize(
+    "name", ["Tesla T4", "Tesla V100-SXM2-16GB", "NVIDIA A100-SXM4-40GB", "NVIDIA L4"]
+)
+def test_bf16_by_name_and_by_compute_capability_is_one_decision(name):
+    """A GPU known by name only (the pre-flight check without nvidia-smi's compute_cap, the
+    host's defaults) gets the decision the compute capability gets (issue 50: it was made
+    twice, by a name list and by a capability bound)."""
+    from nbaccel.launch._freegpus import precision_line
+    from nbaccel.platform.gpufacts import GpuFacts
+    from nbaccel.platform.hosts import gpu_without_bf16, lacks_bf16, name_capability
+
+    capability = name_capability(name)
+    assert capability is not None, name
+    by_capability = precision_line(GpuFacts((name,), (capability,)), [0], "bf16", False)
+    assert (gpu_without_bf16([name]) is not None) is lacks_bf16(capability)
+    assert (by_capability is not None) is lacks_bf16(capability), by_capability

@@ -10,12 +10,12 @@ Example:
 from __future__ import annotations
 
 import copy
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...config.choices import ChoiceEnum
 from ...errors import ConfigError
 
 
@@ -35,7 +35,7 @@ def normalize_backend(backend: Any) -> str:
     return name
 
 
-class DynamoBackend(str, enum.Enum):
+class DynamoBackend(ChoiceEnum):
     """``torch.compile`` backends by Accelerate's names (``dynamo_backend=DynamoBackend.INDUCTOR``)."""
 
     NO = "NO"
@@ -47,9 +47,6 @@ class DynamoBackend(str, enum.Enum):
     TVM = "TVM"
     IPEX = "IPEX"
     TENSORRT = "TENSORRT"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(kw_only=True)

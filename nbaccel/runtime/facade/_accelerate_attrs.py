@@ -40,7 +40,6 @@ from typing import Any
 
 from ...errors import ConfigError
 from ..collectives import ops
-from ..process.state import DistributedType
 from . import profiling
 from .options import (
     AORecipeKwargs,
@@ -114,8 +113,7 @@ class AccelerateAttributes:
     @property
     def multi_device(self) -> bool:
         """True with several processes on accelerator devices (GPUs), as in Accelerate."""
-        kind = self._process.distributed_type
-        return bool(self._process.use_distributed and kind is DistributedType.MULTI_GPU)
+        return self._process.multi_device
 
     @property
     def use_fp16(self) -> bool:
@@ -175,12 +173,8 @@ class AccelerateAttributes:
         """Profile the block with ``torch.profiler`` (settings: ``profile_handler``, else
         the ``ProfileKwargs`` in ``kwargs_handlers``); yields the profiler."""
         handler = profile_handler or self._handlers.get(ProfileKwargs)
-        data_parallel = self._process.distributed_type in (
-            DistributedType.MULTI_CPU,
-            DistributedType.MULTI_GPU,
-        )
         with profiling.profile(
-            handler, rank=self._process.rank, data_parallel=data_parallel
+            handler, rank=self._process.rank, data_parallel=self._process.data_parallel
         ) as profiler:
             yield profiler
         if handler is not None and handler.output_trace_dir is not None:

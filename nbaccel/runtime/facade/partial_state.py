@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -170,14 +171,21 @@ class AcceleratorState(PartialState):
     @property
     def is_fsdp2(self) -> bool:
         """True under FSDP (nbaccel's FSDP is FSDP2)."""
-        return self.distributed_type is DistributedType.FSDP
+        return self._reported.shards_model
+
+    @property
+    def _reported(self) -> ProcessState:
+        """The process state as reported: with an assigned ``distributed_type`` in place."""
+        override = self.__dict__.get("_distributed_type")
+        if override is None:
+            return self._process
+        return dataclasses.replace(self._process, distributed_type=override)
 
     @property
     def distributed_type(self) -> DistributedType:
         """How this process takes part; assignable, as Accelerate's test suites do (it then
         changes what is reported and ``join_uneven_inputs``' check, not the strategy)."""
-        override = self.__dict__.get("_distributed_type")
-        return override if override is not None else self._process.distributed_type
+        return self._reported.distributed_type
 
     @distributed_type.setter
     def distributed_type(self, value: DistributedType) -> None:

@@ -99,6 +99,21 @@ class ProcessState:
         return self.world_size > 1
 
     @property
+    def multi_device(self) -> bool:
+        """True with several processes on GPUs (Accelerate's ``multi_device``)."""
+        return self.use_distributed and self.distributed_type is DistributedType.MULTI_GPU
+
+    @property
+    def data_parallel(self) -> bool:
+        """True when several processes each train a whole (DDP) model, on CPUs or GPUs."""
+        return self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+    @property
+    def shards_model(self) -> bool:
+        """True when several processes shard the model with FSDP2."""
+        return self.distributed_type is DistributedType.FSDP
+
+    @property
     def num_nodes(self) -> int:
         """Machines taking part (world size / processes per machine)."""
         return max(1, self.world_size // max(1, self.local_world_size))

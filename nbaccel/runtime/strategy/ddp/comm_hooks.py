@@ -16,14 +16,14 @@ Example:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from typing import Any
 
+from ....config.choices import ChoiceEnum
 from ....errors import ConfigError
 
 
-class DDPCommunicationHookType(str, enum.Enum):
+class DDPCommunicationHookType(ChoiceEnum):
     """The gradient communication hooks (and wrappers) ``DistributedDataParallelKwargs`` takes."""
 
     NO = "no"
@@ -31,9 +31,6 @@ class DDPCommunicationHookType(str, enum.Enum):
     BF16 = "bf16"
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def _kind(value: Any, what: str) -> DDPCommunicationHookType:
