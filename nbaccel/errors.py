@@ -42,6 +42,11 @@ class StorageError(NbaccelError, RuntimeError):
     package is not installed, no package handles its scheme, or it cannot be reached."""
 
 
+class SavePretrainedError(NbaccelError, RuntimeError):
+    """``save_pretrained`` failed on the main process (the one that writes the files);
+    raised on the other ranks, naming that error, instead of a barrier time-out."""
+
+
 class CUDAInitializedError(LaunchError):
     """CUDA was initialised in this process before a fork-based launch.
 
@@ -162,6 +167,7 @@ __all__ = [
     "LaunchError",
     "NbaccelError",
     "RanksMissingError",
+    "SavePretrainedError",
     "Stopped",
     "StorageError",
     "WorkerError",

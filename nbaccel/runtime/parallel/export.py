@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ...errors import SavePretrainedError
+
 
 def route_save_pretrained(model: torch.nn.Module, *, strategy: Any) -> bool:
     """Replace ``model.save_pretrained`` (on this instance) by a gathering one; returns
@@ -64,10 +66,6 @@ def route_save_pretrained(model: torch.nn.Module, *, strategy: Any) -> bool:
     save_pretrained._nbaccel_gathers = True  # type: ignore[attr-defined]
     model.save_pretrained = save_pretrained  # type: ignore[assignment]
     return True
-
-
-class SavePretrainedError(RuntimeError):
-    """``save_pretrained`` failed on the main process; raised on the other ranks."""
 
 
 def _share_outcome(failure: BaseException | None, *, is_main: bool) -> None:
