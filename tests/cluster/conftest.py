@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -57,6 +58,11 @@ RAY_ENV = {
     # and not others, a node then fails to join ("InvalidAuthToken", seen here)
     "RAY_AUTH_MODE": "disabled",
 }
+#: For the nodes' own processes only (not the kernels'): a raylet waits this long for a GCS
+#: that does not answer before it exits (Ray's default, 60 s, is a fixed deadline a loaded
+#: machine passed: the head's raylet died with the GCS, in the head's session beside a dozen
+#: dashboard processes importing, slow to answer; issue 49)
+NODE_PATIENCE = {"RAY_gcs_rpc_server_reconnect_timeout_s": "600"}
 #: Ray's own words when a node's raylet did not register within its fixed 30 s
 RAY_REGISTRATION_DEADLINE = "timed out during startup"
 #: A hang guard, not a speed bound: a start that takes this long is stuck (an idle machine
@@ -85,7 +91,7 @@ class LocalCluster:
         self.port, self.dashboard, self.client = _free_ports(3)
         self.address = f"{HEAD_IP}:{self.port}"
         self.ray = str(Path(sys.executable).parent / "ray")
-        self.env = {**os.environ, **RAY_ENV}
+        self.env = {**os.environ, **RAY_ENV, **NODE_PATIENCE}
         self.late_nodes: list[str] = []  # nodes that joined after Ray's 30 s had passed
 
     def _start(self, name: str, ip: str, *args: str) -> None:
@@ -181,8 +187,15 @@ class LocalCluster:
                 )
         for log in sorted(self.root.glob("*/session_latest/logs/*")):
             if log.suffix in (".out", ".err", ".log") and log.stat().st_size:
-                tail = log.read_text(errors="replace").splitlines()[-15:]
-                lines += [f"--- {log.relative_to(self.root)} (last lines)", *tail]
+                text = log.read_text(errors="replace").splitlines()
+                # a fatal check's own line comes before its long stack trace
+                fatal = [line for line in text if re.match(r"^\[\S+ \S+ F \d+ \d+\]", line)]
+                lines += (
+                    [f"--- {log.relative_to(self.root)} (fatal lines)", *fatal[:10]]
+                    if fatal
+                    else []
+                )
+                lines += [f"--- {log.relative_to(self.root)} (last lines)", *text[-15:]]
         return "\n".join(lines)
 
     def processes(self, under: str | None = None) -> list[psutil.Process]:
