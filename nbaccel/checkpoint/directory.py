@@ -233,10 +233,9 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-def _manifest(acc: Any, tmp: Path, safe_serialization: bool, save_id: str) -> dict[str, Any]:
+def state_fields(acc: Any, save_id: str, safe_serialization: bool) -> dict[str, Any]:
+    """What a manifest says of the saved state, on local disk and on a store alike."""
     return {
-        "format": FORMAT,
-        "version": VERSION,
         "nbaccel_version": __version__,
         "save_id": save_id,  # the rank files of this save carry it too
         "step": int(acc.step),
@@ -249,6 +248,14 @@ def _manifest(acc: Any, tmp: Path, safe_serialization: bool, save_id: str) -> di
             "dataloaders": len(acc._dataloaders),
             "custom_objects": len(acc._custom_objects),
         },
+    }
+
+
+def _manifest(acc: Any, tmp: Path, safe_serialization: bool, save_id: str) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        **state_fields(acc, save_id, safe_serialization),
         "scaler": (tmp / "scaler.pt").exists(),
         # relative paths: sharded (DCP) state lives in sub-folders, one file per rank
         "files": {

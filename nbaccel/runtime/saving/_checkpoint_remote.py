@@ -31,9 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..._version import __version__
 from ...checkpoint import remote
-from ...checkpoint.directory import all_ok, from_main
+from ...checkpoint.directory import all_ok, from_main, state_fields
 from ...checkpoint.store import basename
 from ...checkpoint.weights import torch_save
 from ...platform.process_env import distributed_active
@@ -46,19 +45,8 @@ def _manifest(
     acc: Any, save_id: str, files: dict[str, tuple[int, str]], safe_serialization: bool
 ) -> dict[str, Any]:
     return {
-        "nbaccel_version": __version__,
-        "save_id": save_id,
+        **state_fields(acc, save_id, safe_serialization),
         "data": remote.DATA + save_id,
-        "step": int(acc.step),
-        "world_size": acc.state.world_size,
-        "safe_serialization": safe_serialization,
-        "counts": {
-            "models": len(acc._models),
-            "optimizers": len(acc._optimizers),
-            "schedulers": len(acc._schedulers),
-            "dataloaders": len(acc._dataloaders),
-            "custom_objects": len(acc._custom_objects),
-        },
         "scaler": "scaler.pt" in files,
         "files": {name: size for name, (size, _) in sorted(files.items())},
         "sha256": {name: digest for name, (_, digest) in sorted(files.items())},
