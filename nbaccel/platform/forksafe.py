@@ -166,6 +166,19 @@ KNOWN_THREAD_PACKAGES = frozenset(
 _PYTHON_FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead"
 
 
+def _resets_itself_after_fork(thread: threading.Thread) -> bool:
+    """Whether ``thread`` belongs to a library that makes a forked child a fresh one.
+
+    fsspec's IO loop thread ("fsspecIO", started by any async filesystem such as s3fs, and
+    by nbaccel's object-storage checkpoints) runs an asyncio loop whose target names only
+    asyncio; fsspec registers ``os.register_at_fork`` to drop that loop and its lock in the
+    child, so a forked worker starts its own. Known by identity, not name: a user's thread
+    called "fsspecIO" is still the user's.
+    """
+    asyn = sys.modules.get("fsspec.asyn")
+    return asyn is not None and thread in getattr(asyn, "iothread", ())
+
+
 def unknown_threads() -> list[str]:
     """Names of the live Python threads (besides the calling one and the main thread) that
     were started by code other than :data:`KNOWN_THREAD_PACKAGES`.
@@ -177,6 +190,8 @@ def unknown_threads() -> list[str]:
     found = []
     for thread in threading.enumerate():
         if thread is threading.current_thread() or thread is threading.main_thread():
+            continue
+        if _resets_itself_after_fork(thread):
             continue
         # Thread(target=...) or threading.Timer(interval, function): whose code runs
         target = getattr(thread, "_target", None) or getattr(thread, "function", None)

@@ -176,27 +176,29 @@ class LocalCluster:
         return self
 
     def diagnosis(self) -> str:
-        """What a failed start leaves to read: the machine's load and pressure (CPU, I/O,
-        memory stall shares), and the last lines of every node's Ray logs so far."""
-        lines = [f"load average: {os.getloadavg()}"]
-        for kind in ("cpu", "io", "memory"):
-            with contextlib.suppress(OSError):
-                lines.append(
-                    f"pressure {kind}: "
-                    + Path(f"/proc/pressure/{kind}").read_text().replace("\n", "; ")
-                )
+        """What a failed start leaves to read: the last lines of every node's Ray logs so far,
+        then every fatal and error line they hold, then the machine's load and pressure (CPU,
+        I/O, memory stall shares). The cause comes last because a CI log is read from its
+        end, often cut: a fatal check's own line comes before a long stack trace."""
+        tails: list[str] = []
+        causes: list[str] = []
         for log in sorted(self.root.glob("*/session_latest/logs/*")):
             if log.suffix in (".out", ".err", ".log") and log.stat().st_size:
                 text = log.read_text(errors="replace").splitlines()
-                # a fatal check's own line comes before its long stack trace
-                fatal = [line for line in text if re.match(r"^\[\S+ \S+ F \d+ \d+\]", line)]
-                lines += (
-                    [f"--- {log.relative_to(self.root)} (fatal lines)", *fatal[:10]]
-                    if fatal
-                    else []
+                name = log.relative_to(self.root)
+                tails += [f"--- {name} (last lines)", *text[-15:]]
+                found = [line for line in text if re.match(r"^\[\S+ \S+ [FE] \d+ \d+\]", line)]
+                found += [line for line in text if "Traceback" in line or " ERROR " in line]
+                if found:
+                    causes += [f"--- {name} (fatal and error lines)", *found[:10]]
+        machine = [f"load average: {os.getloadavg()}"]
+        for kind in ("cpu", "io", "memory"):
+            with contextlib.suppress(OSError):
+                machine.append(
+                    f"pressure {kind}: "
+                    + Path(f"/proc/pressure/{kind}").read_text().replace("\n", "; ")
                 )
-                lines += [f"--- {log.relative_to(self.root)} (last lines)", *text[-15:]]
-        return "\n".join(lines)
+        return "\n".join([*tails, "=== the cause, as the logs say it", *causes, *machine])
 
     def processes(self, under: str | None = None) -> list[psutil.Process]:
         """Every process of this cluster: its command line names its dir (or ``under``), or,

@@ -110,13 +110,17 @@ def stuck_rank_1():
     dist.barrier()
 
 
-def all_reduce_and_wait(seconds):
-    join_group(30)
+def all_reduce_and_wait_for(path):
+    join_group(600)
     import torch.distributed as dist
 
     t = torch.ones(1)
     dist.all_reduce(t)
-    time.sleep(seconds)
+    open(f"{path}.rank{os.environ['RANK']}", "w").close()  # the group is up: look now
+    # held until the test has looked (an event, not a sleep a slow machine outlasts)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
     dist.barrier()
     return t
 
@@ -600,26 +604,33 @@ def test_kernel_logging_handlers_on_the_cell_stream_reach_the_output(capsys):
     assert sorted(out) == ["[rank0] from rank 0", "[rank1] from rank 1"]
 
 
-def test_rendezvous_listens_on_loopback_only():
-    handle = notebook_launcher(all_reduce_and_wait, args=(1.5,), num_processes=2, block=False)
+def test_rendezvous_listens_on_loopback_only(tmp_path):
+    looked = tmp_path / "looked"
+    handle = notebook_launcher(
+        all_reduce_and_wait_for, args=(str(looked),), num_processes=2, block=False
+    )
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(
-            s["state"] != "running" for s in handle.status().values()
+        # the event is both ranks past their first all-reduce (each says so with a file and
+        # then waits for `looked`); the bound only guards against a hang
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not all(
+            (tmp_path / f"looked.rank{rank}").exists() for rank in (0, 1)
         ):
+            assert not handle.done(), handle.exception()  # ended before its ranks were up
             time.sleep(0.05)
-        time.sleep(0.3)
         me = psutil.Process()
-        listening = [
-            c.laddr.ip
-            for p in [me, *me.children(recursive=True)]
-            for c in p.net_connections()
-            if c.status == psutil.CONN_LISTEN
-        ]
+        listening = []
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                connections = p.net_connections()
+            except psutil.NoSuchProcess:
+                continue  # a short-lived helper process (not a worker) ended meanwhile
+            listening += [c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN]
         assert listening, "expected the rendezvous store to be listening"
         assert all(ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for ip in listening), listening
     finally:
-        assert torch.equal(handle.result(timeout=30), torch.tensor([2.0]))
+        looked.touch()
+        assert torch.equal(handle.result(timeout=600), torch.tensor([2.0]))
     mine = [c for c in psutil.Process().net_connections() if c.status == psutil.CONN_LISTEN]
     assert mine == []
 

@@ -66,6 +66,26 @@ def test_threads_are_known_by_the_package_whose_code_runs_them():
         assert forksafe.warn_if_fork_unsafe().safe  # nothing unknown left: no warning
 
 
+def test_fsspecs_io_thread_is_known_and_a_namesake_is_not():
+    # s3fs (object-storage checkpoints) starts fsspec's IO loop thread in the kernel and it
+    # lives on; fsspec drops it in a forked child itself (os.register_at_fork), so a later
+    # fork launch must not warn about it. A user's thread of the same name is still unknown.
+    import threading
+
+    fsspec_asyn = pytest.importorskip("fsspec.asyn", reason="the storage extra is not here")
+    fsspec_asyn.get_loop()  # starts "fsspecIO" once per process, as s3fs does
+    assert any(t.name == "fsspecIO" for t in threading.enumerate())
+    assert "fsspecIO" not in forksafe.unknown_threads()
+    stop = threading.Event()
+    namesake = threading.Thread(target=stop.wait, name="fsspecIO", daemon=True)
+    namesake.start()
+    try:
+        assert forksafe.unknown_threads().count("fsspecIO") == 1
+    finally:
+        stop.set()
+        namesake.join()
+
+
 def test_a_timer_is_known_by_the_function_it_will_call():
     # threading.Timer keeps its callable in .function, not ._target: the monitor's redraw
     # timer (nbaccel.ui.monitor) runs during a launch, and must not make the fork "unsafe"
