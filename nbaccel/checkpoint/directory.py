@@ -112,6 +112,23 @@ def decode(obj: Any) -> Any:
 # -- manifest and directory validation -----------------------------------------------------
 
 
+def check_header(manifest: Any, where: str) -> None:
+    """Refuse a manifest that is not nbaccel's, or is of a newer format than this nbaccel
+    reads (on local disk and object storage alike).
+
+    Raises:
+        CheckpointError: naming ``where`` (a path or URL) and what to do.
+    """
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{where!r} is not an nbaccel checkpoint (its {MANIFEST} is foreign)."
+        )
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"{where!r} was written by a newer nbaccel (format {manifest['version']}); upgrade nbaccel."
+        )
+
+
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Return the manifest of the complete checkpoint at ``path``.
 
@@ -145,14 +162,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(
             f"{str(path / MANIFEST)!r} is damaged ({err}); use another checkpoint."
         ) from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{str(path)!r} is not an nbaccel checkpoint (its {MANIFEST} is foreign)."
-        )
-    if manifest.get("version", 0) > VERSION:
-        raise CheckpointError(
-            f"{str(path)!r} was written by a newer nbaccel (format {manifest['version']}); upgrade nbaccel."
-        )
+    check_header(manifest, str(path))
     for name, size in manifest.get("files", {}).items():
         file = path / name
         if not file.is_file() or file.stat().st_size != size:

@@ -28,21 +28,17 @@ Example:
 from __future__ import annotations
 
 import json
-import re
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError
+from .directory import AUTO_NAME, FORMAT, MANIFEST, VERSION, check_header
+from .rank_files import RANK_FILE
 from .store import basename, download, filesystem, join, upload
 
-MANIFEST = "nbaccel_checkpoint.json"
-FORMAT = "nbaccel-checkpoint"
-VERSION = 1
 DATA = "data-"
-_AUTO_NAME = re.compile(r"checkpoint_(\d+)")
-_RANK_FILE = re.compile(r"rank_(\d+)\.pt")
 
 
 def data_folder(target: str, save_id: str) -> str:
@@ -167,14 +163,7 @@ def read_manifest(target: str) -> dict[str, Any]:
         ) from None
     except ValueError as err:
         raise CheckpointError(f"{join(target, MANIFEST)!r} is damaged ({err}).") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{target!r} is not an nbaccel checkpoint (its {MANIFEST} is foreign)."
-        )
-    if manifest.get("version", 0) > VERSION:
-        raise CheckpointError(
-            f"{target!r} was written by a newer nbaccel (format {manifest['version']}); upgrade nbaccel."
-        )
+    check_header(manifest, target)
     data = join(root, manifest.get("data", ""))
     fs.invalidate_cache(data)
     for name, size in manifest.get("files", {}).items():
@@ -200,7 +189,7 @@ def fetch(target: str, manifest: dict[str, Any], into: Path) -> None:
     hashes = manifest.get("sha256", {})
     for path in sorted(fs.find(data)):
         name = path[len(data.rstrip("/")) + 1 :]
-        if name not in manifest["files"] and not _RANK_FILE.fullmatch(name):
+        if name not in manifest["files"] and not RANK_FILE.fullmatch(name):
             continue
         _, digest = download(fs, path, into / name)
         if name in hashes and hashes[name] != digest:
@@ -217,7 +206,7 @@ def numbered(root: str) -> list[tuple[int, str]]:
     fs, path = filesystem(root)
     found = []
     for name in _children(fs, path):
-        match = _AUTO_NAME.fullmatch(name)
+        match = AUTO_NAME.fullmatch(name)
         if match:
             found.append((int(match.group(1)), join(root, name)))
     return sorted(found)

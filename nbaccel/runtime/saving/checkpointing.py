@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,18 +113,24 @@ def save_state(
     else:
         save_replicated(acc, target, safe_serialization)
     if auto:
-        config.iteration += 1
-        error = None
-        if acc.state.is_main_process:
-            try:
-                prune(acc, target.parent, current=target.name)
-            except Exception as err:
-                error = err
-        if collective:  # nobody looks for "the latest checkpoint" while old ones go
-            all_ok(acc, error, "save_state (pruning)")
-        elif error is not None:
-            raise error
+        _count_and_prune(acc, lambda: prune(acc, target.parent, current=target.name))
     return str(target)
+
+
+def _count_and_prune(acc: Any, prune_old: Callable[[], None]) -> None:
+    """After an automatically named save: count it, and let the main process delete what
+    ``total_limit`` no longer keeps (its error raised on every rank of a collective save)."""
+    acc.project_configuration.iteration += 1
+    error = None
+    if acc.state.is_main_process:
+        try:
+            prune_old()
+        except Exception as err:
+            error = err
+    if acc.strategy.collective_state:  # nobody looks for "the latest" while old ones go
+        all_ok(acc, error, "save_state (pruning)")
+    elif error is not None:
+        raise error
 
 
 def _location(path: str | os.PathLike[str]) -> Path | str:
@@ -153,20 +160,9 @@ def _save_to_store(acc: Any, target: str, safe_serialization: bool, *, auto: boo
     if collective:
         rank_check.all_ranks_enter("save_state", FIX)
     save_remote(acc, target, safe_serialization)
-    if not auto:
-        return
-    config = acc.project_configuration
-    config.iteration += 1
-    error = None
-    if acc.state.is_main_process:
-        try:
-            remote.prune(parent(target), config.total_limit)
-        except Exception as err:
-            error = err
-    if collective:  # nobody looks for "the latest checkpoint" while old ones go
-        all_ok(acc, error, "save_state (pruning)")
-    elif error is not None:
-        raise error
+    if auto:
+        limit = acc.project_configuration.total_limit
+        _count_and_prune(acc, lambda: remote.prune(parent(target), limit))
 
 
 # -- load_state ---------------------------------------------------------------------------
