@@ -15,8 +15,9 @@ import re
 import shutil
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ _NDARRAY = "__nbaccel_ndarray__"
 # Written into a save's temporary directory by global rank 0 before any other write:
 # a node that cannot see it does not share node 0's filesystem (see save_state).
 VISIBILITY_MARKER = ".nbaccel-node0"
+T = TypeVar("T")
 
 
 # -- collectives (no-ops on one process) ---------------------------------------------------
@@ -231,16 +233,22 @@ def _numbered(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def newest_complete(numbered: list[tuple[int, T]], read: Callable[[T], Any]) -> T | None:
+    """The last of ``numbered`` (``(i, where)``, lowest ``i`` first) whose manifest ``read``
+    accepts, saying which newer ones it skipped and why; None if none is complete."""
+    for _, where in reversed(numbered):
+        try:
+            read(where)
+        except (CheckpointError, OSError) as err:
+            warnings.warn(f"skipping {where}: {err}", stacklevel=4)
+            continue
+        return where
+    return None
+
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The complete ``checkpoint_{i}`` under ``root`` with the highest ``i``, or None."""
-    for _, path in reversed(_numbered(Path(root))):
-        try:
-            read_manifest(path)
-        except (CheckpointError, OSError) as err:
-            warnings.warn(f"skipping {path}: {err}", stacklevel=3)
-            continue
-        return path
-    return None
+    return newest_complete(_numbered(Path(root)), read_manifest)
 
 
 def state_fields(acc: Any, save_id: str, safe_serialization: bool) -> dict[str, Any]:

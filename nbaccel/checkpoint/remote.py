@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import json
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError
-from .directory import AUTO_NAME, FORMAT, MANIFEST, VERSION, check_header
+from .directory import AUTO_NAME, FORMAT, MANIFEST, VERSION, check_header, newest_complete
 from .rank_files import RANK_FILE
 from .store import basename, download, filesystem, join, upload
 
@@ -214,14 +213,7 @@ def numbered(root: str) -> list[tuple[int, str]]:
 
 def latest_checkpoint(root: str) -> str | None:
     """The complete ``checkpoint_{i}`` under ``root`` with the highest ``i``, or None."""
-    for _, url in reversed(numbered(root)):
-        try:
-            read_manifest(url)
-        except (CheckpointError, OSError) as err:
-            warnings.warn(f"skipping {url}: {err}", stacklevel=3)
-            continue
-        return url
-    return None
+    return newest_complete(numbered(root), read_manifest)
 
 
 def prune(root: str, limit: int | None) -> None:
