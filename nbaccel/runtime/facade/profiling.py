@@ -28,6 +28,11 @@ from .options import ProfileKwargs
 _ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")
 
 
+_SAME_NAMED = (
+    "on_trace_ready", "record_shapes", "profile_memory", "with_stack", "with_flops", "with_modules"
+)  # fmt: skip
+
+
 def _activities(names: list[str] | None) -> list[Any] | None:
     if names is None:
         return None  # torch's default: the CPU, and CUDA when available
@@ -72,15 +77,10 @@ def profile(
                 f"ProfileKwargs(schedule_option={handler.schedule_option!r}): {err}; use the "
                 "keys wait, warmup, active, repeat, skip_first."
             ) from None
+    # ProfileKwargs' fields of these names are torch.profiler.profile's keywords as they are
+    passed_as_is = {name: getattr(handler, name) for name in _SAME_NAMED}
     with torch.profiler.profile(
-        activities=_activities(handler.activities),
-        schedule=schedule,
-        on_trace_ready=handler.on_trace_ready,
-        record_shapes=handler.record_shapes,
-        profile_memory=handler.profile_memory,
-        with_stack=handler.with_stack,
-        with_flops=handler.with_flops,
-        with_modules=handler.with_modules,
+        activities=_activities(handler.activities), schedule=schedule, **passed_as_is
     ) as profiler:
         yield profiler
     if handler.output_trace_dir is not None:
