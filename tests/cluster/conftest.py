@@ -187,7 +187,9 @@ class LocalCluster:
                 text = log.read_text(errors="replace").splitlines()
                 name = log.relative_to(self.root)
                 tails += [f"--- {name} (last lines)", *text[-15:]]
-                found = [line for line in text if re.match(r"^\[\S+ \S+ [FE] \d+ \d+\]", line)]
+                # glog-style "[date time C pid tid]": C(ritical) is a failed check or a
+                # fatal log (the process then aborts with a stack trace), E an error
+                found = [line for line in text if re.match(r"^\[\S+ \S+ [CFE] \d+ \d+\]", line)]
                 found += [line for line in text if "Traceback" in line or " ERROR " in line]
                 if found:
                     causes += [f"--- {name} (fatal and error lines)", *found[:10]]
