@@ -555,7 +555,7 @@ def runtime_folder_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_runtime_folders_import_each_other_in_one_direction() -> None:
     """The folders by concept form layers (the house has floors, no loops): a module that
-    imports 'up' belongs in another folder (scripts/runtime_house.py draws them)."""
+    imports 'up' belongs in another folder (scripts/house.py draws them)."""
     edges = {name: {t for t, _ in targets} for name, targets in graph().items()}
     cycles = runtime_folder_cycles(edges)
     assert not cycles, "runtime folders importing each other:\n" + "\n".join(
