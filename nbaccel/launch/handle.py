@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import Stopped
-from . import _lifetimes
-from ._cell_output import _kernel
-from ._tidy import clean, show_in_cell
+from .cell._cell_output import _kernel
+from .engine import _lifetimes
+from .engine._tidy import clean, show_in_cell
 
 Listener = Callable[[int, str, dict], Any]
 #: Logged-value events a board keeps for listeners that come late.

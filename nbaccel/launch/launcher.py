@@ -1,10 +1,10 @@
 """``notebook_launcher``: run a training function on every device from a live kernel.
 
-A launch is "check, then launch": :mod:`~nbaccel.launch._preflight` raises any problem
+A launch is "check, then launch": :mod:`~nbaccel.launch.start._preflight` raises any problem
 before a process exists; one blocking process runs the function in the kernel itself (on a
 TPU never: the backend's processes are workers); otherwise a one-shot group of workers
-(:mod:`~nbaccel.launch._start`) gets the function as its one job, supervised as a pool's
-(:mod:`~nbaccel.launch._supervisor`); ``max_restarts`` starts a fresh group after a failure.
+(:mod:`~nbaccel.launch.start._start`) gets the function as its one job, supervised as a pool's
+(:mod:`~nbaccel.launch.engine._supervisor`); ``max_restarts`` starts a fresh group after a failure.
 
 Example:
     >>> from nbaccel import notebook_launcher
@@ -36,14 +36,14 @@ from ..platform.process_env import (
     install_process_facts,
     installed_process_facts,
 )
-from . import _kept
-from ._cell_output import CellOutput
-from ._messages import Job
-from ._preflight import LaunchPlan, plan_launch, plan_script
-from ._start import rank_environment, start_group
-from ._supervisor import JobFailed, Supervisor
-from ._tidy import add_hint, clean, warn_oversubscribed
+from .cell._cell_output import CellOutput
+from .channel._messages import Job
+from .debug import _kept
+from .engine._supervisor import JobFailed, Supervisor
+from .engine._tidy import add_hint, clean, warn_oversubscribed
 from .handle import LaunchHandle, already_running, running_from
+from .start._preflight import LaunchPlan, plan_launch, plan_script
+from .start._start import rank_environment, start_group
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
     from typing_extensions import Unpack

@@ -147,7 +147,7 @@ _MANY = 3
 def test_launch_lists_no_option_names_and_passes_no_locals():
     names = set(field_names()) | {f.name for c in DEFINED for f in dataclasses.fields(c)}
     found = []
-    for path in sorted(LAUNCH.glob("*.py")):
+    for path in sorted(LAUNCH.rglob("*.py")):  # the doors and every folder
         text = path.read_text()
         # locals() only where a signature or the definition names what to read of it
         calls = re.findall(r"([\w.]+)\((?:\w+, )?locals\(\)\)", text)

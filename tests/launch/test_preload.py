@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from nbaccel.launch import _group
+from nbaccel.launch.engine import _group
 
 
 @pytest.fixture(autouse=True)

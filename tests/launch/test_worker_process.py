@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from nbaccel import notebook_launcher
-from nbaccel.launch import _group
-from nbaccel.launch._group import WorkerProcess
+from nbaccel.launch.engine import _group
+from nbaccel.launch.engine._group import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -37,7 +37,7 @@ def _kernel() -> Any:
     """The running ipykernel kernel object, if this process is one (not a forked child)."""
     if "IPython" not in sys.modules:
         return None
-    from ..platform.environment import in_kernel_process
+    from ...platform.environment import in_kernel_process
 
     if not in_kernel_process():
         return None

@@ -6,13 +6,13 @@ hook the first launch installs), so a worker's channel ends exactly when the sup
 process is gone. fork: ``os.fork()``, the child never returns into the kernel's code and
 inherits its first job; spawn: ``python -c "...spawn_main(fd)"``, its spec, ``sys.path``
 and the notebook's cell sources the channel's first frame; fork server (CUDA touched in
-the kernel since it was taken, :mod:`._forkserver`): forked by it, then as spawn. Before
+the kernel since it was taken, :mod:`..start._forkserver`): forked by it, then as spawn. Before
 forking, the kernel imports what each worker would repeat: nbaccel's runtime, and
 ``torch._dynamo`` once a worker needed it (torch imports it lazily from every optimizer and
 DDP, ~0.8 s of CPU):
 learned, not predicted, so a launch that never trains never pays it; only on CPU-only torch
 builds, where the import cannot touch the driver. One ``selectors`` loop over
-every worker's pipes and channel: lines go to the :class:`~._output.LineForwarder` (a tail
+every worker's pipes and channel: lines go to the :class:`~..cell._output.LineForwarder` (a tail
 of stderr is kept for a fatal error's stack), messages to the supervisor. Ending: ask to
 leave, SIGTERM, SIGKILL, reap, close.
 
@@ -36,14 +36,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.fields import field_kind
-from ..errors import LaunchError
-from ..platform import cudafork, environment, forksafe
-from . import _forkserver, _worker_os
-from ._messages import Exit, Job, Setup
-from ._output import LineForwarder
-from ._wire import Channel
-from ._worker import DYNAMO, WorkerSpec, fork_main
+from ...config.fields import field_kind
+from ...errors import LaunchError
+from ...platform import cudafork, environment, forksafe
+from ..cell._output import LineForwarder
+from ..channel._messages import Exit, Job, Setup
+from ..channel._wire import Channel
+from ..start import _forkserver
+from ..worker import _worker_os
+from ..worker._worker import DYNAMO, WorkerSpec, fork_main
 
 _KERNEL_ENDS: set[int] = set()  # the kernel's ends of every live worker's pipes and channel
 _hook_installed = False
@@ -60,7 +61,7 @@ def _preload() -> None:
     imports above, then the OpenMP pool released (a child would hang in its first
     multi-threaded op). No CUDA, no threads; a failure is left for the worker to report."""
     with contextlib.suppress(Exception):
-        from ..runtime.facade import accelerator  # noqa: F401
+        from ...runtime.facade import accelerator  # noqa: F401
     with contextlib.suppress(Exception):  # a cache every worker's Accelerator() reads
         field_kind("mixed_precision")
     torch = sys.modules.get("torch")
@@ -327,8 +328,8 @@ def _interrupts_deferred() -> Iterator[None]:
 def _package_root() -> str:
     """The folder that holds the ``nbaccel`` package (not the package itself: on the path,
     that one would shadow the standard library with ``nbaccel/logging.py``)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.dirname(package)
+    here = os.path.abspath(__file__)  # nbaccel/launch/engine/_group.py
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(here))))
 
 
 def _from_server(spec: WorkerSpec, mine: dict[str, int]) -> _forkserver.ServerWorker:
@@ -366,7 +367,7 @@ def _spawn(spec: WorkerSpec, mine: dict[str, int]) -> subprocess.Popen[bytes]:
     new_session, spec.new_session = spec.new_session, False  # Popen does the setsid
     channel = mine["channel"]
     store = (spec.store_fd,) if spec.store_fd is not None else ()
-    code = f"from nbaccel.launch._worker import spawn_main; spawn_main({channel})"
+    code = f"from nbaccel.launch.worker._worker import spawn_main; spawn_main({channel})"
     popen = subprocess.Popen(
         [sys.executable, "-c", code],
         stdin=subprocess.DEVNULL,

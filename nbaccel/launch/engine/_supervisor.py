@@ -1,13 +1,13 @@
 """The one supervisor: the kernel's side of a group of workers, for every kind of launch.
 
-:meth:`Supervisor.run_job` acts on the channel's messages (:mod:`._messages`) by type and
+:meth:`Supervisor.run_job` acts on the channel's messages (:mod:`..channel._messages`) by type and
 waits for one job: after a first failure, ``GRACE`` for the others' reports, then the first
 *real* failure is raised (a healthy rank's "connection closed by peer" counts only when
 nothing else went wrong); ranks still busy ``timeout`` seconds after a peer finished hang
 (their stacks go into a :class:`~nbaccel.errors.WorkerTimeoutError`); on an interrupt,
 ``stop()`` or a failure, a one-shot group is terminated while a pool's busy ranks get
 SIGINT and ``INTERRUPT_GRACE`` to come back. Extras plug in as :class:`Hook` objects: the
-hang watchdog and the subset check (:mod:`._watchdog`), post-mortem (:mod:`._kept`), a pdb
+hang watchdog and the subset check (:mod:`..debug._watchdog`), post-mortem (:mod:`..debug._kept`), a pdb
 session's inbox (:mod:`.debugger`). The workers' pipes belong to the :class:`._group.Group`.
 
 Example:
@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn, TypeVar
 
-from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
+from ...errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
+from ..cell._output import LineForwarder
+from ..channel._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
+from ..channel._wire import loads
 from ._group import Group, WorkerProcess, remember_worker_imports
-from ._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
-from ._output import LineForwarder
 from ._tidy import Failure, add_note, fatal_stack, pick_failure, remote_exception
-from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
 NO_ANSWER = "(no answer: not running Python code)"
@@ -136,7 +136,7 @@ class Supervisor:
     def probe(
         self, ranks: Iterable[int], wait: float = 1.0, *, flight: bool = False
     ) -> dict[int, dict[str, Any]]:
-        """What each rank's main thread does now (:func:`._worker_os.main_thread_report`),
+        """What each rank's main thread does now (:func:`..worker._worker_os.main_thread_report`),
         answered also while it is blocked in C++. From another thread than the job's (a
         monitor's button) it only asks: the job's thread reads the answers."""
         asked = [self.procs[r] for r in ranks if self.procs[r].returncode is None]

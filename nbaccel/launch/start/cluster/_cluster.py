@@ -1,14 +1,14 @@
 """The cluster start backend: ranks placed on a Ray cluster's nodes, supervised from here.
 
 One more way to start a group, beside fork, spawn and the TPU backend; what it returns is
-the same :class:`~._supervisor.Supervisor` over the same channel messages and the same
+the same :class:`~...engine._supervisor.Supervisor` over the same channel messages and the same
 worker loop. Steps: reach the cluster and reserve its nodes (:mod:`._cluster_place`), one
 :class:`~._cluster_host.RankHost` actor per rank (ranks of a node in that node's bundle),
 rank 0's actor reserving torch's rendezvous socket on its node (``MASTER_ADDR`` is its
 node's address); a per-launch secret and a listener on the address the nodes reach this
 kernel by; each actor connects its rank's channel and output streams, authenticated and
-version-checked (:mod:`._cluster_wire`), and starts the worker; the kernel sends each its
-:class:`~._messages.Setup`. A :class:`RemoteWorker` stands for a rank's process: its exit
+version-checked (:mod:`...channel._cluster_wire`), and starts the worker; the kernel sends each its
+:class:`~...channel._messages.Setup`. A :class:`RemoteWorker` stands for a rank's process: its exit
 status comes from the actor, its signals go through it, and the last one closed ends the
 actors and removes the placement group, so nothing stays on the cluster.
 
@@ -30,16 +30,18 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import LaunchError
-from ..platform import environment
-from . import _cluster_place, _cluster_wire, _group
-from ._group import WorkerProcess
-from ._messages import Done, Setup
-from ._preflight import LaunchPlan
-from ._supervisor import Hook, JobFailed, Supervisor
-from ._tidy import Failure
-from ._wire import Channel
-from ._worker import WorkerSpec
+from ....errors import LaunchError
+from ....platform import environment
+from ...channel import _cluster_wire
+from ...channel._messages import Done, Setup
+from ...channel._wire import Channel
+from ...engine import _group
+from ...engine._group import WorkerProcess
+from ...engine._supervisor import Hook, JobFailed, Supervisor
+from ...engine._tidy import Failure
+from ...worker._worker import WorkerSpec
+from .._preflight import LaunchPlan
+from . import _cluster_place
 
 #: where the nodes reach this kernel (default: the address Ray knows this machine by)
 HOST_VAR = "NBACCEL_CLUSTER_HOST"
