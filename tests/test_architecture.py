@@ -567,3 +567,119 @@ def test_the_runtime_folders_import_each_other_in_one_direction() -> None:
         "nbaccel.runtime.process.selfcheck": {"nbaccel.runtime.facade.accelerator"},
     }
     assert runtime_folder_cycles(fake)
+
+
+def launch_folder(module: str) -> str | None:
+    """The folder of ``launch/`` that ``module`` sits in (``""``: launch/'s top, the doors;
+    ``"start.cluster"``: a sub-folder is a folder of its own); None outside ``launch/``."""
+    parts = module.split(".")
+    if parts[:2] != ["nbaccel", "launch"]:
+        return None
+    return ".".join(parts[2:-1]) if len(parts) > 3 else ""
+
+
+def _defined_private_names(tree: ast.Module) -> set[str]:
+    """The ``_names`` a module defines: functions, classes, methods, module and class
+    attributes, and attributes it sets on ``self``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reach_problems(sources: dict[str, tuple[Path, str]]) -> list[str]:
+    """Where a module of one ``launch/`` folder uses a private name (``_x``) of a module in
+    another folder: ``from ..engine._group import _KERNEL_ENDS``, ``_group._KERNEL_ENDS``
+    through an imported module, or ``sup._end_early`` on an object of another folder's class
+    (a private attribute that only other folders define). ``sources``: module -> (path, text).
+    Modules themselves may be private (``_group``): the rule is about what is in them."""
+    trees = {name: ast.parse(text, str(path)) for name, (path, text) in sources.items()}
+    known = set(sources)
+    defined: dict[str, set[str]] = {}  # folder -> private names its modules define
+    for name, tree in trees.items():
+        if (folder := launch_folder(name)) is not None:
+            defined.setdefault(folder, set()).update(_defined_private_names(tree))
+    problems = []
+    for name, tree in trees.items():
+        folder = launch_folder(name)
+        if folder is None:
+            continue
+        path = sources[name][0]
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        others = set().union(*(d for f, d in defined.items() if f != folder))
+        modules_bound: dict[str, str] = {}  # local name -> module of another folder
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in known:  # a module: what is used of it is checked below
+                    if launch_folder(sub) not in (None, folder):
+                        modules_bound[alias.asname or alias.name] = sub
+                elif (
+                    launch_folder(target) not in (None, folder)
+                    and alias.name.startswith("_")
+                    and target in known
+                ):
+                    problems.append(f"{name}:{node.lineno} imports {alias.name} from {target}")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            if node.attr.startswith("__"):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in modules_bound:
+                problems.append(
+                    f"{name}:{node.lineno} uses {ast.unparse(node)} "
+                    f"({modules_bound[owner.id]} is another folder's)"
+                )
+            elif (
+                not (isinstance(owner, ast.Name) and owner.id in {"self", "cls"})
+                and node.attr in others
+                and node.attr not in defined.get(folder, set())
+            ):
+                problems.append(
+                    f"{name}:{node.lineno} uses {ast.unparse(node)}, private to another folder"
+                )
+    return problems
+
+
+def test_launch_folders_use_each_other_only_by_public_names() -> None:
+    """A start backend reuses the engine's start and cleanup through its public names,
+    never its private ones (DESIGN.md's launch/ row; issue 50: the cluster backend reached
+    into ``_group._KERNEL_ENDS`` and ``sup._end_early``). Every launch/ folder (and the doors
+    at its top) is held to it."""
+    sources = {
+        name: (path, path.read_text())
+        for name, path in modules().items()
+        if name.startswith("nbaccel.launch")
+    }
+    problems = private_reach_problems(sources)
+    assert not problems, "private names used across launch/ folders:\n" + "\n".join(problems)
+    # the checker can fail: each form of reaching in is seen
+    fake = {
+        "nbaccel.launch.engine._group": (
+            Path("_group.py"),
+            "_KERNEL_ENDS = set()\nclass S:\n    def _end_early(self):\n        pass\n",
+        ),
+        "nbaccel.launch.start.cluster._cluster": (
+            Path("_cluster.py"),
+            "from ...engine import _group\n"
+            "from ...engine._group import _KERNEL_ENDS\n"
+            "def f(sup):\n"
+            "    _group._KERNEL_ENDS.add(3)\n"
+            "    sup._end_early()\n",
+        ),
+    }
+    assert len(private_reach_problems(fake)) == 3

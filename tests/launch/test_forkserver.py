@@ -19,9 +19,9 @@ import pytest
 
 from nbaccel.errors import WorkerError
 from nbaccel.launch.channel._jobs import dill_for_workers
-from nbaccel.launch.engine._group import take_fork_server
 from nbaccel.launch.launcher import launch
 from nbaccel.launch.start import _forkserver
+from nbaccel.launch.start._local import take_fork_server
 from nbaccel.launch.testing import plan_for
 
 ROOT = Path(__file__).resolve().parents[2]

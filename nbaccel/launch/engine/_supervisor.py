@@ -189,7 +189,7 @@ class Supervisor:
                 now = time.time()
                 self.workers.poll()
                 if stop.is_set():
-                    self._end_early(procs, Stopped("the run was stopped with stop()"))
+                    self.end_early(procs, Stopped("the run was stopped with stop()"))
                 busy = [p for p in procs if p.rank not in self._done]
                 if problems := self.failures(procs):
                     first_problem = first_problem or now
@@ -202,7 +202,7 @@ class Supervisor:
                 stuck = [p.rank for p in busy if p.returncode is None]
                 for hook in self.hooks:
                     if (ending := hook.look(self, stuck, self._done)) is not None:
-                        self._end_early(procs, ending.error, ending.broken)
+                        self.end_early(procs, ending.error, ending.broken)
                 finished = [self._done_at[r] for r, done in self._done.items() if done.ok]
                 if self.timeout and finished and stuck and now - min(finished) > self.timeout:
                     reason = (
@@ -212,7 +212,7 @@ class Supervisor:
                     )
                     self.hung(stuck, reason, {})
         except KeyboardInterrupt:
-            self._end_early(procs, KeyboardInterrupt())
+            self.end_early(procs, KeyboardInterrupt())
         finally:
             self._reader = None
         raise AssertionError("unreachable")  # pragma: no cover
@@ -273,7 +273,7 @@ class Supervisor:
         finished = {r for r, done in self._done.items() if done.ok}
         for hook in self.hooks:  # before the others are interrupted: where each one is
             hook.failed(self, problems, chosen, finished)
-        self._end_early(procs, error, dead[0].summary() if dead else None)
+        self.end_early(procs, error, dead[0].summary() if dead else None)
 
     def _name_missing(self, error: RanksMissingError, rank: int, live: list[int]) -> None:
         """Name the ranks that did not come to the collective ``rank`` failed in, and note what
@@ -300,9 +300,9 @@ class Supervisor:
         """``stuck`` ranks hang: the job ends with their stacks now (over ``stacks``)."""
         found = self.stacks(stuck)
         error = WorkerTimeoutError(stuck, {**stacks, **found}, reason, self.procs[stuck[0]].pid)
-        self._end_early([], error, f"rank(s) {stuck} hung")
+        self.end_early([], error, f"rank(s) {stuck} hung")
 
-    def _end_early(
+    def end_early(
         self, procs: list[WorkerProcess], error: BaseException, broken: str | None = None
     ) -> NoReturn:
         """A one-shot group is terminated; a pool's busy ranks are interrupted and given

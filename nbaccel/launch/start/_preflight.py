@@ -35,8 +35,8 @@ from ...errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gp
 from ...platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware, tpu
 from ..channel._jobs import dill_for_workers
 from ..channel._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
-from ..engine._group import take_fork_server
 from . import _forkserver, _freegpus
+from ._local import take_fork_server
 from .cluster._cluster_place import check_cluster_installed, keep_print_plain
 
 

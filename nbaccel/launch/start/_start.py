@@ -25,9 +25,10 @@ from ..channel._messages import Job
 from ..channel._rendezvous import Rendezvous
 from ..debug import _kept
 from ..debug._watchdog import HangPolicy, HangWatch, SubsetCheck
-from ..engine._group import WorkerProcess, start_processes
+from ..engine._group import WorkerProcess, end_started
 from ..engine._supervisor import Hook, Supervisor
 from ..worker._worker import WorkerSpec
+from ._local import start_processes
 from ._preflight import LaunchPlan
 
 
@@ -110,9 +111,7 @@ def start_group(
             supervisor.send(ranks, first_job)
         return supervisor
     except BaseException:  # e.g. an interrupt right now: no unsupervised worker may remain
-        for proc in procs:
-            proc.kill()
-            proc.close()
+        end_started(procs)
         raise
 
 

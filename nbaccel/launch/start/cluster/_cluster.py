@@ -24,7 +24,6 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -33,10 +32,9 @@ from typing import Any
 from ....errors import LaunchError
 from ....platform import environment
 from ...channel import _cluster_wire
-from ...channel._messages import Done, Setup
+from ...channel._messages import Done
 from ...channel._wire import Channel
-from ...engine import _group
-from ...engine._group import WorkerProcess
+from ...engine._group import WorkerProcess, keep_kernel_ends, send_setups
 from ...engine._supervisor import Hook, JobFailed, Supervisor
 from ...engine._tidy import Failure
 from ...worker._worker import WorkerSpec
@@ -159,7 +157,7 @@ class NodeWatch(Hook):
                 proc.poll()
             time.sleep(0.1)
         if lost := [p for p in remote if p.lost]:  # this error instead of the peers' one
-            sup._end_early([*sup.procs.values()], _lost_error(lost), "a node was lost")
+            sup.end_early([*sup.procs.values()], _lost_error(lost), "a node was lost")
 
 
 def _lost_error(lost: list[RemoteWorker]) -> LaunchError:
@@ -291,23 +289,21 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement, shape: tuple[int, f
     pids = ray.get(launched, timeout=wait)
     procs: list[RemoteWorker] = []
     try:
-        sources = environment.notebook_cell_sources()
         for rank, actor in enumerate(actors):
             got = streams.pop(rank)
             fds = {}
             for name in ("stdout", "stderr"):
                 fd = got[name].detach()
                 os.set_blocking(fd, False)
-                _group._KERNEL_ENDS.add(fd)
                 fds[name] = fd
             channel = Channel(got["channel"])
-            _group._KERNEL_ENDS.add(channel.fileno())
+            keep_kernel_ends(*fds.values(), channel)  # the engine's, as for a local worker
             proc = RemoteWorker(rank, int(pids[rank]), fds, channel)
             proc.placement, proc.actor = placement, actor
             proc.waiting = actor.wait.remote()
             placement.opened()
             procs.append(proc)
-            channel.send(Setup(specs[rank], list(sys.path), sources))
+        send_setups(procs, specs)  # the engine's first message, as to a spawned worker
     finally:
         for left in streams.values():
             for sock in left.values():
