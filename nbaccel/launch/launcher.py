@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import LaunchConfig, install_launch_config, installed_launch_config
 from ..config.choices import PrecisionType, RdzvBackendType
-from ..config.keywords import LaunchKeywords, documented, named_arguments, split
+from ..config.keywords import LaunchKeywords, documented, split
 from ..config.options import START
 from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from ..platform import environment
@@ -104,7 +104,25 @@ def notebook_launcher(
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
     __tracebackhide__ = True  # IPython shows the user's cell, then the error: not this frame
-    accelerate = named_arguments(notebook_launcher, locals())  # Accelerate's, by the signature
+    # Accelerate's parameters, each passed on by name: split() sorts them by their
+    # definition into settings (LaunchConfig fields: num_processes, mixed_precision,
+    # master_addr, node_rank, num_nodes, max_restarts) and StartOptions (the rest).
+    # tests/config/test_options.py fails when a parameter is not passed on.
+    accelerate = dict(
+        num_processes=num_processes,
+        mixed_precision=mixed_precision,
+        use_port=use_port,
+        master_addr=master_addr,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_conf=rdzv_conf,
+        rdzv_id=rdzv_id,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        log_line_prefix_template=log_line_prefix_template,
+    )
     settings, start, call = split(accelerate, options, LaunchKeywords, "notebook_launcher()")
     return launch(plan_launch(function, args, settings, start, call))
 

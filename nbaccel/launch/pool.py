@@ -350,7 +350,7 @@ class WorkerPool(Observed):
         check_call(function, args, "pool.run(train, lr)")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments.")
-        call = CallOptions.of(locals())  # this call's options, by CallOptions' fields
+        call = CallOptions(return_all_ranks=return_all_ranks, block=block, output=output)
         given = check_settings(dict(hang_after=hang_after, on_hang=on_hang))  # then as the pool's
         payload = dill_for_workers(
             (function, tuple(args), dict(kwargs or {})), "the function and its args"
