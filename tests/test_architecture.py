@@ -8,8 +8,11 @@ are DESIGN.md's table ("may import") for each folder of ``nbaccel/``.
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nbaccel"
 
@@ -683,3 +686,26 @@ def test_launch_folders_use_each_other_only_by_public_names() -> None:
         ),
     }
     assert len(private_reach_problems(fake)) == 3
+
+
+def _script(name: str) -> Any:
+    """A module of scripts/ (docs_hooks imports house from there too)."""
+    scripts = str(PACKAGE.parent / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module(name)
+
+
+def test_the_launch_house_keeps_its_shape_and_the_pages_count_it() -> None:
+    """launch/'s folders stay a low house without loops (issue 50: 10 floors and 87 arrows
+    when its modules lay flat), and the layout pages state the counts through the marker the
+    docs build fills in from scripts/house.py, so no page can drift from the code."""
+    house = _script("house")
+    floors, arrows, cycles = house.house(PACKAGE, by_module=False, room="launch")
+    assert not cycles, f"launch/ folders importing each other: {cycles}"
+    assert floors < 7 and arrows < 40, f"launch/: {floors} floors, {arrows} arrows"
+    docs = PACKAGE.parent / "docs" / "explanation"
+    for page, room in [("runtime-layout.md", "runtime"), ("launch-layout.md", "launch")]:
+        assert f"%%house {room}%%" in (docs / page).read_text(), page
+    counted = _script("docs_hooks").house_counts("%%house launch%%")
+    assert counted == f"{floors} floors, {arrows} arrows"
