@@ -21,7 +21,7 @@ an interactive kernel on a machine with an NVIDIA driver (elsewhere CUDA cannot 
 and the kernel forks its workers itself).
 
 Example:
-    >>> from nbaccel.launch import _forkserver
+    >>> from nbaccel.launch.start import _forkserver
     >>> _forkserver.usable(), _forkserver.wanted({"NBACCEL_FORK_SERVER": "0"})
     (False, False)
 """
