@@ -87,8 +87,8 @@ def measure(rounds: int, folder: Path) -> dict[str, Any]:
     kernels = start_kernels(folder, build_fake_driver(folder))
     try:
         touched = kernels["touched"]
-        res["server_pid"] = touched.evaluate_json("__import__('nbaccel.launch._forkserver')"
-                                                  ".launch._forkserver.server_pid()")  # fmt: skip
+        res["server_pid"] = touched.evaluate_json("__import__('nbaccel.launch.start._forkserver')"
+                                                  ".launch.start._forkserver.server_pid()")  # fmt: skip
         for spec in SYSTEMS.values():  # warm-up, unrecorded
             sample(kernels, spec)
         for _ in range(rounds):

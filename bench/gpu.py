@@ -169,7 +169,7 @@ def measure_forkserver(kernel: Kernel, cfg: dict[str, Any], res: dict) -> None:
     touched = touched_kernel(kernel.session.python, tempfile.mkdtemp(), cfg)
     try:
         pid = touched.session.evaluate_json(
-            "__import__('nbaccel.launch._forkserver').launch._forkserver.server_pid()"
+            "__import__('nbaccel.launch.start._forkserver').launch.start._forkserver.server_pid()"
         )
         for who in (kernel, touched):
             _sample(who, res, "warmup", "gpu_launch_once('nbaccel')")

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nbaccel import Accelerator, notebook_launcher
-from nbaccel.launch import _rendezvous, _worker
+from nbaccel.launch.channel import _rendezvous
+from nbaccel.launch.worker import _worker
 from nbaccel.platform import torchcompat
 
 

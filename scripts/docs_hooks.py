@@ -13,6 +13,10 @@ Two kinds of page are never written by hand, so they cannot drift from the code:
   ``nbaccel.config`` (fields, help text, choices, defaults) and from the parser that
   ``nbaccel launch`` builds (``nbaccel.cli._options``).
 
+And one kind of number on the written pages: ``%%house ROOM%%`` (``%%house ROOM modules%%``)
+becomes "N floors, M arrows" of that folder of nbaccel as ``scripts/house.py`` counts it
+when the site is built, so a page's count of the layout cannot drift from the code.
+
 Example:
     >>> from docs_hooks import api_pages  # doctest: +SKIP
     >>> sorted(api_pages())  # doctest: +SKIP
@@ -178,6 +182,34 @@ def generated_pages() -> dict[str, str]:
     pages = {f"reference/api/{name}.md": text for name, text in api_pages().items()}
     pages["reference/configuration.md"] = configuration_page()
     return pages
+
+
+_HOUSE = re.compile(r"%%house (\w+)( modules)?%%")
+
+
+def house_counts(markdown: str) -> str:
+    """``markdown`` with each ``%%house ROOM%%`` marker replaced by the room's counts.
+
+    Example:
+        >>> house_counts("launch/: %%house launch%%.")  # doctest: +SKIP
+        'launch/: 6 floors, 32 arrows.'
+    """
+    from pathlib import Path
+
+    from house import house
+
+    package = Path(__file__).resolve().parents[1] / "nbaccel"
+
+    def counts(match: re.Match[str]) -> str:
+        floors, arrows, _ = house(package, by_module=bool(match[2]), room=match[1])
+        return f"{floors} floors, {arrows} arrows"
+
+    return _HOUSE.sub(counts, markdown)
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    """MkDocs hook: the layout's counts, as the code has them now."""
+    return house_counts(markdown)
 
 
 def on_files(files: Any, config: Any) -> Any:

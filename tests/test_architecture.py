@@ -8,8 +8,11 @@ are DESIGN.md's table ("may import") for each folder of ``nbaccel/``.
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nbaccel"
 
@@ -555,7 +558,7 @@ def runtime_folder_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_runtime_folders_import_each_other_in_one_direction() -> None:
     """The folders by concept form layers (the house has floors, no loops): a module that
-    imports 'up' belongs in another folder (scripts/runtime_house.py draws them)."""
+    imports 'up' belongs in another folder (scripts/house.py draws them)."""
     edges = {name: {t for t, _ in targets} for name, targets in graph().items()}
     cycles = runtime_folder_cycles(edges)
     assert not cycles, "runtime folders importing each other:\n" + "\n".join(
@@ -567,3 +570,142 @@ def test_the_runtime_folders_import_each_other_in_one_direction() -> None:
         "nbaccel.runtime.process.selfcheck": {"nbaccel.runtime.facade.accelerator"},
     }
     assert runtime_folder_cycles(fake)
+
+
+def launch_folder(module: str) -> str | None:
+    """The folder of ``launch/`` that ``module`` sits in (``""``: launch/'s top, the doors;
+    ``"start.cluster"``: a sub-folder is a folder of its own); None outside ``launch/``."""
+    parts = module.split(".")
+    if parts[:2] != ["nbaccel", "launch"]:
+        return None
+    return ".".join(parts[2:-1]) if len(parts) > 3 else ""
+
+
+def _defined_private_names(tree: ast.Module) -> set[str]:
+    """The ``_names`` a module defines: functions, classes, methods, module and class
+    attributes, and attributes it sets on ``self``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reach_problems(sources: dict[str, tuple[Path, str]]) -> list[str]:
+    """Where a module of one ``launch/`` folder uses a private name (``_x``) of a module in
+    another folder: ``from ..engine._group import _KERNEL_ENDS``, ``_group._KERNEL_ENDS``
+    through an imported module, or ``sup._end_early`` on an object of another folder's class
+    (a private attribute that only other folders define). ``sources``: module -> (path, text).
+    Modules themselves may be private (``_group``): the rule is about what is in them."""
+    trees = {name: ast.parse(text, str(path)) for name, (path, text) in sources.items()}
+    known = set(sources)
+    defined: dict[str, set[str]] = {}  # folder -> private names its modules define
+    for name, tree in trees.items():
+        if (folder := launch_folder(name)) is not None:
+            defined.setdefault(folder, set()).update(_defined_private_names(tree))
+    problems = []
+    for name, tree in trees.items():
+        folder = launch_folder(name)
+        if folder is None:
+            continue
+        path = sources[name][0]
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        others = set().union(*(d for f, d in defined.items() if f != folder))
+        modules_bound: dict[str, str] = {}  # local name -> module of another folder
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in known:  # a module: what is used of it is checked below
+                    if launch_folder(sub) not in (None, folder):
+                        modules_bound[alias.asname or alias.name] = sub
+                elif (
+                    launch_folder(target) not in (None, folder)
+                    and alias.name.startswith("_")
+                    and target in known
+                ):
+                    problems.append(f"{name}:{node.lineno} imports {alias.name} from {target}")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            if node.attr.startswith("__"):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in modules_bound:
+                problems.append(
+                    f"{name}:{node.lineno} uses {ast.unparse(node)} "
+                    f"({modules_bound[owner.id]} is another folder's)"
+                )
+            elif (
+                not (isinstance(owner, ast.Name) and owner.id in {"self", "cls"})
+                and node.attr in others
+                and node.attr not in defined.get(folder, set())
+            ):
+                problems.append(
+                    f"{name}:{node.lineno} uses {ast.unparse(node)}, private to another folder"
+                )
+    return problems
+
+
+def test_launch_folders_use_each_other_only_by_public_names() -> None:
+    """A start backend reuses the engine's start and cleanup through its public names,
+    never its private ones (DESIGN.md's launch/ row; issue 50: the cluster backend reached
+    into ``_group._KERNEL_ENDS`` and ``sup._end_early``). Every launch/ folder (and the doors
+    at its top) is held to it."""
+    sources = {
+        name: (path, path.read_text())
+        for name, path in modules().items()
+        if name.startswith("nbaccel.launch")
+    }
+    problems = private_reach_problems(sources)
+    assert not problems, "private names used across launch/ folders:\n" + "\n".join(problems)
+    # the checker can fail: each form of reaching in is seen
+    fake = {
+        "nbaccel.launch.engine._group": (
+            Path("_group.py"),
+            "_KERNEL_ENDS = set()\nclass S:\n    def _end_early(self):\n        pass\n",
+        ),
+        "nbaccel.launch.start.cluster._cluster": (
+            Path("_cluster.py"),
+            "from ...engine import _group\n"
+            "from ...engine._group import _KERNEL_ENDS\n"
+            "def f(sup):\n"
+            "    _group._KERNEL_ENDS.add(3)\n"
+            "    sup._end_early()\n",
+        ),
+    }
+    assert len(private_reach_problems(fake)) == 3
+
+
+def _script(name: str) -> Any:
+    """A module of scripts/ (docs_hooks imports house from there too)."""
+    scripts = str(PACKAGE.parent / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module(name)
+
+
+def test_the_launch_house_keeps_its_shape_and_the_pages_count_it() -> None:
+    """launch/'s folders stay a low house without loops (issue 50: 10 floors and 87 arrows
+    when its modules lay flat), and the layout pages state the counts through the marker the
+    docs build fills in from scripts/house.py, so no page can drift from the code."""
+    house = _script("house")
+    floors, arrows, cycles = house.house(PACKAGE, by_module=False, room="launch")
+    assert not cycles, f"launch/ folders importing each other: {cycles}"
+    assert floors < 7 and arrows < 40, f"launch/: {floors} floors, {arrows} arrows"
+    docs = PACKAGE.parent / "docs" / "explanation"
+    for page, room in [("runtime-layout.md", "runtime"), ("launch-layout.md", "launch")]:
+        assert f"%%house {room}%%" in (docs / page).read_text(), page
+    counted = _script("docs_hooks").house_counts("%%house launch%%")
+    assert counted == f"{floors} floors, {arrows} arrows"

@@ -130,7 +130,7 @@ def test_no_accelerator_state_passes_from_one_module_to_the_next(tmp_path):
     # a module that creates an Accelerator in the pytest process must not make a later
     # module's launch refuse to start (in xdist workers, which module runs next varies)
     (tmp_path / "test_later.py").write_text(
-        "from nbaccel.launch._preflight import check_no_state_in_kernel\n"
+        "from nbaccel.launch.start._preflight import check_no_state_in_kernel\n"
         "def test_launch_allowed():\n"
         "    check_no_state_in_kernel()\n"
     )

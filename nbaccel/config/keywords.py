@@ -147,26 +147,6 @@ def options_doc(names: Iterable[str], *, indent: str = "") -> str:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def named_arguments(function: Callable[..., Any], values: Mapping[str, Any]) -> dict[str, Any]:
-    """The values of ``function``'s named options (its positional-or-keyword parameters
-    after ``function`` and ``args``: Accelerate's), read from ``values`` by the signature,
-    so that no call lists them again.
-
-    Args:
-        function: the launch function whose signature names the parameters.
-        values: the call's values by name (``locals()`` at the top of its body).
-
-    Example:
-        >>> def launch(function, args=(), num_processes=None, use_port=None, **options): ...
-        >>> named_arguments(launch, {"function": print, "args": (), "num_processes": 2,
-        ...                          "use_port": None, "options": {}})
-        {'num_processes': 2, 'use_port': None}
-    """
-    params = inspect.signature(function).parameters.values()
-    names = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
-    return {name: values[name] for name in names if name not in ("function", "args")}
-
-
 def documented(keywords: type | None = None) -> Callable[[F], F]:
     """Decorate a launch function: ``**options`` (typed by the TypedDict ``keywords``)
     shown as keyword-only parameters with their defaults, and ``{options}`` in the
@@ -203,7 +183,6 @@ __all__ = [
     "PoolKeywords",
     "default",
     "documented",
-    "named_arguments",
     "option_help",
     "options_doc",
     "split",

@@ -161,7 +161,7 @@ class LaunchConfig:
         default=False,
         metadata={"help": "record CUDA-initialisation stacks and worker stacks on hangs."},
     )
-    # -- hangs: nbaccel.launch._watchdog ------------------------------------------------
+    # -- hangs: nbaccel.launch.debug._watchdog ------------------------------------------------
     # 5 minutes: longer than a real step, a checkpoint save or an evaluation on one rank
     # usually keeps the others waiting, shorter than torch's own collective timeouts (NCCL's
     # 10 min, gloo's 30 min), which end the job without saying where each rank was.

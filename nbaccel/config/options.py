@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import functools
 import typing
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from ..errors import ConfigError
@@ -162,17 +162,6 @@ class CallOptions:
 
     def __post_init__(self) -> None:
         check_types(self)
-
-    @classmethod
-    def of(cls, values: Mapping[str, Any]) -> CallOptions:
-        """The options named by this class's fields, read from ``values`` (a call's
-        ``locals()``), so that no call lists them again.
-
-        Example:
-            >>> CallOptions.of({"return_all_ranks": True, "block": True, "output": None, "x": 1})
-            CallOptions(return_all_ranks=True, block=True, output=None)
-        """
-        return cls(**{f.name: values[f.name] for f in fields(cls)})
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:

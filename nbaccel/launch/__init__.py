@@ -1,16 +1,25 @@
-"""One launch engine, and what is built on it.
+"""One launch engine in folders by concept, and the doors built on it.
 
-* the engine: ``_preflight`` checks and resolves before anything starts;
-  ``_start`` starts a group (``_rendezvous``, ``_group``: fork or spawn);
-  each worker runs ``_worker``'s loop (``_jobs``, ``_worker_os``); one
-  channel per worker (``_wire``, its messages ``_messages``); one supervisor (``_supervisor`` over ``_group``, with
-  ``_tidy``, ``_output``, and ``_watchdog``: ranks waiting on each other
-  without progress are reported); on TPUs the backend sets each started worker up;
+The folders (docs/explanation/launch-layout.md; each one's ``__init__`` says its job):
+
+* ``channel/`` -- what the kernel and a worker say and how it travels: ``_messages``,
+  ``_wire``, ``_jobs``, ``_cluster_wire`` (authenticated TCP), ``_rendezvous``;
+* ``cell/`` -- what the launching cell sees of the output: ``_output``, ``_cell_output``;
+* ``worker/`` -- one worker's life: ``_worker``'s loop, ``_worker_os``, ``_postmortem``;
+* ``engine/`` -- one supervisor over started workers: ``_supervisor``, ``_group`` (with the
+  public names start backends use), ``_tidy``, ``_lifetimes``;
+* ``debug/`` -- supervisor hooks: ``_watchdog`` (hangs), ``_kept`` (ranks kept for pdb);
+* ``start/`` -- check, plan, start: ``_preflight``, ``_freegpus``, ``_start``, ``_local``
+  (fork, spawn, fork server), ``_forkserver``, ``cluster/`` (Ray); on TPUs the backend sets
+  each started worker up.
+
+The doors, at the top:
+
 * :mod:`~nbaccel.launch.launcher` -- ``notebook_launcher`` (one job), ``debug_launcher``,
   ``run_script`` (``nbaccel launch``); :mod:`~nbaccel.launch.handle` -- ``LaunchHandle``;
 * :mod:`~nbaccel.launch.pool` -- ``start_workers``/``WorkerPool`` (many jobs);
   :mod:`~nbaccel.launch.magic` -- ``%%distributed``;
 * :mod:`~nbaccel.launch.debugger` -- ``nbaccel.debug()``/``%nbaccel_debug``: pdb on a failed
-  rank (worker side ``_postmortem``, the kernel's record of failed jobs ``_kept``);
+  rank;
 * :mod:`~nbaccel.launch.testing` -- ``run_on_workers`` for tests, through this engine.
 """

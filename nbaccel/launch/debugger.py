@@ -26,10 +26,10 @@ import signal
 from collections.abc import Sequence
 
 from ..errors import LaunchError
-from . import _kept
-from ._messages import Debug, PdbLine, PdbOutput
-from ._supervisor import Hook, JobFailed, Supervisor
-from ._tidy import clean, trim_stack
+from .channel._messages import Debug, PdbLine, PdbOutput
+from .debug import _kept
+from .engine._supervisor import Hook, JobFailed, Supervisor
+from .engine._tidy import clean, trim_stack
 
 _sessions = itertools.count(1)
 WAIT_STEP = 0.05  # seconds per look at the worker while waiting for pdb's answer

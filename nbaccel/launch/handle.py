@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import Stopped
-from . import _lifetimes
-from ._cell_output import _kernel
-from ._tidy import clean, show_in_cell
+from .cell._cell_output import running_kernel
+from .engine import _lifetimes
+from .engine._tidy import clean, show_in_cell
 
 Listener = Callable[[int, str, dict], Any]
 #: Logged-value events a board keeps for listeners that come late.
@@ -193,7 +193,7 @@ _sigint: dict[str, Any] = {"previous": None}  # the idle kernel's handler nbacce
 def _arm() -> None:
     """Let the idle kernel's interrupt stop the background runs (0 stopped: the handler
     that was there gets it)."""
-    kernel = _kernel()
+    kernel = running_kernel()
     if kernel is None or threading.current_thread() is not threading.main_thread():
         return
     # (an ipykernel without saved_sigint_handler does not swap handlers per request)

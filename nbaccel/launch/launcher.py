@@ -1,10 +1,10 @@
 """``notebook_launcher``: run a training function on every device from a live kernel.
 
-A launch is "check, then launch": :mod:`~nbaccel.launch._preflight` raises any problem
+A launch is "check, then launch": :mod:`~nbaccel.launch.start._preflight` raises any problem
 before a process exists; one blocking process runs the function in the kernel itself (on a
 TPU never: the backend's processes are workers); otherwise a one-shot group of workers
-(:mod:`~nbaccel.launch._start`) gets the function as its one job, supervised as a pool's
-(:mod:`~nbaccel.launch._supervisor`); ``max_restarts`` starts a fresh group after a failure.
+(:mod:`~nbaccel.launch.start._start`) gets the function as its one job, supervised as a pool's
+(:mod:`~nbaccel.launch.engine._supervisor`); ``max_restarts`` starts a fresh group after a failure.
 
 Example:
     >>> from nbaccel import notebook_launcher
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import LaunchConfig, install_launch_config, installed_launch_config
 from ..config.choices import PrecisionType, RdzvBackendType
-from ..config.keywords import LaunchKeywords, documented, named_arguments, split
+from ..config.keywords import LaunchKeywords, documented, split
 from ..config.options import START
 from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
 from ..platform import environment
@@ -36,14 +36,14 @@ from ..platform.process_env import (
     install_process_facts,
     installed_process_facts,
 )
-from . import _kept
-from ._cell_output import CellOutput
-from ._messages import Job
-from ._preflight import LaunchPlan, plan_launch, plan_script
-from ._start import rank_environment, start_group
-from ._supervisor import JobFailed, Supervisor
-from ._tidy import add_hint, clean, warn_oversubscribed
+from .cell._cell_output import CellOutput
+from .channel._messages import Job
+from .debug import _kept
+from .engine._supervisor import JobFailed, Supervisor
+from .engine._tidy import add_hint, clean, warn_oversubscribed
 from .handle import LaunchHandle, already_running, running_from
+from .start._preflight import LaunchPlan, plan_launch, plan_script
+from .start._start import rank_environment, start_group
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
     from typing_extensions import Unpack
@@ -104,7 +104,25 @@ def notebook_launcher(
         KeyboardInterrupt: the kernel was interrupted; every worker is gone.
     """
     __tracebackhide__ = True  # IPython shows the user's cell, then the error: not this frame
-    accelerate = named_arguments(notebook_launcher, locals())  # Accelerate's, by the signature
+    # Accelerate's parameters, each passed on by name: split() sorts them by their
+    # definition into settings (LaunchConfig fields: num_processes, mixed_precision,
+    # master_addr, node_rank, num_nodes, max_restarts) and StartOptions (the rest).
+    # tests/config/test_options.py fails when a parameter is not passed on.
+    accelerate = dict(
+        num_processes=num_processes,
+        mixed_precision=mixed_precision,
+        use_port=use_port,
+        master_addr=master_addr,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_conf=rdzv_conf,
+        rdzv_id=rdzv_id,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        log_line_prefix_template=log_line_prefix_template,
+    )
     settings, start, call = split(accelerate, options, LaunchKeywords, "notebook_launcher()")
     return launch(plan_launch(function, args, settings, start, call))
 

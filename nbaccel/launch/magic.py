@@ -133,7 +133,7 @@ def load_ipython_extension(ipython: Any) -> None:
     from IPython.core.error import UsageError
 
     from ..platform import cudatrace
-    from ._group import take_fork_server
+    from .start._local import take_fork_server
 
     cudatrace.install()  # a CUDA initialisation in a later cell is named if a fork is refused
     take_fork_server()  # the notebook's first cell: workers fork later even after CUDA

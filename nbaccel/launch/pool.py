@@ -35,16 +35,18 @@ from ..config.keywords import PoolKeywords, documented, split
 from ..config.options import CALL, CallOptions, OutputTarget, check_settings
 from ..errors import LaunchError, Stopped
 from ..platform import cudafork, environment
-from . import _forkserver, _kept, _lifetimes
-from ._cell_output import CellOutput
-from ._jobs import check_syntax, dill_for_workers
-from ._messages import Job
-from ._preflight import LaunchPlan, check_call, plan_launch
-from ._start import forwarder, start_group
-from ._supervisor import JobFailed, Supervisor
-from ._tidy import add_hint, clean, warn_oversubscribed
-from ._watchdog import HangPolicy, HangWatch
+from .cell._cell_output import CellOutput
+from .channel._jobs import check_syntax, dill_for_workers
+from .channel._messages import Job
+from .debug import _kept
+from .debug._watchdog import HangPolicy, HangWatch
+from .engine import _lifetimes
+from .engine._supervisor import JobFailed, Supervisor
+from .engine._tidy import add_hint, clean, warn_oversubscribed
 from .handle import LaunchHandle, Observed, RankStatus, already_running
+from .start import _forkserver
+from .start._preflight import LaunchPlan, check_call, plan_launch
+from .start._start import forwarder, start_group
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
     from typing_extensions import Unpack
@@ -348,7 +350,7 @@ class WorkerPool(Observed):
         check_call(function, args, "pool.run(train, lr)")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments.")
-        call = CallOptions.of(locals())  # this call's options, by CallOptions' fields
+        call = CallOptions(return_all_ranks=return_all_ranks, block=block, output=output)
         given = check_settings(dict(hang_after=hang_after, on_hang=on_hang))  # then as the pool's
         payload = dill_for_workers(
             (function, tuple(args), dict(kwargs or {})), "the function and its args"

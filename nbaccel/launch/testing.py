@@ -25,7 +25,7 @@ from ..config.options import CallOptions, StartOptions
 from ..errors import LaunchError
 
 if TYPE_CHECKING:
-    from ._preflight import LaunchPlan
+    from .start._preflight import LaunchPlan
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -55,8 +55,8 @@ def run_on_workers(
     the remote type); after ``timeout`` seconds the workers are stopped and a
     ``LaunchError`` says so.
     """
-    from ._preflight import plan_launch
     from .launcher import launch, patched_environ
+    from .start._preflight import plan_launch
 
     values = {"OMP_NUM_THREADS": "1", **dict(env or {})}
     with patched_environ(values):
@@ -84,7 +84,7 @@ def plan_for(function: Callable[..., Any], args: Any = (), **options: Any) -> La
         >>> plan_for(print, num_processes=2, start_method="fork").method  # doctest: +SKIP
         'fork'
     """
-    from ._preflight import plan_launch
+    from .start._preflight import plan_launch
 
     return plan_launch(function, args, *split(options, {}, LaunchKeywords, "plan_for()"))
 

@@ -102,14 +102,14 @@ class LiveView:
         """Display ``bundle`` (the widget's) in the cell being executed now."""
         from IPython.display import display
 
-        from ..launch._cell_output import CellOutput
+        from ..launch.cell._cell_output import CellOutput
 
         display(bundle, raw=True, display_id=self.id)
         self.shown_in = request_id(CellOutput.here())
 
     def shown_here(self) -> bool:
         """Already shown in the cell being executed now (``watch()`` as its last line)."""
-        from ..launch._cell_output import CellOutput
+        from ..launch.cell._cell_output import CellOutput
 
         return self.shown_in is not None and request_id(CellOutput.here()) == self.shown_in
 

@@ -37,7 +37,7 @@ import uuid
 from collections import deque
 from typing import Any, TextIO
 
-from ..launch._cell_output import CellOutput
+from ..launch.cell._cell_output import CellOutput
 from . import _monitor_view as view
 from ._chart import render_svg
 from ._deferred import DeferredCall

@@ -46,7 +46,7 @@ from ..config import (
 )
 from ..config.store import with_host_defaults
 from ..errors import ConfigError, Stopped
-from ..launch._tidy import oversubscribed
+from ..launch.engine._tidy import oversubscribed
 from ..platform.hardware import (
     Hardware,
     default_num_processes,

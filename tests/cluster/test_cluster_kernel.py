@@ -98,7 +98,7 @@ def _workers() -> list[psutil.Process]:
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
             cmd = " ".join(proc.info["cmdline"] or ())
-            if "spawn_main" not in cmd or "nbaccel.launch._worker" not in cmd:
+            if "spawn_main" not in cmd or "nbaccel.launch.worker._worker" not in cmd:
                 continue
             lines = [" ".join(p.cmdline()) for p in proc.parents()]
             if any(_CLUSTER_ROOT[0] in line for line in lines):

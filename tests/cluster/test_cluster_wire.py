@@ -16,8 +16,8 @@ import time
 import pytest
 
 from nbaccel.errors import LaunchError
-from nbaccel.launch import _cluster_wire
-from nbaccel.launch._wire import HEADER, Channel
+from nbaccel.launch.channel import _cluster_wire
+from nbaccel.launch.channel._wire import HEADER, Channel
 
 SECRET = b"s" * 32
 

@@ -12,14 +12,14 @@ import warnings
 
 import pytest
 
-from nbaccel.launch import _cluster
+from nbaccel.launch.start.cluster import _cluster
 
 pytestmark = [pytest.mark.cluster]
 
 
 DESCRIBE = (
     "import asyncio, json, sys\n"
-    "from nbaccel.launch._cluster_host import RankHost\n"
+    "from nbaccel.launch.start.cluster._cluster_host import RankHost\n"
     "for d in sys.argv[1:]:\n"
     "    print(json.dumps(asyncio.run(RankHost().describe(reserve_store=False, workdir=d))))"
 )

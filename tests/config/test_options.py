@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import pathlib
 import re
+import textwrap
 import typing
 
 import pytest
@@ -144,21 +145,65 @@ def _copies(node: ast.AST, names: set[str]) -> list[str]:
 _MANY = 3
 
 
+def _pass_ons(tree: ast.AST) -> set[int]:
+    """``id`` of each call that passes a function's own parameters on by name
+    (``dict(num_nodes=num_nodes, ...)`` in ``notebook_launcher``): the signature's names
+    flowing to their use, which a reader can follow, not the option set written again
+    (that each parameter is passed on is checked by the test below)."""
+    found = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        params = {a.arg for a in (*fn.args.args, *fn.args.kwonlyargs)}
+        for node in ast.walk(fn):
+            same = [
+                k.arg
+                for k in getattr(node, "keywords", [])
+                if isinstance(k.value, ast.Name) and k.value.id == k.arg
+            ]
+            if isinstance(node, ast.Call) and same and set(same) <= params:
+                found.add(id(node))
+    return found
+
+
 def test_launch_lists_no_option_names_and_passes_no_locals():
     names = set(field_names()) | {f.name for c in DEFINED for f in dataclasses.fields(c)}
     found = []
-    for path in sorted(LAUNCH.glob("*.py")):
+    for path in sorted(LAUNCH.rglob("*.py")):  # the doors and every folder
         text = path.read_text()
-        # locals() only where a signature or the definition names what to read of it
-        calls = re.findall(r"([\w.]+)\((?:\w+, )?locals\(\)\)", text)
-        assert text.count("locals()") == len(calls), path
-        assert set(calls) <= {"named_arguments", "CallOptions.of"}, (path, calls)
+        # no locals(): each option goes from its parameter to its use by name
+        assert "locals()" not in text, path
         assert not re.search(r"^(DEFAULT_HANG_AFTER|DEBUG_TIMEOUT)\s*=\s*[\d.]", text, re.M)
-        for node in ast.walk(ast.parse(text)):
-            if listed := _copies(node, names):
+        tree = ast.parse(text)
+        passed_on = _pass_ons(tree)
+        for node in ast.walk(tree):
+            if id(node) not in passed_on and (listed := _copies(node, names)):
                 found.append(f"{path.name}:{node.lineno}: {listed}")
     assert not found, "option names written again in launch/:\n" + "\n".join(found)
     assert start_workers.__annotations__["options"] == "Unpack[PoolKeywords]"  # not Any
+
+
+@pytest.mark.parametrize("function", [notebook_launcher, start_workers, WorkerPool.call])
+def test_each_parameter_reaches_its_use(function):
+    # Every option of a door is read in its body (passed on by name, e.g. notebook_launcher's
+    # dict(num_nodes=num_nodes, ...) to split()): a parameter added to the signature and
+    # never passed on would be accepted and silently ignored.
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    fn = tree.body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    params = [a.arg for a in (*fn.args.args, *fn.args.kwonlyargs) if a.arg != "self"]
+    if fn.args.kwarg is not None:
+        params.append(fn.args.kwarg.arg)  # **options
+    read = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    assert [p for p in params if p not in read] == [], function.__qualname__
+
+
+def test_a_pass_on_is_only_of_the_function_own_parameters():
+    # the guard above still sees a copy: names listed in a function that does not take them
+    copy = "def f(a):\n    return dict(num_processes=num_processes, use_port=use_port, a=a)\n"
+    assert not _pass_ons(ast.parse(copy))
+    own = "def f(num_processes, use_port, a):\n    return dict(num_processes=num_processes, use_port=use_port, a=a)\n"
+    assert _pass_ons(ast.parse(own))
 
 
 @pytest.mark.parametrize(

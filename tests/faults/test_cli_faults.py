@@ -67,7 +67,7 @@ def test_sigkill_of_nbaccel_launch_ends_every_worker_and_their_children(tmp_path
 # supervisor): here it arrives while die() imports psutil, whose handler ran die() again.
 SIGTERM_TWICE = """
 import importlib.abc, os, signal, subprocess, sys, time
-from nbaccel.launch import _worker_os as wos
+from nbaccel.launch.worker import _worker_os as wos
 
 assert "psutil" not in sys.modules
 wos.reset_signals()  # SIGTERM -> die(143), as in a worker

@@ -13,7 +13,7 @@ SETUP = """
 %load_ext nbaccel
 import os, torch
 from nbaccel import notebook_launcher, start_workers
-from nbaccel.launch import _forkserver
+from nbaccel.launch.start import _forkserver
 
 def on_gpu(x):
     import os, torch

@@ -8,7 +8,7 @@ import os
 
 from gpu_facts import cuda_facts, gpu_count, skip_for_hardware
 
-from nbaccel.launch import _freegpus
+from nbaccel.launch.start import _freegpus
 from nbaccel.platform import gpufacts
 
 

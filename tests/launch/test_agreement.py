@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from nbaccel.config import LaunchConfig
-from nbaccel.launch._rendezvous import agree, compare
-from nbaccel.launch._worker import WorkerSpec
+from nbaccel.launch.channel._rendezvous import agree, compare
+from nbaccel.launch.worker._worker import WorkerSpec
 
 
 def test_compare_names_every_node_value():

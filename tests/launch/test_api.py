@@ -200,7 +200,7 @@ def _exception_classes() -> list[tuple[str, str]]:
 
 
 # control flow inside the engine: the launcher and the pool always catch it
-INTERNAL = {("launch/_supervisor.py", "JobFailed")}
+INTERNAL = {("launch/engine/_supervisor.py", "JobFailed")}
 
 
 def test_every_public_exception_is_defined_in_nbaccel_errors():

@@ -18,10 +18,10 @@ import psutil
 import pytest
 
 from nbaccel.errors import WorkerError
-from nbaccel.launch import _forkserver
-from nbaccel.launch._group import take_fork_server
-from nbaccel.launch._jobs import dill_for_workers
+from nbaccel.launch.channel._jobs import dill_for_workers
 from nbaccel.launch.launcher import launch
+from nbaccel.launch.start import _forkserver
+from nbaccel.launch.start._local import take_fork_server
 from nbaccel.launch.testing import plan_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +116,7 @@ from fake_cuda import build_fake_driver
 from pathlib import Path
 os.environ["NBACCEL_FORK_SERVER"] = "1"
 ctypes.CDLL(str(build_fake_driver(Path({folder!r})))).cuInit(0)  # before nbaccel is used
-from nbaccel.launch import _forkserver
+from nbaccel.launch.start import _forkserver
 from nbaccel.launch.testing import plan_for
 
 # planned, not run: the decision and its line (spawned launches are tested elsewhere)

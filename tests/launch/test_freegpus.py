@@ -10,8 +10,14 @@ import pytest
 
 from nbaccel import notebook_launcher
 from nbaccel.errors import ConfigError
-from nbaccel.launch import _freegpus
-from nbaccel.launch._freegpus import compiles, decide, p2p_decision, precision_line, shm_decision
+from nbaccel.launch.start import _freegpus
+from nbaccel.launch.start._freegpus import (
+    compiles,
+    decide,
+    p2p_decision,
+    precision_line,
+    shm_decision,
+)
 from nbaccel.platform import gpufacts
 from nbaccel.platform.gpufacts import GpuFacts
 

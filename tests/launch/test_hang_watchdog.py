@@ -19,8 +19,8 @@ import torch
 from nbaccel import LaunchConfig, notebook_launcher, start_workers
 from nbaccel.config import resolve_launch_config
 from nbaccel.errors import ConfigError, LaunchError, WorkerError, WorkerTimeoutError
-from nbaccel.launch._supervisor import Hook, JobFailed
-from nbaccel.launch._watchdog import DEFAULT_HANG_AFTER, HangPolicy, Watchdog
+from nbaccel.launch.debug._watchdog import DEFAULT_HANG_AFTER, HangPolicy, Watchdog
+from nbaccel.launch.engine._supervisor import Hook, JobFailed
 
 CPU = LaunchConfig(compute_device="cpu")
 REPORTED = "waiting in torch.distributed.all_reduce"

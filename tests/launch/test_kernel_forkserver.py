@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 SETUP = """
 import ctypes, os, signal
 from nbaccel import notebook_launcher, start_workers
-from nbaccel.launch import _forkserver
+from nbaccel.launch.start import _forkserver
 from nbaccel.platform import cudafork
 drv = ctypes.CDLL({library!r})  # mapped, untouched: the notebook has not used CUDA yet
 

@@ -28,8 +28,8 @@ import torch
 import nbaccel
 from nbaccel import LaunchHandle, debug_launcher, notebook_launcher
 from nbaccel.errors import CUDAInitializedError, LaunchError, WorkerError, WorkerTimeoutError
-from nbaccel.launch import _group, _preflight
-from nbaccel.launch._tidy import Failure, pick_failure, remote_exception
+from nbaccel.launch.engine._tidy import Failure, pick_failure, remote_exception
+from nbaccel.launch.start import _local, _preflight
 from nbaccel.launch.testing import plan_for
 from nbaccel.platform import cudatrace as _cudatrace
 from nbaccel.platform import forksafe
@@ -197,8 +197,8 @@ def no_workers(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a worker process was started")
 
-    monkeypatch.setattr(_group, "start_processes", refuse)
-    monkeypatch.setattr("nbaccel.launch._start.start_processes", refuse)
+    monkeypatch.setattr(_local, "start_processes", refuse)
+    monkeypatch.setattr("nbaccel.launch.start._start.start_processes", refuse)
     before = _child_pids()
     yield
     assert _child_pids() == before

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from nbaccel.launch._output import LineForwarder
+from nbaccel.launch.cell._output import LineForwarder
 
 
 def _forward(chunks: list[bytes], num_processes: int = 2) -> str:
@@ -33,7 +33,7 @@ def test_unterminated_last_line_is_flushed_on_close_and_one_process_has_no_prefi
 
 
 def test_a_line_without_end_is_forwarded_in_bounded_pieces():
-    from nbaccel.launch._output import MAX_LINE
+    from nbaccel.launch.cell._output import MAX_LINE
 
     out = io.StringIO()
     fwd = LineForwarder(out, out, num_processes=1)

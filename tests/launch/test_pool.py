@@ -403,6 +403,6 @@ def test_one_exit_hook_ends_pools_background_runs_and_kept_ranks(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=150, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "hooks: ['nbaccel.launch._lifetimes._at_exit']" in proc.stdout, proc.stdout
+    assert "hooks: ['nbaccel.launch.engine._lifetimes._at_exit']" in proc.stdout, proc.stdout
     assert "alive after the exit hooks: []" in proc.stdout, proc.stdout  # ended by the hook
     # and no worker outlived the "kernel" (the autouse fixture fails on any left behind)

@@ -18,7 +18,7 @@ import pytest
 import nbaccel
 from nbaccel import notebook_launcher, start_workers
 from nbaccel.errors import ConfigError, LaunchError
-from nbaccel.launch import _kept
+from nbaccel.launch.debug import _kept
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from nbaccel.launch import _group
+from nbaccel.launch.engine import _group
 
 
 @pytest.fixture(autouse=True)
@@ -22,8 +22,9 @@ def _fresh_memory():
 
 
 def test_only_what_a_worker_reported_is_remembered():
-    _group.remember_worker_imports(["torch._dynamo", "something.else"])
-    assert _group._learned == {"torch._dynamo"}
+    assert _group.worker_imports() == frozenset()  # nothing predicted
+    _group.remember_worker_imports(["torch._dynamo"])
+    assert _group.worker_imports() == {"torch._dynamo"}
 
 
 SCRIPT = textwrap.dedent(

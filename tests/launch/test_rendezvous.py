@@ -14,7 +14,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from nbaccel.launch._rendezvous import Rendezvous, host_store
+from nbaccel.launch.channel._rendezvous import Rendezvous, host_store
 
 pytestmark = pytest.mark.integration
 TIMEOUT = datetime.timedelta(seconds=10)
@@ -53,7 +53,7 @@ def _store_pair():
 def test_leave_says_whether_every_rank_arrived(monkeypatch):
     import threading
 
-    from nbaccel.launch import _rendezvous
+    from nbaccel.launch.channel import _rendezvous
 
     assert _rendezvous.leave(None, is_host=True, world_size=1) is True  # nobody to wait for
     assert _rendezvous.leave(None, is_host=False, world_size=2) is False  # no barrier held

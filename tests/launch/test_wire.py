@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.serialization
 
-from nbaccel.launch import _wire
+from nbaccel.launch.channel import _wire
 
 
 def _gpu_tagged(value, monkeypatch):
@@ -69,7 +69,7 @@ def test_every_message_is_a_small_frozen_dataclass_that_crosses_the_channel():
     import dataclasses
     import socket
 
-    from nbaccel.launch import _messages
+    from nbaccel.launch.channel import _messages
 
     kernel, worker = (_wire.Channel(s) for s in socket.socketpair())
     try:
@@ -101,7 +101,7 @@ def test_no_launch_module_speaks_in_positional_tuples():
     import nbaccel.launch
 
     offenders = []
-    for path in sorted(pathlib.Path(nbaccel.launch.__file__).parent.glob("*.py")):
+    for path in sorted(pathlib.Path(nbaccel.launch.__file__).parent.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             sends = (
                 isinstance(node, ast.Call)
@@ -125,7 +125,7 @@ def test_a_probe_answered_while_torch_is_half_imported_is_sent(monkeypatch):
     # pickler must not need torch.Tensor then (the thread died, and with it the channel)
     import types
 
-    from nbaccel.launch._messages import ProbeAnswer
+    from nbaccel.launch.channel._messages import ProbeAnswer
 
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # no Tensor yet
     message = ProbeAnswer(3, {"stack": "...", "waiting": None})

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from nbaccel import notebook_launcher
-from nbaccel.launch import _group
-from nbaccel.launch._group import WorkerProcess
+from nbaccel.launch.engine._group import WorkerProcess
+from nbaccel.launch.start import _local
 
 pytestmark = pytest.mark.integration
 
@@ -106,7 +106,7 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch, kernel_s
     # A notebook interrupt that arrives while os.fork() runs is raised the moment the call
     # returns. Here the interrupt arrives just after the first fork: the launch must end
     # with KeyboardInterrupt and with that worker killed and reaped, not running on alone.
-    real_fork = _group._fork
+    real_fork = _local._fork
     forked: list[int] = []
 
     def fork_then_interrupt(spec, ends, job):
@@ -115,7 +115,7 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch, kernel_s
         os.kill(os.getpid(), signal.SIGINT)
         return pid
 
-    monkeypatch.setattr(_group, "_fork", fork_then_interrupt)
+    monkeypatch.setattr(_local, "_fork", fork_then_interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
             notebook_launcher(_never_runs, num_processes=2, start_method="fork")

@@ -220,7 +220,7 @@ def test_bf16_by_name_and_by_compute_capability_is_one_decision(name):
     """A GPU known by name only (the pre-flight check without nvidia-smi's compute_cap, the
     host's defaults) gets the decision the compute capability gets (issue 50: it was made
     twice, by a name list and by a capability bound)."""
-    from nbaccel.launch._freegpus import precision_line
+    from nbaccel.launch.start._freegpus import precision_line
     from nbaccel.platform.gpufacts import GpuFacts
     from nbaccel.platform.hosts import gpu_without_bf16, lacks_bf16, name_capability
 

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from ._messages import Debug, Exit, PdbLine, PdbOutput
+from ..channel._messages import Debug, Exit, PdbLine, PdbOutput
 
 _kept: list[BaseException] = []  # the last failed job's exception (at most one)
 

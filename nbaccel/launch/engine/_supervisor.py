@@ -1,13 +1,13 @@
 """The one supervisor: the kernel's side of a group of workers, for every kind of launch.
 
-:meth:`Supervisor.run_job` acts on the channel's messages (:mod:`._messages`) by type and
+:meth:`Supervisor.run_job` acts on the channel's messages (:mod:`..channel._messages`) by type and
 waits for one job: after a first failure, ``GRACE`` for the others' reports, then the first
 *real* failure is raised (a healthy rank's "connection closed by peer" counts only when
 nothing else went wrong); ranks still busy ``timeout`` seconds after a peer finished hang
 (their stacks go into a :class:`~nbaccel.errors.WorkerTimeoutError`); on an interrupt,
 ``stop()`` or a failure, a one-shot group is terminated while a pool's busy ranks get
 SIGINT and ``INTERRUPT_GRACE`` to come back. Extras plug in as :class:`Hook` objects: the
-hang watchdog and the subset check (:mod:`._watchdog`), post-mortem (:mod:`._kept`), a pdb
+hang watchdog and the subset check (:mod:`..debug._watchdog`), post-mortem (:mod:`..debug._kept`), a pdb
 session's inbox (:mod:`.debugger`). The workers' pipes belong to the :class:`._group.Group`.
 
 Example:
@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn, TypeVar
 
-from ..errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
+from ...errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
+from ..cell._output import LineForwarder
+from ..channel._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
+from ..channel._wire import loads
 from ._group import Group, WorkerProcess, remember_worker_imports
-from ._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
-from ._output import LineForwarder
 from ._tidy import Failure, add_note, fatal_stack, pick_failure, remote_exception
-from ._wire import loads
 
 EventCallback = Callable[[int, str, dict], None]
 NO_ANSWER = "(no answer: not running Python code)"
@@ -136,7 +136,7 @@ class Supervisor:
     def probe(
         self, ranks: Iterable[int], wait: float = 1.0, *, flight: bool = False
     ) -> dict[int, dict[str, Any]]:
-        """What each rank's main thread does now (:func:`._worker_os.main_thread_report`),
+        """What each rank's main thread does now (:func:`..worker._worker_os.main_thread_report`),
         answered also while it is blocked in C++. From another thread than the job's (a
         monitor's button) it only asks: the job's thread reads the answers."""
         asked = [self.procs[r] for r in ranks if self.procs[r].returncode is None]
@@ -189,7 +189,7 @@ class Supervisor:
                 now = time.time()
                 self.workers.poll()
                 if stop.is_set():
-                    self._end_early(procs, Stopped("the run was stopped with stop()"))
+                    self.end_early(procs, Stopped("the run was stopped with stop()"))
                 busy = [p for p in procs if p.rank not in self._done]
                 if problems := self.failures(procs):
                     first_problem = first_problem or now
@@ -202,7 +202,7 @@ class Supervisor:
                 stuck = [p.rank for p in busy if p.returncode is None]
                 for hook in self.hooks:
                     if (ending := hook.look(self, stuck, self._done)) is not None:
-                        self._end_early(procs, ending.error, ending.broken)
+                        self.end_early(procs, ending.error, ending.broken)
                 finished = [self._done_at[r] for r, done in self._done.items() if done.ok]
                 if self.timeout and finished and stuck and now - min(finished) > self.timeout:
                     reason = (
@@ -212,7 +212,7 @@ class Supervisor:
                     )
                     self.hung(stuck, reason, {})
         except KeyboardInterrupt:
-            self._end_early(procs, KeyboardInterrupt())
+            self.end_early(procs, KeyboardInterrupt())
         finally:
             self._reader = None
         raise AssertionError("unreachable")  # pragma: no cover
@@ -273,7 +273,7 @@ class Supervisor:
         finished = {r for r, done in self._done.items() if done.ok}
         for hook in self.hooks:  # before the others are interrupted: where each one is
             hook.failed(self, problems, chosen, finished)
-        self._end_early(procs, error, dead[0].summary() if dead else None)
+        self.end_early(procs, error, dead[0].summary() if dead else None)
 
     def _name_missing(self, error: RanksMissingError, rank: int, live: list[int]) -> None:
         """Name the ranks that did not come to the collective ``rank`` failed in, and note what
@@ -300,9 +300,9 @@ class Supervisor:
         """``stuck`` ranks hang: the job ends with their stacks now (over ``stacks``)."""
         found = self.stacks(stuck)
         error = WorkerTimeoutError(stuck, {**stacks, **found}, reason, self.procs[stuck[0]].pid)
-        self._end_early([], error, f"rank(s) {stuck} hung")
+        self.end_early([], error, f"rank(s) {stuck} hung")
 
-    def _end_early(
+    def end_early(
         self, procs: list[WorkerProcess], error: BaseException, broken: str | None = None
     ) -> NoReturn:
         """A one-shot group is terminated; a pool's busy ranks are interrupted and given

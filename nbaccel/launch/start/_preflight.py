@@ -13,7 +13,7 @@ the plan is what every worker receives, typed; the environment it also gets is t
 (ranks, rendezvous) and the OS's (threads, visible GPUs), never nbaccel's settings as text.
 
 Example:
-    >>> from nbaccel.launch._preflight import plan_launch
+    >>> from nbaccel.launch.start._preflight import plan_launch
     >>> plan = plan_launch(print, (), dict(num_processes=2, start_method="fork", mixed_precision="bf16"))
     >>> plan.num_processes, plan.method, plan.config.mixed_precision
     (2, 'fork', 'bf16')
@@ -29,15 +29,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import LaunchConfig, resolve_launch_config
-from ..config.options import CALL, START, CallOptions, StartOptions, check_settings
-from ..errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
-from ..platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware, tpu
+from ...config import LaunchConfig, resolve_launch_config
+from ...config.options import CALL, START, CallOptions, StartOptions, check_settings
+from ...errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
+from ...platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware, tpu
+from ..channel._jobs import dill_for_workers
+from ..channel._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
 from . import _forkserver, _freegpus
-from ._cluster_place import check_cluster_installed, keep_print_plain
-from ._group import take_fork_server
-from ._jobs import dill_for_workers
-from ._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
+from ._local import take_fork_server
+from .cluster._cluster_place import check_cluster_installed, keep_print_plain
 
 
 def check_no_state_in_kernel() -> None:
@@ -348,7 +348,7 @@ def _tpu_processes(cfg: LaunchConfig) -> int:
 def _check_deepspeed(cfg: LaunchConfig, args: tuple[Any, ...]) -> None:
     """DeepSpeed asked for (strategy, or a plugin among the arguments) but not installed:
     one error naming the install command, in the kernel, before any worker starts."""
-    from ..runtime.strategy.deepspeed.deepspeed_plugin import DeepSpeedPlugin, require_deepspeed
+    from ...runtime.strategy.deepspeed.deepspeed_plugin import DeepSpeedPlugin, require_deepspeed
 
     if cfg.strategy == "deepspeed" or any(isinstance(a, DeepSpeedPlugin) for a in args):
         require_deepspeed("strategy='deepspeed' (or a DeepSpeedPlugin)")
@@ -409,7 +409,7 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
 
 def _check_parallelism(cfg: LaunchConfig, nproc: int) -> None:
     """The ``parallelism_config_*`` sizes against every node's processes, before any starts."""
-    from ..runtime.parallel.from_launch import check_launch
+    from ...runtime.parallel.from_launch import check_launch
 
     check_launch(cfg, num_processes=nproc * cfg.num_nodes)
 

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, LaunchError
+from ....errors import ConfigError, LaunchError
 
 INSTALL = "pip install 'nbaccel[ray]'"
 #: seconds a feasible placement group may stay pending (held resources) when no timeout is set

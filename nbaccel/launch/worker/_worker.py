@@ -33,14 +33,27 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import LaunchConfig, install_launch_config
-from ..platform import forksafe, torchcompat, tpu
-from ..platform.process_env import EnvironmentSnapshot, install_process_facts
-from ..tracking import events, progress, steps  # progress (tqdm) here: workers inherit it imported
-from . import _jobs, _messages, _postmortem, _rendezvous
+from ...config import LaunchConfig, install_launch_config
+from ...platform import forksafe, torchcompat, tpu
+from ...platform.process_env import EnvironmentSnapshot, install_process_facts
+from ...tracking import events, progress, steps  # progress (tqdm) here: workers inherit it imported
+from ..channel import _jobs, _messages, _rendezvous
+from ..channel._messages import (
+    Debug,
+    Done,
+    Event,
+    Exit,
+    Fatal,
+    Hello,
+    Job,
+    Probe,
+    ProbeAnswer,
+    Ready,
+    Setup,
+)
+from ..channel._wire import Channel, dumps
+from . import _postmortem
 from . import _worker_os as wos
-from ._messages import Debug, Done, Event, Exit, Fatal, Hello, Job, Probe, ProbeAnswer, Ready, Setup
-from ._wire import Channel, dumps
 
 
 @dataclass

@@ -8,7 +8,7 @@ fallback for lambdas and notebook classes.
 Example:
     >>> import pickle, socket
     >>> kernel, worker = (Channel(s) for s in socket.socketpair())
-    >>> from nbaccel.launch._messages import Hello
+    >>> from nbaccel.launch.channel._messages import Hello
     >>> worker.send(Hello(7))
     >>> kernel.receive(), loads(*dumps([1, 2]))
     ([Hello(pid=7)], [1, 2])

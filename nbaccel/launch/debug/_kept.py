@@ -6,7 +6,7 @@ fails (the failed ranks, and every other rank's stack); :func:`after_launch` and
 opens. Failed ranks only the kernel's debugging holds (a debug=True launch, a pool that
 replaced its workers) are owned here without a thread: ended after their session, when the
 pool moves on, or when the kernel next touches its workers (:func:`sweep`) once they left
-or overstayed ``debug_timeout``; the exit hook (:mod:`._lifetimes`) ends the rest.
+or overstayed ``debug_timeout``; the exit hook (:mod:`..engine._lifetimes`) ends the rest.
 
 Example:
     >>> last() is None or isinstance(last(), FailedJob)
@@ -20,10 +20,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..config.options import DEBUG_TIMEOUT  # a failed rank waits this long for debug()
-from . import _lifetimes
-from ._supervisor import Hook, Supervisor
-from ._tidy import Failure, signal_name
+from ...config.options import DEBUG_TIMEOUT  # a failed rank waits this long for debug()
+from ..engine import _lifetimes
+from ..engine._supervisor import Hook, Supervisor
+from ..engine._tidy import Failure, signal_name
 
 LINGER_GRACE = 5.0  # seconds after debug_timeout before the kernel ends a rank still there
 LEAVE_WAIT = 5.0  # seconds a launch's rank gets to exit by itself after its session

@@ -34,7 +34,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from ..errors import LaunchError
+from ...errors import LaunchError
 
 #: seconds one connection has to pass the challenge: a stranger never stalls the launch long
 AUTH_TIMEOUT = 20.0
@@ -43,7 +43,7 @@ _MAX_HELLO = 1 << 16
 
 def versions() -> dict[str, str]:
     """This install's nbaccel and torch versions (torch's from its metadata: not imported)."""
-    from .._version import __version__
+    from ..._version import __version__
 
     try:
         torch = importlib.metadata.version("torch")

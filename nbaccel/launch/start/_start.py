@@ -2,10 +2,10 @@
 
 A one-shot group (notebook_launcher, ``nbaccel launch``) gets its job as it starts, a pool's
 workers wait for jobs. What is started is handed to the returned
-:class:`~._supervisor.Supervisor` or ended before the exception propagates.
+:class:`~..engine._supervisor.Supervisor` or ended before the exception propagates.
 
 Example:
-    >>> from nbaccel.launch._start import rank_environment
+    >>> from nbaccel.launch.start._start import rank_environment
     >>> rank_environment(1, 0, world_size=2, local_world_size=2, node_rank=0)["LOCAL_RANK"]
     '0'
 """
@@ -19,16 +19,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _kept
-from ._cell_output import CellOutput
-from ._group import WorkerProcess, start_processes
-from ._messages import Job
-from ._output import LineForwarder
+from ..cell._cell_output import CellOutput
+from ..cell._output import LineForwarder
+from ..channel._messages import Job
+from ..channel._rendezvous import Rendezvous
+from ..debug import _kept
+from ..debug._watchdog import HangPolicy, HangWatch, SubsetCheck
+from ..engine._group import WorkerProcess, end_started
+from ..engine._supervisor import Hook, Supervisor
+from ..worker._worker import WorkerSpec
+from ._local import start_processes
 from ._preflight import LaunchPlan
-from ._rendezvous import Rendezvous
-from ._supervisor import Hook, Supervisor
-from ._watchdog import HangPolicy, HangWatch, SubsetCheck
-from ._worker import WorkerSpec
 
 
 def rank_environment(
@@ -49,7 +50,7 @@ def rank_environment(
 def forwarder(plan: LaunchPlan, ranks: list[int], output: Any) -> LineForwarder:
     """Where the workers' lines go: ``output`` (None: the cell's streams, a file-like
     object, or a callable ``output(rank, stream, line)``; a
-    :class:`~nbaccel.launch._cell_output.CellOutput`: the launching cell, also for a
+    :class:`~nbaccel.launch.cell._cell_output.CellOutput`: the launching cell, also for a
     background run), with the plan's prefixes."""
     if isinstance(output, CellOutput):  # progress bars redrawn in place, not line by line
         streams: tuple[Any, Any] = output.streams()
@@ -86,7 +87,7 @@ def start_group(
     ranks = plan.ranks
     hooks: list[Hook] = [SubsetCheck(), HangWatch(HangPolicy.of(cfg))]
     if cfg.cluster is not None:  # the cluster backend: every rank placed on a Ray node
-        from ._cluster import NodeWatch, start_cluster_group
+        from .cluster._cluster import NodeWatch, start_cluster_group
 
         procs = start_cluster_group(
             plan, round_=round_, persistent=persistent, rank_env=rank_environment
@@ -110,9 +111,7 @@ def start_group(
             supervisor.send(ranks, first_job)
         return supervisor
     except BaseException:  # e.g. an interrupt right now: no unsupervised worker may remain
-        for proc in procs:
-            proc.kill()
-            proc.close()
+        end_started(procs)
         raise
 
 

@@ -13,7 +13,7 @@ before any training each worker publishes its node's view in the store under the
 round, waits for every node's, and :func:`agree` raises naming both values on a mismatch.
 
 Example:
-    >>> from nbaccel.launch._rendezvous import Rendezvous
+    >>> from nbaccel.launch.channel._rendezvous import Rendezvous
     >>> rdzv = Rendezvous.reserve("127.0.0.1", None, num_nodes=1, node_rank=0)
     >>> rdzv.port > 0 and rdzv.listen_fd() is not None
     True
@@ -30,8 +30,8 @@ import socket
 import time
 from typing import Any, NoReturn
 
-from ..errors import ConfigError, LaunchError
-from ..platform import environment, torchcompat
+from ...errors import ConfigError, LaunchError
+from ...platform import environment, torchcompat
 
 DEFAULT_TIMEOUT = 300.0  # torch's own default store timeout
 
@@ -252,7 +252,7 @@ def node_facts(spec: Any) -> dict[str, str]:
     """What must be equal on every node, as this worker (its ``WorkerSpec``) sees it."""
     import torch
 
-    from .._version import __version__
+    from ..._version import __version__
 
     return {
         "world_size": str(spec.world_size),

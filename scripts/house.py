@@ -1,14 +1,16 @@
-"""Draw ``nbaccel/runtime`` as a house: how many floors (import layers) and arrows (imports).
+"""Draw one folder of ``nbaccel`` as a house: how many floors (import layers) and arrows (imports).
 
-Units are the runtime's folders by concept (a module left at ``runtime/``'s top is its
-own unit; ``strategy/`` with its sub-folders is one, as it was when its modules lay flat in
-it); ``--modules`` counts single modules instead. An arrow is "unit A imports unit B" (A != B), at any depth of the file (function-level
+The room is a folder of the package (``--room``: ``runtime`` by default, ``launch``, ...).
+Units are its folders by concept (a module left at the room's top is its own unit; a folder
+with sub-folders, such as ``runtime/strategy/`` or ``launch/start/``, is one); ``--modules``
+counts single modules instead. Imports from outside the room are not drawn. An arrow is "unit A imports unit B" (A != B), at any depth of the file (function-level
 imports too); the floors are the longest chain of arrows plus one, after folding cycles
 into one floor (a cycle is reported, as the units it joins).
 
 Example:
-    $ python scripts/runtime_house.py              # this checkout
-    $ python scripts/runtime_house.py --modules /tmp/old/nbaccel
+    $ python scripts/house.py                      # nbaccel/runtime of this checkout
+    $ python scripts/house.py --room launch        # nbaccel/launch
+    $ python scripts/house.py --modules /tmp/old/nbaccel
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import sys
 from pathlib import Path
 
 
-def _modules(package: Path) -> dict[str, Path]:
+def _modules(package: Path, room: str) -> dict[str, Path]:
     found = {}
-    for path in sorted((package / "runtime").rglob("*.py")):
+    for path in sorted((package / room).rglob("*.py")):
         parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -49,17 +51,19 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
 
 
 def unit_of(module: str, *, by_module: bool) -> str | None:
-    parts = module.split(".")[2:]  # drop "nbaccel.runtime"
+    parts = module.split(".")[2:]  # drop "nbaccel.<room>"
     if not parts:
-        return None  # runtime/__init__: the room's door, not a unit
+        return None  # the room's __init__: its door, not a unit
     if by_module:
         return ".".join(parts)
     return parts[0]
 
 
-def house(package: Path, *, by_module: bool) -> tuple[int, int, list[set[str]]]:
-    """(floors, arrows, cycles) of the runtime under ``package``."""
-    found = _modules(package)
+def house(
+    package: Path, *, by_module: bool, room: str = "runtime"
+) -> tuple[int, int, list[set[str]]]:
+    """(floors, arrows, cycles) of the room ``nbaccel/<room>`` under ``package``."""
+    found = _modules(package, room)
     known = set(found)
     edges: dict[str, set[str]] = {}
     for name, path in found.items():
@@ -119,11 +123,12 @@ def house(package: Path, *, by_module: bool) -> tuple[int, int, list[set[str]]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("package", nargs="?", default=str(Path(__file__).parents[1] / "nbaccel"))
+    parser.add_argument("--room", default="runtime", help="the folder of nbaccel to draw")
     parser.add_argument("--modules", action="store_true", help="count modules, not folders")
     args = parser.parse_args(argv)
-    floors, arrows, cycles = house(Path(args.package), by_module=args.modules)
+    floors, arrows, cycles = house(Path(args.package), by_module=args.modules, room=args.room)
     unit = "modules" if args.modules else "folders"
-    print(f"{args.package} ({unit}): {floors} floors, {arrows} arrows")
+    print(f"{args.package}/{args.room} ({unit}): {floors} floors, {arrows} arrows")
     for cycle in cycles:
         print("  cycle:", " <-> ".join(sorted(cycle)))
     return 0

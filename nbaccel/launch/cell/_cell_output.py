@@ -33,11 +33,11 @@ FLUSH_S = 0.1
 OutputListener = Callable[[str, str, str], Any]
 
 
-def _kernel() -> Any:
+def running_kernel() -> Any:
     """The running ipykernel kernel object, if this process is one (not a forked child)."""
     if "IPython" not in sys.modules:
         return None
-    from ..platform.environment import in_kernel_process
+    from ...platform.environment import in_kernel_process
 
     if not in_kernel_process():
         return None
@@ -87,7 +87,7 @@ class CellOutput:
     @classmethod
     def here(cls) -> CellOutput | None:
         """The cell being executed now, or None outside a notebook kernel's request."""
-        if (kernel := _kernel()) is None:
+        if (kernel := running_kernel()) is None:
             return None
         if not (parent := kernel.get_parent("shell")) or not parent.get("header"):
             return None  # not in a request
@@ -191,4 +191,4 @@ class CellStream:
         return False
 
 
-__all__ = ["FLUSH_S", "CellOutput", "CellStream", "OutputListener"]
+__all__ = ["FLUSH_S", "CellOutput", "CellStream", "OutputListener", "running_kernel"]

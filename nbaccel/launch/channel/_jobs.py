@@ -78,7 +78,7 @@ def _exec(worker: Worker, source: str, filename: str, names: bytes, sources: dic
         last = ast.Expression(tree.body.pop().value)  # type: ignore[attr-defined]
     code = compile(tree, filename, "exec")
     if "accelerator" not in ns and _mentions(code, "accelerator"):
-        from ..runtime.facade.accelerator import Accelerator
+        from ...runtime.facade.accelerator import Accelerator
 
         ns["accelerator"] = Accelerator()  # the cell's ready-made handle
     try:

@@ -30,9 +30,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
-from ..platform import gpufacts, hosts
-from ..platform.gpufacts import GpuFacts
+from ...errors import ConfigError
+from ...platform import gpufacts, hosts
+from ...platform.gpufacts import GpuFacts
 
 #: seconds the peer-to-peer copy between two GPUs may take before it counts as hung
 P2P_CHECK_TIMEOUT = 30.0

@@ -1,14 +1,14 @@
 """The cluster start backend: ranks placed on a Ray cluster's nodes, supervised from here.
 
 One more way to start a group, beside fork, spawn and the TPU backend; what it returns is
-the same :class:`~._supervisor.Supervisor` over the same channel messages and the same
+the same :class:`~...engine._supervisor.Supervisor` over the same channel messages and the same
 worker loop. Steps: reach the cluster and reserve its nodes (:mod:`._cluster_place`), one
 :class:`~._cluster_host.RankHost` actor per rank (ranks of a node in that node's bundle),
 rank 0's actor reserving torch's rendezvous socket on its node (``MASTER_ADDR`` is its
 node's address); a per-launch secret and a listener on the address the nodes reach this
 kernel by; each actor connects its rank's channel and output streams, authenticated and
-version-checked (:mod:`._cluster_wire`), and starts the worker; the kernel sends each its
-:class:`~._messages.Setup`. A :class:`RemoteWorker` stands for a rank's process: its exit
+version-checked (:mod:`...channel._cluster_wire`), and starts the worker; the kernel sends each its
+:class:`~...channel._messages.Setup`. A :class:`RemoteWorker` stands for a rank's process: its exit
 status comes from the actor, its signals go through it, and the last one closed ends the
 actors and removes the placement group, so nothing stays on the cluster.
 
@@ -24,22 +24,22 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import LaunchError
-from ..platform import environment
-from . import _cluster_place, _cluster_wire, _group
-from ._group import WorkerProcess
-from ._messages import Done, Setup
-from ._preflight import LaunchPlan
-from ._supervisor import Hook, JobFailed, Supervisor
-from ._tidy import Failure
-from ._wire import Channel
-from ._worker import WorkerSpec
+from ....errors import LaunchError
+from ....platform import environment
+from ...channel import _cluster_wire
+from ...channel._messages import Done
+from ...channel._wire import Channel
+from ...engine._group import WorkerProcess, keep_kernel_ends, send_setups
+from ...engine._supervisor import Hook, JobFailed, Supervisor
+from ...engine._tidy import Failure
+from ...worker._worker import WorkerSpec
+from .._preflight import LaunchPlan
+from . import _cluster_place
 
 #: where the nodes reach this kernel (default: the address Ray knows this machine by)
 HOST_VAR = "NBACCEL_CLUSTER_HOST"
@@ -157,7 +157,7 @@ class NodeWatch(Hook):
                 proc.poll()
             time.sleep(0.1)
         if lost := [p for p in remote if p.lost]:  # this error instead of the peers' one
-            sup._end_early([*sup.procs.values()], _lost_error(lost), "a node was lost")
+            sup.end_early([*sup.procs.values()], _lost_error(lost), "a node was lost")
 
 
 def _lost_error(lost: list[RemoteWorker]) -> LaunchError:
@@ -289,23 +289,21 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement, shape: tuple[int, f
     pids = ray.get(launched, timeout=wait)
     procs: list[RemoteWorker] = []
     try:
-        sources = environment.notebook_cell_sources()
         for rank, actor in enumerate(actors):
             got = streams.pop(rank)
             fds = {}
             for name in ("stdout", "stderr"):
                 fd = got[name].detach()
                 os.set_blocking(fd, False)
-                _group._KERNEL_ENDS.add(fd)
                 fds[name] = fd
             channel = Channel(got["channel"])
-            _group._KERNEL_ENDS.add(channel.fileno())
+            keep_kernel_ends(*fds.values(), channel)  # the engine's, as for a local worker
             proc = RemoteWorker(rank, int(pids[rank]), fds, channel)
             proc.placement, proc.actor = placement, actor
             proc.waiting = actor.wait.remote()
             placement.opened()
             procs.append(proc)
-            channel.send(Setup(specs[rank], list(sys.path), sources))
+        send_setups(procs, specs)  # the engine's first message, as to a spawned worker
     finally:
         for left in streams.values():
             for sock in left.values():

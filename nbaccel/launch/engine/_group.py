@@ -1,20 +1,17 @@
-"""The kernel's side of a group of worker processes: start them, read them, end them.
+"""The kernel's side of a group of started worker processes: read them, end them.
 
-Each worker gets two pipes for stdout/stderr and one end of a socket pair, its channel to
-the supervisor. Every process forked from the kernel closes the kernel's ends at once (a
-hook the first launch installs), so a worker's channel ends exactly when the supervisor's
-process is gone. fork: ``os.fork()``, the child never returns into the kernel's code and
-inherits its first job; spawn: ``python -c "...spawn_main(fd)"``, its spec, ``sys.path``
-and the notebook's cell sources the channel's first frame; fork server (CUDA touched in
-the kernel since it was taken, :mod:`._forkserver`): forked by it, then as spawn. Before
-forking, the kernel imports what each worker would repeat: nbaccel's runtime, and
-``torch._dynamo`` once a worker needed it (torch imports it lazily from every optimizer and
-DDP, ~0.8 s of CPU):
-learned, not predicted, so a launch that never trains never pays it; only on CPU-only torch
-builds, where the import cannot touch the driver. One ``selectors`` loop over
-every worker's pipes and channel: lines go to the :class:`~._output.LineForwarder` (a tail
-of stderr is kept for a fatal error's stack), messages to the supervisor. Ending: ask to
-leave, SIGTERM, SIGKILL, reap, close.
+However a worker was started (``start/``: fork, spawn, the fork server, a cluster's node),
+the kernel holds two pipes for its stdout/stderr and one channel to it; the start backend
+hands them over as a :class:`WorkerProcess` through this module's public names:
+:func:`keep_kernel_ends` (every process forked from the kernel closes those ends at once,
+so a worker's channel ends exactly when the supervisor's process is gone; :func:`close_ends`
+closes them), :func:`send_setups` (a worker that did not fork gets its spec as its first
+message) and :func:`end_started` (what a failed start leaves is killed and closed). What
+workers reported importing themselves is remembered here (:func:`worker_imports`) for the
+start backends that pre-import before forking. One ``selectors`` loop over every worker's
+pipes and channel: lines go to the :class:`~..cell._output.LineForwarder` (a tail of stderr
+is kept for a fatal error's stack), messages to the supervisor. Ending: ask to leave,
+SIGTERM, SIGKILL, reap, close.
 
 Example:
     >>> WorkerProcess.KILL_WAIT, Group.DRAIN
@@ -27,47 +24,60 @@ import contextlib
 import os
 import selectors
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from ..config.fields import field_kind
-from ..errors import LaunchError
-from ..platform import cudafork, environment, forksafe
-from . import _forkserver, _worker_os
-from ._messages import Exit, Job, Setup
-from ._output import LineForwarder
-from ._wire import Channel
-from ._worker import DYNAMO, WorkerSpec, fork_main
+from ...platform import environment
+from ..cell._output import LineForwarder
+from ..channel._messages import Exit, Setup
+from ..channel._wire import Channel
 
 _KERNEL_ENDS: set[int] = set()  # the kernel's ends of every live worker's pipes and channel
 _hook_installed = False
-_learned: set[str] = set()  # what workers imported themselves: pre-imported before forks
+_learned: set[str] = set()  # what workers imported themselves
 
 
 def remember_worker_imports(modules: list[str]) -> None:
-    """A worker reported importing ``modules`` itself: pre-import them from now on."""
-    _learned.update(m for m in modules if m == DYNAMO)
+    """A worker reported importing ``modules`` itself (the supervisor hears it)."""
+    _learned.update(modules)
 
 
-def _preload() -> None:
-    """Prepare the kernel so that forked workers inherit a warm, fork-safe runtime: the
-    imports above, then the OpenMP pool released (a child would hang in its first
-    multi-threaded op). No CUDA, no threads; a failure is left for the worker to report."""
-    with contextlib.suppress(Exception):
-        from ..runtime.facade import accelerator  # noqa: F401
-    with contextlib.suppress(Exception):  # a cache every worker's Accelerator() reads
-        field_kind("mixed_precision")
-    torch = sys.modules.get("torch")
-    if torch is not None and DYNAMO in _learned and not torch.cuda._is_compiled():
-        with contextlib.suppress(Exception):
-            import torch._dynamo
-    forksafe.release_openmp_threads()
+def worker_imports() -> frozenset[str]:
+    """What workers reported importing themselves: a backend that forks pre-imports the
+    ones it knows to be safe, so the next workers inherit them (learned, not predicted)."""
+    return frozenset(_learned)
+
+
+def close_kernel_ends_in_children() -> None:
+    """From now on, every process forked from the kernel closes the kernel's ends at once
+    (installed once; a fork server must not keep them open either)."""
+    global _hook_installed
+    if not _hook_installed:
+        os.register_at_fork(after_in_child=lambda: close_ends(_KERNEL_ENDS))
+        _hook_installed = True
+
+
+def keep_kernel_ends(*ends: int | Channel) -> None:
+    """``ends`` (pipe fds, channels) are the kernel's ends of a worker's streams: no forked
+    process keeps them open (:func:`close_kernel_ends_in_children`), and :func:`close_ends`
+    closes them."""
+    close_kernel_ends_in_children()
+    _KERNEL_ENDS.update(end.fileno() if isinstance(end, Channel) else end for end in ends)
+
+
+class Started(Protocol):
+    """A process handle a start backend kept (``subprocess.Popen``, a fork server's worker):
+    the engine polls and waits on it instead of ``waitpid`` (the process is not its child)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
 
 
 @dataclass
@@ -78,7 +88,7 @@ class WorkerProcess:
     pid: int
     fds: dict[str, int]  # read ends: "stdout", "stderr"
     channel: Channel | None = None
-    popen: subprocess.Popen[bytes] | _forkserver.ServerWorker | None = None
+    popen: Started | None = None  # None: a child of the kernel, reaped with waitpid
     returncode: int | None = None
     exit_time: float | None = None
     killed_by_us: bool = False
@@ -196,189 +206,22 @@ def close_ends(ends: Iterable[Any]) -> None:
                 os.close(end)
 
 
-def start_processes(
-    specs: list[WorkerSpec],
-    method: str,
-    first_job: Job | None,
-    *,
-    close_in_children: tuple[int, ...] = (),
-) -> list[WorkerProcess]:
-    """Start one worker per spec (``spec.fds`` is filled in here). Cleans up on failure."""
-    if method == "forkserver" and _forkserver.usable():
-        try:
-            return _start(specs, method, first_job, close_in_children)
-        except LaunchError as err:
-            if not isinstance(err.__cause__, OSError) or _forkserver.usable():
-                raise
-            # the server died between the look before the launch and the request (killed,
-            # say, its end of file not read yet): this launch spawns, as the cell is told
-    return _start(specs, method, first_job, close_in_children)
+def send_setups(procs: Sequence[WorkerProcess], specs: Sequence[Any]) -> None:
+    """Each started worker that did not fork gets its spec as its first message, with the
+    kernel's ``sys.path`` and the notebook's cell sources (for its tracebacks). A worker
+    that died at start-up is left for its exit status to report."""
+    sources = environment.notebook_cell_sources()  # IPython 7's cells (Colab) and 8's
+    for spec, proc in zip(specs, procs, strict=True):
+        with contextlib.suppress(OSError):
+            proc.channel.send(Setup(spec, list(sys.path), sources))  # type: ignore[union-attr]
 
 
-def _start(
-    specs: list[WorkerSpec],
-    method: str,
-    first_job: Job | None,
-    close_in_children: tuple[int, ...],
-) -> list[WorkerProcess]:
-    global _hook_installed
-    if not _hook_installed:  # channels reach their end exactly when the kernel is gone
-        os.register_at_fork(after_in_child=lambda: close_ends(_KERNEL_ENDS))
-        _hook_installed = True
-    if method == "forkserver" and not _forkserver.usable():  # died since the launch began
-        _forkserver.say_why_not()
-        method = "spawn"
-    if method == "fork":
-        forksafe.warn_if_fork_unsafe()  # a warning in the cell unless the fork is checked safe
-        _preload()
-        for stream in (sys.stdout, sys.stderr):  # nothing buffered may be written twice
-            with contextlib.suppress(Exception):
-                stream.flush()  # once for all workers: in a notebook, a round trip (~1 ms)
-    ends = [_ends() for _ in specs]
-    children = [fd for mine, _ in ends for fd in mine.values()]
-    procs: list[WorkerProcess] = []
-    if method == "fork":
-        _worker_os.before_fork()
-    try:
-        for spec, (mine, kernel) in zip(specs, ends, strict=True):
-            spec.fds = dict(mine)
-            spec.close_fds = [fd for fd in children if fd not in mine.values()]
-            spec.close_fds += [fd for fd in close_in_children if fd != spec.store_fd]
-            with _interrupts_deferred():  # an interrupt now must not lose the pid
-                popen: subprocess.Popen[bytes] | _forkserver.ServerWorker | None = None
-                if method == "fork":
-                    pid = _fork(spec, mine, first_job)
-                else:
-                    popen = (
-                        _from_server(spec, mine) if method == "forkserver" else _spawn(spec, mine)
-                    )
-                    pid = popen.pid
-                pipes = {"stdout": kernel["stdout"], "stderr": kernel["stderr"]}
-                procs.append(WorkerProcess(spec.rank, pid, pipes, kernel["channel"], popen))
-        if method != "fork":
-            sources = environment.notebook_cell_sources()  # IPython 7's cells (Colab) and 8's
-            for spec, proc in zip(specs, procs, strict=True):
-                with contextlib.suppress(OSError):  # died at start-up: its exit is reported
-                    proc.channel.send(Setup(spec, list(sys.path), sources))  # type: ignore[union-attr]
-    except BaseException as err:
-        for proc in procs:
-            proc.kill()
-            proc.close()
-        for _, kernel in ends[len(procs) :]:
-            close_ends(kernel.values())
-        if isinstance(err, OSError):
-            raise LaunchError(f"could not start the worker processes: {err}") from err
-        raise
-    finally:
-        for fd in children:  # the kernel keeps only its own ends
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        _worker_os.after_fork_in_kernel()
+def end_started(procs: Iterable[WorkerProcess]) -> None:
+    """A start failed (or was interrupted) half-way: every worker it started is killed,
+    reaped and its ends closed, so no unsupervised worker remains."""
     for proc in procs:
-        for fd in proc.fds.values():
-            os.set_blocking(fd, False)
-    return procs
-
-
-def _ends() -> tuple[dict[str, int], dict[str, Any]]:
-    """(the worker's ends, the kernel's ends) of two pipes and a socket pair."""
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    kernel_sock, worker_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    worker_fd = worker_sock.detach()
-    os.set_inheritable(worker_fd, True)
-    _KERNEL_ENDS.update((out_r, err_r, kernel_sock.fileno()))
-    kernel = {"stdout": out_r, "stderr": err_r, "channel": Channel(kernel_sock)}
-    return {"stdout": out_w, "stderr": err_w, "channel": worker_fd}, kernel
-
-
-def _fork(spec: WorkerSpec, mine: dict[str, int], job: Job | None) -> int:
-    """The fork site: the child becomes the worker and never returns from here."""
-    with forksafe.forking():  # Python >= 3.12's generic warning; check_fork decided instead
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child, which always os._exit()s
-        fork_main(spec, socket.socket(fileno=mine["channel"]), job)
-    return pid
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold a notebook interrupt (SIGINT) back until the block ends: one raised as
-    ``os.fork()`` returns would lose the pid, and the worker would live on unsupervised;
-    inside, SIGINT is only recorded, then raised where the cleanup knows every worker.
-    (``pthread_sigmask`` would not do: the OS hands the signal to another thread, and
-    Python still raises in this one.)"""
-    if (
-        threading.current_thread() is not threading.main_thread()  # handlers run there only
-        or signal.getsignal(signal.SIGINT) is None  # not Python's: cannot be put back
-    ):
-        yield
-        return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            signal.raise_signal(signal.SIGINT)
-
-
-def _package_root() -> str:
-    """The folder that holds the ``nbaccel`` package (not the package itself: on the path,
-    that one would shadow the standard library with ``nbaccel/logging.py``)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.dirname(package)
-
-
-def _from_server(spec: WorkerSpec, mine: dict[str, int]) -> _forkserver.ServerWorker:
-    """A worker forked by the fork server; like a spawned one, its spec comes as Setup."""
-    store = [spec.store_fd] if spec.store_fd is not None else []
-    popen, numbers = _forkserver.start_worker([mine["stdout"], mine["stderr"], mine["channel"],
-                                               *store])  # fmt: skip
-    spec.fds = {"stdout": 1, "stderr": 2, "channel": numbers[0]}
-    spec.close_fds = []  # the server's worker holds only what it was sent
-    if store:
-        spec.store_fd = numbers[1]
-    return popen
-
-
-def take_fork_server() -> None:
-    """nbaccel's first use in a kernel whose CUDA is untouched: the fork server is taken
-    from the kernel prepared as for a fork (runtime imported, OpenMP pool released), so
-    that workers still fork once the kernel has touched CUDA."""
-    global _hook_installed
-    if not _forkserver.wanted() or _forkserver.server_pid() is not None:
-        return
-    if not _hook_installed:  # the server must not keep the kernel's ends open
-        os.register_at_fork(after_in_child=lambda: close_ends(_KERNEL_ENDS))
-        _hook_installed = True
-    if not cudafork.fork_state().broken:
-        _preload()
-    _forkserver.take()
-
-
-def _spawn(spec: WorkerSpec, mine: dict[str, int]) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (env.get("PYTHONPATH", ""), _package_root()) if p
-    )
-    new_session, spec.new_session = spec.new_session, False  # Popen does the setsid
-    channel = mine["channel"]
-    store = (spec.store_fd,) if spec.store_fd is not None else ()
-    code = f"from nbaccel.launch._worker import spawn_main; spawn_main({channel})"
-    popen = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdin=subprocess.DEVNULL,
-        stdout=mine["stdout"],
-        stderr=mine["stderr"],
-        pass_fds=(channel, *store),
-        env=env,
-        start_new_session=new_session,
-    )
-    spec.fds = {"stdout": 1, "stderr": 2, "channel": channel}
-    spec.close_fds = []
-    return popen
+        proc.kill()
+        proc.close()
 
 
 class Group:
@@ -530,9 +373,13 @@ class Group:
 
 __all__ = [
     "Group",
+    "Started",
     "WorkerProcess",
     "close_ends",
+    "close_kernel_ends_in_children",
+    "end_started",
+    "keep_kernel_ends",
     "remember_worker_imports",
-    "start_processes",
-    "take_fork_server",
+    "send_setups",
+    "worker_imports",
 ]

@@ -11,7 +11,7 @@ that imports a list of modules) it is a copy of the kernel's own state.
 
 The kernel sends each worker's ends (stdout, stderr, channel, the rendezvous socket for
 rank 0) over a Unix ``SOCK_SEQPACKET`` pair (``SCM_RIGHTS``); the server forks, and the
-worker then reads its spec as a spawned one does (:func:`~._worker.spawn_main`), the
+worker then reads its spec as a spawned one does (:func:`~..worker._worker.spawn_main`), the
 function and arguments travelling with dill. The server reaps its workers and sends each
 exit status back, so the kernel supervises them as its own. It ends with the kernel (end
 of file on its socket, ``PR_SET_PDEATHSIG``), and its workers end with it.
@@ -21,7 +21,7 @@ an interactive kernel on a machine with an NVIDIA driver (elsewhere CUDA cannot 
 and the kernel forks its workers itself).
 
 Example:
-    >>> from nbaccel.launch import _forkserver
+    >>> from nbaccel.launch.start import _forkserver
     >>> _forkserver.usable(), _forkserver.wanted({"NBACCEL_FORK_SERVER": "0"})
     (False, False)
 """
@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-from ..platform import cudafork, environment, forksafe
+from ...platform import cudafork, environment, forksafe
 
 ENV = "NBACCEL_FORK_SERVER"
 _MESSAGE = struct.Struct("=4siii")  # kind, pid, and two numbers (fds, or an exit code)
@@ -310,7 +310,7 @@ def _serve(sock: socket.socket, kernel: int) -> None:  # pragma: no cover - in t
     code = 0
     try:
         atexit._clear()  # the kernel's exit handlers are not the server's
-        from . import _worker_os
+        from ..worker import _worker_os
 
         _worker_os.reset_signals()  # SIGTERM: the server ends with its workers
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Jupyter interrupts the process group
@@ -370,7 +370,7 @@ def _worker(fds: list[int], kernel: int) -> None:  # pragma: no cover - in a wor
         for fd, target in ((out, 1), (err, 2)):
             os.dup2(fd, target)
             os.close(fd)
-        from ._worker import spawn_main
+        from ..worker._worker import spawn_main
 
         spawn_main(channel, forked_by=os.getppid())
     finally:

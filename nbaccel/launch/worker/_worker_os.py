@@ -6,7 +6,7 @@ or on SIGTERM, no timer involved; :func:`main_thread_report` says what the main 
 does (its stack, and the torch.distributed call it waits in and for which ranks).
 
 Example:
-    >>> from nbaccel.launch._worker_os import flush_c_stdio
+    >>> from nbaccel.launch.worker._worker_os import flush_c_stdio
     >>> flush_c_stdio()
 """
 

@@ -37,10 +37,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import LaunchConfig
-from ..errors import LaunchError, WorkerTimeoutError
-from ._messages import Done, Event
-from ._supervisor import NO_ANSWER, Hook, JobFailed, Supervisor
+from ...config import LaunchConfig
+from ...errors import LaunchError, WorkerTimeoutError
+from ..channel._messages import Done, Event
+from ..engine._supervisor import NO_ANSWER, Hook, JobFailed, Supervisor
 
 DEFAULT_HANG_AFTER: float = LaunchConfig.hang_after  # the field's default (why: see there)
 

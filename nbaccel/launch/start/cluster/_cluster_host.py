@@ -3,7 +3,7 @@
 The actor (an async one: every method runs on one long-lived thread, the one whose death
 the worker's parent-death signal follows) says where it is, reserves rank 0's rendezvous
 socket on its node, then connects three authenticated TCP streams back to the kernel
-(:mod:`._cluster_wire`: the channel, stdout, stderr) and starts the worker exactly as the
+(:mod:`...channel._cluster_wire`: the channel, stdout, stderr) and starts the worker exactly as the
 spawn backend does (``python -c "spawn_main(fd)"``), its fds 1/2 those streams: its lines
 reach the kernel over nbaccel's own route, never through Ray's log forwarding, so each is
 shown once. The kernel reads the exit status with :meth:`RankHost.wait` and signals
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from typing import Any
 
-from . import _cluster_wire
+from ...channel import _cluster_wire
 
 
 def _package_root() -> str:
@@ -95,7 +95,7 @@ class RankHost:
             p for p in (env.get("PYTHONPATH", ""), _package_root()) if p
         )
         store = (self._store.fileno(),) if self._store is not None else ()
-        code = f"from nbaccel.launch._worker import spawn_main; spawn_main({channel})"
+        code = f"from nbaccel.launch.worker._worker import spawn_main; spawn_main({channel})"
         self._popen = subprocess.Popen(
             [sys.executable, "-c", code],
             stdin=subprocess.DEVNULL,

@@ -39,8 +39,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from ..errors import WorkerError, WorkerTimeoutError
-from ._wire import loads
+from ...errors import WorkerError, WorkerTimeoutError
+from ..channel._wire import loads
 
 _SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
 # Generic types torch/gloo use for "a peer went away"; a user's ValueError("timeout") stays real.
@@ -345,8 +345,8 @@ def oversubscribed(processes: int, cores: int) -> str | None:
 
 def warn_oversubscribed(config: Any, processes: int, *, stacklevel: int) -> None:
     """Warn (``RuntimeWarning``) when ``processes`` CPU workers are more than the cores."""
-    from ..platform.environment import cpu_count
-    from ..platform.hardware import cuda_device_count
+    from ...platform.environment import cpu_count
+    from ...platform.hardware import cuda_device_count
 
     device = getattr(config, "compute_device", "auto")
     on_cpu = device == "cpu" or (device == "auto" and cuda_device_count() == 0)
