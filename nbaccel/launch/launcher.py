@@ -109,20 +109,12 @@ def notebook_launcher(
     # master_addr, node_rank, num_nodes, max_restarts) and StartOptions (the rest).
     # tests/config/test_options.py fails when a parameter is not passed on.
     accelerate = dict(
-        num_processes=num_processes,
-        mixed_precision=mixed_precision,
-        use_port=use_port,
-        master_addr=master_addr,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_conf=rdzv_conf,
-        rdzv_id=rdzv_id,
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
+        num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
+        master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes,
+        rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
+        rdzv_id=rdzv_id, max_restarts=max_restarts, monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template,
-    )
+    )  # fmt: skip
     settings, start, call = split(accelerate, options, LaunchKeywords, "notebook_launcher()")
     return launch(plan_launch(function, args, settings, start, call))
 
