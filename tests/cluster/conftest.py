@@ -11,19 +11,24 @@ the tests' "nothing left" checks see the truth. At the module's end every proces
 command line names the cluster's temp dir or its head's address is ended (never ``ray
 stop``, which would end any Ray on the machine).
 
-Nothing here depends on the machine's speed. ``ray start`` gives a node's raylet a fixed
-30 s (not configurable) to register with the GCS, and the raylet registers only once its
-dashboard agent, a Python process importing much of Ray, is up: on a loaded 2-core machine
-that import alone took longer (issue 49). Linux shares the CPU between sessions first
-(autogroup), and in the whole suite every kernel and nbaccel worker is a session of its own,
-as is each Ray node (its raylet, agents and the head's dozen dashboard processes): the
-node's share was a small fraction of the machine, which the load average did not show (CPU
-burners started in one shell are one session: beside five of them the cluster started in
-time). When ``ray start`` gives up that way it leaves the node's processes running, and the
-node joins when its raylet gets there; so the fixture then waits for the event itself, the
-node listed alive by the cluster's state API, for as long as the node's raylet lives (its
-death is the failure, reported with the node's logs). Node b starts once the head's
-dashboard answers, not while the head's processes still import.
+Nothing here depends on the machine's speed or quiet (issue 49). Linux shares the CPU
+between sessions first (autogroup), and in the whole suite every kernel and nbaccel worker is
+a session of its own, as is each Ray node (its raylet, agents and the head's dozen dashboard
+processes): a node's share was a small fraction of the machine, which the load average did
+not show. Two things failed the cluster's start in whole runs, never alone:
+
+* ``ray start`` gives a raylet a fixed 30 s (``raylet_start_wait_time_s`` in Ray's
+  ``node.py``, a constant whatever its message says) to register with the GCS, and gives up
+  leaving the node running; the fixture then waits for the event itself, the node listed
+  alive by the cluster's state API, for as long as the node's raylet lives (its death is the
+  failure, reported with the node's logs, the cause last). Node b starts once the head's
+  dashboard answers, not while the head's processes still import.
+* A raylet died within a second of its start, "Failed to start the grpc server" (a failed
+  check: Ray's ``C`` log line), on both tries, in the fresh-clone runs of 7669dec (the head)
+  and e38f9cf (node b): its ports had been found free by binding port 0, so they were
+  ephemeral ones, and ``ray start`` binds them many seconds later on a loaded machine (24 s
+  of its own Python there), while the suite's kernels and clients open connections whose
+  source ports come from that same range. :func:`_free_ports` takes them from outside it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -58,29 +64,68 @@ RAY_ENV = {
     # and not others, a node then fails to join ("InvalidAuthToken", seen here)
     "RAY_AUTH_MODE": "disabled",
 }
-#: For the nodes' own processes only (not the kernels'): a raylet waits this long for a GCS
-#: that does not answer before it exits (Ray's default, 60 s, is a fixed deadline a loaded
-#: machine passed: the head's raylet died with the GCS, in the head's session beside a dozen
-#: dashboard processes importing, slow to answer; issue 49)
-NODE_PATIENCE = {"RAY_gcs_rpc_server_reconnect_timeout_s": "600"}
-#: Ray's own words when a node's raylet did not register within its fixed 30 s
-RAY_REGISTRATION_DEADLINE = "timed out during startup"
 #: A hang guard, not a speed bound: a start that takes this long is stuck (an idle machine
 #: starts a node in about 5 s; the slow-machine rehearsal in about 40 s)
 HANG_GUARD_S = 900
+#: For the nodes' own processes only (not the kernels'): Ray's start-up deadlines that a
+#: loaded machine can pass become hang guards (none was seen to fire; the failures above had
+#: other causes): a raylet exits when its agents do not answer within
+#: agent_register_timeout_ms (30 s); a worker process not registered within
+#: worker_register_timeout_seconds (60 s) is killed and its task fails; a raylet exits when
+#: the GCS does not answer for gcs_rpc_server_reconnect_timeout_s (60 s).
+NODE_PATIENCE = {
+    "RAY_agent_register_timeout_ms": str(HANG_GUARD_S * 1000),
+    "RAY_worker_register_timeout_seconds": str(HANG_GUARD_S),
+    "RAY_gcs_rpc_server_reconnect_timeout_s": str(HANG_GUARD_S),
+}
+#: Ray's own words when a node's raylet did not register within its fixed 30 s
+RAY_REGISTRATION_DEADLINE = "timed out during startup"
+
+
+def _ephemeral_ports() -> range:
+    """The range the kernel takes outgoing connections' source ports from."""
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return range(low, high + 1)
+    return range(32768, 61000)  # Linux's default
+
+
+#: Ray's worker processes take ports from 10002-19999 (its --min/max-worker-port defaults)
+RAY_WORKER_PORTS = range(10002, 20000)
 
 
 def _free_ports(count: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``count`` ports nothing listens on, for Ray's daemons to bind on every address.
+
+    Never from the ephemeral range: a port found free there (bound to port 0) can be handed
+    to any outgoing connection as its source port before Ray binds it, many seconds later on
+    a loaded machine, and the suite's kernels and clients connect all the time. The raylet
+    then dies at once, "Failed to start the grpc server" (issue 49: node b's raylet in the
+    fresh-clone run of e38f9cf, both tries). Ports between Ray's worker ports and the
+    ephemeral range are taken only by an explicit bind, which the probe here sees.
+    """
+    ephemeral = _ephemeral_ports()
+    pool = range(RAY_WORKER_PORTS.stop, ephemeral.start)
+    if len(pool) < 1000:  # an unusual range: above it, or else the old way
+        pool = range(ephemeral.stop, 65536)
+    if len(pool) < 1000:
+        raise RuntimeError(
+            f"no room for the cluster's ports outside the ephemeral range {ephemeral}: narrow "
+            "/proc/sys/net/ipv4/ip_local_port_range"
+        )
+    found: list[int] = []
+    for port in random.sample(pool, len(pool)):
+        probe = socket.socket()
+        try:
+            probe.bind(("0.0.0.0", port))  # any address: Ray's gRPC servers bind them all
+        except OSError:
+            continue
+        finally:
+            probe.close()
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise RuntimeError(f"fewer than {count} free ports in {pool}")
 
 
 class LocalCluster:

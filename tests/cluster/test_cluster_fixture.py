@@ -1,13 +1,17 @@
-"""The test cluster's start waits for events, never for Ray's fixed 30 s (issue 49).
+"""The test cluster's start waits for events, never for Ray's fixed 30 s, and takes ports no
+outgoing connection can take (issue 49).
 
 A loaded machine made a node's raylet register with the GCS after ``ray start`` had given
 up (30 s, fixed): here node b's raylet is held stopped until its ``ray start`` has given up,
-on every try, and the cluster must still start, with node b listed alive.
+on every try, and the cluster must still start, with node b listed alive. And a node's
+raylet died at its start when a port chosen for it had meanwhile become an outgoing
+connection's source port: the cluster's ports now come from outside the ephemeral range.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +19,15 @@ import time
 
 import psutil
 import pytest
-from conftest import HANG_GUARD_S, HEAD_IP, NODE_B_IP, LocalCluster, _is_raylet
+from conftest import (
+    HANG_GUARD_S,
+    HEAD_IP,
+    NODE_B_IP,
+    LocalCluster,
+    _ephemeral_ports,
+    _free_ports,
+    _is_raylet,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.integration]
 
@@ -92,3 +104,24 @@ def test_a_node_that_registers_after_rays_deadline_still_joins():
         holder.join()
         cluster.stop()
     assert not cluster.processes()
+
+
+def test_the_clusters_ports_are_none_an_outgoing_connection_can_take():
+    # a port found free by binding port 0 is an ephemeral one: any connection the suite
+    # opens can take it as its source port before Ray binds it, and the raylet dies
+    # ("Failed to start the grpc server"); a connection's source port is held here as one
+    server = socket.create_server(("127.0.0.1", 0))
+    clients = [socket.create_connection(server.getsockname()) for _ in range(50)]
+    try:
+        held = {c.getsockname()[1] for c in clients}
+        ports = _free_ports(9)
+        assert len(set(ports)) == 9
+        assert not [p for p in ports if p in _ephemeral_ports()], ports
+        assert not held & set(ports)
+        for port in ports:  # free on every address, as Ray's gRPC servers bind them
+            with socket.socket() as probe:
+                probe.bind(("0.0.0.0", port))
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
