@@ -21,6 +21,7 @@ import torch
 import nbaccel
 from nbaccel import notebook_launcher, start_workers
 from nbaccel.errors import ConfigError
+from nbaccel.launch.start._tpu import check_process_count
 from nbaccel.platform import hardware, tpu
 from nbaccel.platform.tpu.torch_xla_backend import TorchXlaBackend
 
@@ -189,16 +190,16 @@ def test_colab_v5e_1_runs_one_worker_and_refuses_8_naming_the_runtime(fake, monk
 
 
 def test_check_process_count_reads_the_markers() -> None:
-    assert tpu.check_process_count(None, KAGGLE_TPU) == 8
-    assert tpu.check_process_count(1, KAGGLE_TPU) == 1
+    assert check_process_count(None, KAGGLE_TPU) == 8
+    assert check_process_count(1, KAGGLE_TPU) == 1
     # torch_xla starts 1 process or one per device: 4 would run 8, refused before start
     with pytest.raises(ConfigError, match=r"num_processes=4, but Kaggle.*8 TPU device.*"
                        r"num_processes=8 .*or num_processes=1"):  # fmt: skip
-        tpu.check_process_count(4, KAGGLE_TPU)
-    assert tpu.check_process_count(None, COLAB_TPU) == 1
-    assert tpu.check_process_count(None, {}) is None  # unknown: the backend decides
+        check_process_count(4, KAGGLE_TPU)
+    assert check_process_count(None, COLAB_TPU) == 1
+    assert check_process_count(None, {}) is None  # unknown: the backend decides
     with pytest.raises(ConfigError, match=r"Kaggle, TPU v5e-8 has 8 TPU device"):
-        tpu.check_process_count(16, KAGGLE_TPU)
+        check_process_count(16, KAGGLE_TPU)
 
 
 def test_the_xla_cpu_runtime_refuses_more_processes_than_its_devices() -> None:
@@ -207,12 +208,12 @@ def test_the_xla_cpu_runtime_refuses_more_processes_than_its_devices() -> None:
     cpu = {"PJRT_DEVICE": "CPU"}
     with pytest.raises(ConfigError, match=r"num_processes=2, but PJRT_DEVICE=CPU gives 1 XLA "
                        r"CPU device.*CPU_NUM_DEVICES=2"):  # fmt: skip
-        tpu.check_process_count(2, cpu)
-    assert tpu.check_process_count(1, cpu) == 1
-    assert tpu.check_process_count(None, cpu) is None  # one process, as before
-    assert tpu.check_process_count(2, {**cpu, "CPU_NUM_DEVICES": "2"}) == 2
+        check_process_count(2, cpu)
+    assert check_process_count(1, cpu) == 1
+    assert check_process_count(None, cpu) is None  # one process, as before
+    assert check_process_count(2, {**cpu, "CPU_NUM_DEVICES": "2"}) == 2
     with pytest.raises(ConfigError, match=r"num_processes=3, but PJRT_DEVICE=CPU gives 2 XLA"):
-        tpu.check_process_count(3, {**cpu, "CPU_NUM_DEVICES": "2"})
+        check_process_count(3, {**cpu, "CPU_NUM_DEVICES": "2"})
 
 
 @pytest.mark.parametrize(

@@ -32,11 +32,12 @@ from typing import Any
 from ...config import LaunchConfig, resolve_launch_config
 from ...config.options import CALL, START, CallOptions, StartOptions, check_settings
 from ...errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
-from ...platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware, tpu
+from ...platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware
 from ..channel._jobs import dill_for_workers
 from ..channel._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
 from . import _forkserver, _freegpus
 from ._local import take_fork_server
+from ._tpu import tpu_processes
 from .cluster._cluster_place import check_cluster_installed, keep_print_plain
 
 
@@ -326,25 +327,6 @@ def plan_launch(
                    kernel_state_ok)  # fmt: skip
 
 
-def _tpu_processes(cfg: LaunchConfig) -> int:
-    """TPU: the backend's processes, started and served by the one engine (never in the
-    kernel, whose XLA runtime must stay unstarted for the workers to own the chips)."""
-    if cfg.strategy in ("fsdp", "deepspeed"):  # a config error first, with or without torch_xla
-        raise ConfigError(
-            f"strategy={cfg.strategy!r} is not available on TPU (torch_xla); use 'ddp'."
-        )
-    backend = tpu.require_backend()
-    nproc = tpu.check_process_count(cfg.num_processes) or 1  # e.g. 4 on a v5e-8: refused
-    if backend.runtime_initialized():
-        raise ConfigError(
-            f"the {backend.name} runtime is already started in this kernel (an XLA device or "
-            "tensor was used before launching), so no worker can own the TPU. Restart the "
-            "kernel and launch before touching the device."
-        )
-    check_platform(cfg.start_method)
-    return nproc
-
-
 def _check_deepspeed(cfg: LaunchConfig, args: tuple[Any, ...]) -> None:
     """DeepSpeed asked for (strategy, or a plugin among the arguments) but not installed:
     one error naming the install command, in the kernel, before any worker starts."""
@@ -363,7 +345,8 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
     )
     threads: int | None = None
     if on_tpu:
-        nproc, in_kernel = _tpu_processes(cfg), False
+        nproc, in_kernel = tpu_processes(cfg), False
+        check_platform(cfg.start_method)
     else:
         _check_deepspeed(cfg, args)
         if cfg.cluster is not None:

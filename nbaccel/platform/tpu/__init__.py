@@ -4,8 +4,9 @@
   processes, the device and world, the after-step hook, save/load) and the TPU host markers;
 * :mod:`.torch_xla_backend` -- torch_xla, the implementation today (its successor is a new
   module here and one :func:`register_backend` call);
-* here -- which backends exist, which one is used, how many processes it allows, and the
-  answers the layers above ask (``xla_requested``, ``process_group_backend``, ``after_step``).
+* here -- which backends exist, which one is used, and the answers the layers above ask
+  (``xla_requested``, ``process_group_backend``, ``after_step``); how many processes a TPU
+  launch starts is the launcher's (``nbaccel.launch.start._tpu``).
 
 Backends are tried in registration order; torch_xla is registered first, on first use (no
 import-time side effects). Detection is pure: a backend's package is located, never
@@ -23,11 +24,9 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
-from ...errors import ConfigError, LaunchError
-from ..hosts import detect_host
+from ...errors import LaunchError
 from .base import TPU_ENV_MARKERS, TpuBackend, TpuWorld, tpu_present
 
 _BACKENDS: list[TpuBackend] = []
@@ -103,11 +102,6 @@ def require_backend(environ: Mapping[str, str] | None = None) -> TpuBackend:
     )
 
 
-def xla_available() -> bool:
-    """True when a TPU backend's package is installed (located, not imported)."""
-    return any(b.available() for b in backends())
-
-
 def xla_requested(environ: Mapping[str, str] | None = None) -> bool:
     """True when training should run on a TPU backend: installed and ``PJRT_DEVICE`` set
     (``CPU`` counts: it is how the XLA path runs without a TPU) or a TPU host.
@@ -143,57 +137,6 @@ def after_step() -> None:
         backend.after_step()
 
 
-def check_process_count(
-    num_processes: int | None,
-    environ: Mapping[str, str] | None = None,
-    *,
-    runtime: str | None = None,
-) -> int | None:
-    """The number of TPU processes to start, checked against the host's devices.
-
-    Args:
-        num_processes: what was asked for (``None``: one per local device).
-        environ: the environment to read markers from (``os.environ`` by default).
-        runtime: how to name the host in the error (default: from its markers, e.g.
-            ``"Google Colab, TPU v5e-1"``).
-
-    Returns:
-        ``num_processes``, or the device count when it is ``None`` and known.
-
-    Raises:
-        ConfigError: a count the backend cannot start here: neither 1 nor one process
-            per device (e.g. 4 or 16 on a v5e-8), before any process starts.
-
-    Example:
-        >>> check_process_count(None, {"TPU_ACCELERATOR_TYPE": "v5litepod-8"})
-        8
-    """
-    backend = active_backend(environ) or backends()[0]
-    devices = backend.device_count(environ)
-    if devices is None:
-        return num_processes
-    env = os.environ if environ is None else environ
-    cpu_runtime = env.get("PJRT_DEVICE", "").strip().upper() == "CPU" and not tpu_present(env)
-    if num_processes is None:
-        return None if cpu_runtime else devices  # the CPU runtime: one process, as always
-    if num_processes not in (1, devices):  # the backend starts 1, or one per device
-        if cpu_runtime:
-            raise ConfigError(
-                f"num_processes={num_processes}, but PJRT_DEVICE=CPU gives {devices} XLA CPU "
-                f"device(s) (CPU_NUM_DEVICES, default 1), and each process needs one of its "
-                f"own: use num_processes={devices} or set CPU_NUM_DEVICES={num_processes} "
-                "(or unset PJRT_DEVICE to train on the CPU without XLA)."
-            )
-        runtime = runtime or detect_host(environ).label
-        other = " or num_processes=1 (in this process)" if devices != 1 else ""
-        raise ConfigError(
-            f"num_processes={num_processes}, but {runtime} has {devices} TPU device(s) and "
-            f"{backend.name} runs one process per device (or one alone): use num_processes="
-            f"{devices} (or None for one per device){other}."
-        )
-    return num_processes
-
-
 __all__ = [
     "TPU_ENV_MARKERS",
     "TpuBackend",
@@ -202,7 +145,6 @@ __all__ = [
     "after_step",
     "backend_for",
     "backends",
-    "check_process_count",
     "loaded_backend",
     "process_group_backend",
     "register_backend",
@@ -211,6 +153,5 @@ __all__ = [
     "tpu_present",
     "training_backend",
     "unregister_backend",
-    "xla_available",
     "xla_requested",
 ]

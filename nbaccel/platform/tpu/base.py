@@ -1,16 +1,7 @@
 """The TPU backend protocol, and the TPU host markers every backend shares.
 
-A TPU backend is what nbaccel needs from a TPU runtime, in one small interface:
-detect (installed? wanted here?), count devices, set up a process nbaccel started, the device,
-where the process stands (rank, world), the collectives' mapping (the
-``torch.distributed`` backend and its ``init_process_group`` arguments), the
-after-step hook (run the lazy graph) and save/load (tensor identity for tied weights,
-the RNG state). ``torch_xla`` is the first implementation
-(:mod:`~nbaccel.platform.tpu.torch_xla_backend`); its successor is a new module and one
-:func:`~nbaccel.platform.tpu.register_backend` call.
-
-Detection (``available``, ``requested``, ``device_count``) is pure: it never imports
-the runtime. Everything else imports it on first use, in the process that trains.
+:class:`TpuBackend` is what nbaccel needs from a TPU runtime (``torch_xla``:
+:mod:`~nbaccel.platform.tpu.torch_xla_backend`). Detection never imports the runtime.
 
 Example:
     >>> tpu_present({"TPU_ACCELERATOR_TYPE": "v5litepod-8"}), tpu_present({})
