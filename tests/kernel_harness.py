@@ -159,6 +159,16 @@ class CellResult:
         return "\n".join(parts)
 
 
+#: Every wait here is for an event (a cell going idle, a line printed, the kernel
+#: answering): a caller's ``timeout`` is raised to this hang guard, never a speed bound (the
+#: slow-machine rehearsal passed 60 s cell bounds on a loaded machine; issue 49).
+HANG_GUARD_S = 600.0
+
+
+def _guard(timeout: float) -> float:
+    return max(timeout, HANG_GUARD_S)
+
+
 class CellTimeout(AssertionError):
     """A cell did not finish within its time bound; ``.partial`` holds what arrived."""
 
@@ -286,7 +296,7 @@ class KernelSession:
             self._km.start_kernel(cwd=self.cwd, env=env)
             self._kc = self._km.client()
             self._kc.start_channels()
-            self._kc.wait_for_ready(timeout=self.startup_timeout)
+            self._kc.wait_for_ready(timeout=_guard(self.startup_timeout))
         except BaseException:
             self.stop()
             raise
@@ -426,6 +436,7 @@ class KernelSession:
         """
         result = self._pending[msg_id]
         regex = re.compile(pattern, re.MULTILINE)
+        timeout = _guard(timeout)
 
         def enough() -> bool:
             text = "".join(chunk for _, chunk in result.stream_chunks)
@@ -447,6 +458,7 @@ class KernelSession:
             CellTimeout: the kernel did not go idle for this cell in time.
         """
         result = self._pending[msg_id]
+        timeout = _guard(timeout)
         deadline = time.monotonic() + timeout
         self._pump(deadline, lambda: msg_id in self._idle, result, timeout)
         # The reply may arrive on the shell channel slightly before or after idle.

@@ -193,7 +193,7 @@ def test_a_broken_link_or_anchor_fails_the_strict_build(tmp_path: Path) -> None:
 def test_search_in_a_browser_lands_on_the_page(site: Path, tmp_path: Path) -> None:
     import importlib.util
 
-    from browser_scenario import CHROMIUM, open_chromium
+    from browser_scenario import CHROMIUM, LONG, open_chromium
 
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"{CHROMIUM} is missing: run `bash scripts/setup_browser.sh` (Debian chromium)")
@@ -215,7 +215,7 @@ def test_search_in_a_browser_lands_on_the_page(site: Path, tmp_path: Path) -> No
             try:
                 for _ in range(600):  # the server is up when the page loads
                     try:
-                        page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
+                        page.goto(f"http://127.0.0.1:{port}/", timeout=LONG)
                         break
                     except Exception:
                         page.wait_for_timeout(100)
@@ -223,9 +223,9 @@ def test_search_in_a_browser_lands_on_the_page(site: Path, tmp_path: Path) -> No
                 # typed key by key, as a reader does (the search listens to keyboard input)
                 page.locator("input.md-search__input").press_sequentially("on_hang", delay=20)
                 hit = page.locator(".md-search-result__item a", has_text="on_hang").first
-                hit.wait_for(timeout=60_000)
+                hit.wait_for(timeout=LONG)
                 hit.click()
-                page.wait_for_url(re.compile(r".*/reference/.*"), timeout=60_000)
+                page.wait_for_url(re.compile(r".*/reference/.*"), timeout=LONG)
                 assert "on_hang" in page.locator("article").inner_text()
             finally:
                 context.close()

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import psutil
 import pytest
-from browser_scenario import CHROMIUM, open_chromium
+from browser_scenario import CHROMIUM, LONG, open_chromium
 from jupyter_server import get, jupyter_lab
 
 from nbaccel.platform.environment import cpu_count
@@ -157,7 +157,7 @@ def _idle_kernels(base: str, token: str) -> int:
     return sum(kernel.get("execution_state") == "idle" for kernel in kernels)
 
 
-def _wait_for_idle_kernel(page, base: str, token: str, timeout: float = 90) -> None:
+def _wait_for_idle_kernel(page, base: str, token: str, timeout: float = LONG / 1000) -> None:
     """Wait until the notebook's kernel runs and is idle, accepting "Select Kernel" if asked.
 
     The dialog appears only when the notebook's kernel is unknown, and the page may show an
@@ -203,11 +203,11 @@ def _stop_server(base: str, token: str, server: subprocess.Popen) -> None:
     except OSError:
         server.terminate()
     try:
-        server.wait(180)
+        server.wait(LONG / 1000)
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait(10)
-        pytest.fail("JupyterLab did not exit within 180 s of /api/shutdown")
+        pytest.fail(f"JupyterLab did not exit within {LONG / 1000:.0f} s of /api/shutdown")
 
 
 @pytest.mark.parametrize("ui", list(UIS))
@@ -221,13 +221,13 @@ def test_launch_panel_in_browser(lab, tmp_path, ui):
         context, page = open_chromium(pw, tmp_path / "chromium-profile", height=1100)
         try:
             page.goto(f"{base}{UIS[ui].path}?token={token}")
-            page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+            page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=LONG)
             _wait_for_idle_kernel(page, base, token)
 
             page.locator(".jp-Cell .jp-InputArea-editor").first.click()
             page.keyboard.press("Shift+Enter")
             panel = page.locator(".jp-OutputArea-output .nbaccel-launch-panel")
-            panel.wait_for(timeout=90_000)
+            panel.wait_for(timeout=LONG)
             # Rendered by the widget manager, not the kernel's text repr "LaunchPanel(train, {...})".
             expect(page.locator(".jp-OutputArea-output", has_text="LaunchPanel(")).to_have_count(0)
             expect(panel).to_contain_text("Hardware:")
@@ -255,11 +255,11 @@ def test_launch_panel_in_browser(lab, tmp_path, ui):
             expect(launch).to_be_enabled()
             launch.click()
             # in the background: the kernel is free while the workers train
-            expect(panel).to_contain_text("running in the background", timeout=120_000)
+            expect(panel).to_contain_text("running in the background", timeout=LONG)
             expect(panel.locator(".nbaccel-run-monitor table")).to_contain_text("running")
             # the run waits for "go": the kernel is idle while it trains (a comm message from
             # the page may keep it busy for a moment: wait for idle, not sample once)
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + LONG / 1000
             while _idle_kernels(base, token) != 1 and time.monotonic() < deadline:
                 page.wait_for_timeout(200)
             assert _idle_kernels(base, token) == 1
@@ -267,11 +267,11 @@ def test_launch_panel_in_browser(lab, tmp_path, ui):
             (tmp_path / "root" / "go").touch()
 
             output = panel.locator(".widget-output")
-            expect(output).to_contain_text("[rank0] hello from rank 0 of 2", timeout=120_000)
-            expect(output).to_contain_text("[rank1] hello from rank 1 of 2", timeout=30_000)
+            expect(output).to_contain_text("[rank0] hello from rank 0 of 2", timeout=LONG)
+            expect(output).to_contain_text("[rank1] hello from rank 1 of 2", timeout=LONG)
             # rank 0's progress bar, drawn by the monitor (not also as text in the output)
             expect(panel.locator(".nbaccel-run-monitor")).to_contain_text("steps: 20/20")
-            expect(panel).to_contain_text("Finished", timeout=30_000)
+            expect(panel).to_contain_text("Finished", timeout=LONG)
             panel.scroll_into_view_if_needed()
             page.screenshot(path=str(ARTIFACTS / UIS[ui].page_png), full_page=True)
             panel.screenshot(path=str(ARTIFACTS / UIS[ui].panel_png))
@@ -310,9 +310,9 @@ def _save_and_reopen_without_the_kernel(page, base: str, token: str, root: Path)
 
     page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-InputArea-editor").click()
     page.keyboard.press("Control+s")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + LONG / 1000
     while "[rank1] training done" not in (root / "monitor.ipynb").read_text():
-        assert time.monotonic() < deadline, "the notebook was not saved within 30 s"
+        assert time.monotonic() < deadline, "the notebook was not saved (hang guard)"
         time.sleep(0.2)
     saved = nbformat.read(root / "monitor.ipynb", as_version=4).cells[1].outputs
     assert not [out for out in saved if WIDGET_MIME in out.get("data", {})], saved
@@ -320,9 +320,9 @@ def _save_and_reopen_without_the_kernel(page, base: str, token: str, root: Path)
     for kernel in kernels:  # reopened later: the kernel that drew the widgets is gone
         get(f"{base}/api/kernels/{kernel}", token, method="DELETE")
     page.reload()
-    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=LONG)
     outputs = _outputs(page, 1)
-    expect(outputs.filter(has_text="[rank1] training done")).to_have_count(1, timeout=30_000)
+    expect(outputs.filter(has_text="[rank1] training done")).to_have_count(1, timeout=LONG)
     expect(outputs.locator("img")).to_have_count(1)  # the final charts
     assert "Error displaying widget" not in page.locator(".jp-Notebook").inner_text()
     page.screenshot(path=str(ARTIFACTS / "monitor_jupyterlab_reopened.png"), full_page=True)
@@ -342,36 +342,36 @@ def test_monitor_charts_live_and_output_stays_in_its_cell(lab, tmp_path, ui):
         context, page = open_chromium(pw, tmp_path / "chromium-profile")
         try:
             page.goto(f"{base}/lab/tree/monitor.ipynb?token={token}")
-            page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=90_000)
+            page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=LONG)
             _wait_for_idle_kernel(page, base, token)
             _run_cell(page, 0)
             _run_cell(page, 1)
             monitor = page.locator(".jp-OutputArea-output .nbaccel-run-monitor")
             line = monitor.locator("svg.nbaccel-charts polyline[data-rank='1']")
-            line.wait_for(timeout=120_000)  # drawn live, from the widget
+            line.wait_for(timeout=LONG)  # drawn live, from the widget
             before = line.get_attribute("points")
             page.wait_for_function(  # and redrawn as the workers log
                 "before => { const p = document.querySelector("
                 "\".nbaccel-run-monitor svg.nbaccel-charts polyline[data-rank='1']\");"
                 " return p && p.getAttribute('points') !== before; }",
                 arg=before,
-                timeout=30_000,
+                timeout=LONG,
             )
             assert monitor.locator("svg [data-metric='loss']").count() == 1
             _run_cell(page, 2)  # while the workers train
-            expect(_outputs(page, 2)).to_have_text("2", timeout=30_000)
+            expect(_outputs(page, 2)).to_have_text("2", timeout=LONG)
             expect(monitor.locator("table")).to_contain_text("running")  # still going
             # the end: the final chart stays in the launching cell as an image
             image = _outputs(page, 1).locator("img")
-            expect(image).to_have_count(1, timeout=120_000)
+            expect(image).to_have_count(1, timeout=LONG)
             expect(monitor.locator("table")).to_contain_text("finished")
             expect(monitor.locator(".nbaccel-log")).to_contain_text("[rank1] training done")
             page.screenshot(path=str(ARTIFACTS / "monitor_jupyterlab.png"), full_page=True)
 
             _run_cell(page, 3)  # a background launch without a monitor
             _run_cell(page, 4)
-            expect(_outputs(page, 4)).to_have_text("42", timeout=30_000)
-            expect(_outputs(page, 3)).to_contain_text(["[rank0] training done"], timeout=120_000)
+            expect(_outputs(page, 4)).to_have_text("42", timeout=LONG)
+            expect(_outputs(page, 3)).to_contain_text(["[rank0] training done"], timeout=LONG)
             expect(_outputs(page, 3).filter(has_text="train: 100%")).to_have_count(1)
 
             for index in (2, 4):  # none of the runs' output in the cells run meanwhile

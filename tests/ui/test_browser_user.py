@@ -25,6 +25,7 @@ import pytest
 from browser_scenario import (
     CHROMIUM,
     LAB,
+    LONG,
     NOTEBOOK,
     open_chromium,
     run_scenario,
@@ -75,13 +76,13 @@ def test_what_a_notebook_user_sees_in_jupyterlab(lab, tmp_path):
             context, page = open_chromium(pw, tmp_path / "chromium-profile")
             try:
                 page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
-                page.locator(LAB.cell).first.wait_for(timeout=90_000)
-                deadline = time.monotonic() + 90
+                page.locator(LAB.cell).first.wait_for(timeout=LONG)
+                deadline = time.monotonic() + LONG / 1000
                 dialog = page.locator(".jp-Dialog .jp-mod-accept")  # "Select Kernel", if asked
                 while not _kernel_idle(base, token):
                     if dialog.count() and dialog.first.is_visible():
                         dialog.first.click()
-                    assert time.monotonic() < deadline, "the kernel was not idle within 90 s"
+                    assert time.monotonic() < deadline, "the kernel was not idle (hang guard)"
                     page.wait_for_timeout(200)
                 try:
                     run_scenario(page, LAB, root, cpu_count(), timings)
