@@ -180,7 +180,7 @@ def resumes_after_failing_once(project_dir):
             project_dir=project_dir, automatic_checkpoint_naming=True
         ),
     )
-    model = acc.prepare(torch.nn.Linear(2, 2))
+    acc.prepare(torch.nn.Linear(2, 2))
     try:
         return acc.load_state(), acc.step  # the second attempt
     except FileNotFoundError:
