@@ -50,6 +50,7 @@ class EngineKeywords(TypedDict, total=False):
 class LaunchKeywords(EngineKeywords, total=False):
     """``notebook_launcher``'s keyword-only options (Accelerate's are its parameters)."""
 
+    replace_timeout: float | None
     return_all_ranks: bool
     block: bool
     output: OutputTarget | None

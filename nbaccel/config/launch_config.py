@@ -149,6 +149,14 @@ class LaunchConfig:
         default=0,
         metadata={"help": "how often a failed worker group is restarted (>= 0)."},
     )
+    replace_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "cluster launches with max_restarts: seconds a restart after a lost "
+            "node waits for the cluster to hold the group again (a node that joins, by "
+            "hand or through Ray's autoscaler) before the launch ends."
+        },
+    )
     timeout: float | None = field(
         default=None,
         metadata={
@@ -330,6 +338,15 @@ class LaunchConfig:
             or self.timeout <= 0
         ):
             raise ConfigError(f"timeout={self.timeout!r} must be a number of seconds > 0.")
+        if (
+            isinstance(self.replace_timeout, bool)
+            or not isinstance(self.replace_timeout, int | float)
+            or not 0 < self.replace_timeout < float("inf")
+        ):
+            raise ConfigError(
+                f"replace_timeout={self.replace_timeout!r} must be a number of seconds > 0 "
+                "(how long a restart waits for a replacement node)."
+            )
         for name in ("debug", "debug_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False.")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -174,10 +175,18 @@ def _attempts(
     plan: LaunchPlan, handle: LaunchHandle, started: list[Supervisor], job: Job | None = None
 ) -> dict[int, Any]:
     """One group of workers per attempt, ``max_restarts`` more after a failure: the one
-    restart loop of every launch (``job``: another than the plan's function, a script)."""
+    restart loop of every launch (``job``: another than the plan's function, a script).
+    A restart is said in the cell: what failed (a lost node: which), when the new group
+    started and, when rank 0 loads a checkpoint, which one and how long after the failure
+    (on a cluster the new group may first wait for nodes: :mod:`.start.cluster`)."""
+    restart: _Restart | None = None
     while True:
-        group = started.pop() if started else _start(plan, handle, job)
+        group = started.pop() if started else _start(plan, handle, job, restart)
         handle.supervisor = group
+        if restart is not None:
+            restart.say(
+                f"attempt {handle.attempt} started, {restart.seconds():.1f}s after the failure"
+            )
         kept = last = False
         try:
             want = job.want if job is not None else _wanted(plan)
@@ -197,14 +206,41 @@ def _attempts(
         if last:
             raise err
         handle.attempt += 1
+        restart = _Restart(plan, handle)
         _announce_restart(plan, handle.attempt, err, handle.cell_output)
+
+
+class _Restart:
+    """One restart's clock and its lines in the cell (rank 0's checkpoint load said once)."""
+
+    def __init__(self, plan: LaunchPlan, handle: LaunchHandle) -> None:
+        self.plan, self.handle, self.attempt = plan, handle, handle.attempt
+        self.began = time.monotonic()
+        self.resumed = False
+
+    def seconds(self) -> float:
+        return time.monotonic() - self.began
+
+    def say(self, text: str) -> None:
+        _say(self.plan, self.handle.cell_output, f"nbaccel: {text}\n")
+
+    def on_event(self, rank: int, kind: str, data: dict) -> None:
+        self.handle.on_event(rank, kind, data)
+        if kind == "checkpoint_loaded" and rank == self.plan.ranks[0] and not self.resumed:
+            self.resumed = True
+            self.say(
+                f"attempt {self.attempt} resumed from {data.get('path')} (step "
+                f"{data.get('at_step')}), {self.seconds():.1f}s after the failure"
+            )
 
 
 def _wanted(plan: LaunchPlan) -> set[int]:
     return set(plan.ranks) if plan.call.return_all_ranks else {plan.ranks[0]}
 
 
-def _start(plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None) -> Supervisor:
+def _start(
+    plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None, restart: _Restart | None = None
+) -> Supervisor:
     want = _wanted(plan)
     if job is None and plan.method == "fork":  # inherited through the fork: nothing is pickled
         job = Job(1, "call", want, (plan.function, plan.args, {}))
@@ -212,10 +248,12 @@ def _start(plan: LaunchPlan, handle: LaunchHandle, job: Job | None = None) -> Su
         job = Job(1, "run", want, (plan.payload,))
     return start_group(
         plan,
-        on_event=handle.on_event,
+        on_event=handle.on_event if restart is None else restart.on_event,
         round_=handle.attempt,
         first_job=job,
         output=handle.cell_output or plan.call.output,
+        say=lambda text: _say(plan, handle.cell_output, text),
+        replace_wait=plan.config.replace_timeout if restart is not None else None,
     )
 
 
@@ -225,6 +263,11 @@ def _announce_restart(plan: LaunchPlan, attempt: int, err: BaseException, cell: 
         f"nbaccel: workers failed ({first}); restarting, attempt {attempt} of "
         f"{plan.config.max_restarts}\n"
     )
+    _say(plan, cell, text)
+
+
+def _say(plan: LaunchPlan, cell: Any, text: str) -> None:
+    """A line of the launcher's own in the launching cell (its stderr), or the call's output."""
     output: Any = plan.call.output
     if output is None:  # the launching cell's, from this background thread too
         output = cell.streams()[1] if cell is not None else sys.stderr

@@ -442,3 +442,34 @@ def test_trackers_refuse_a_store_logging_dir_instead_of_a_local_s3_folder(tmp_pa
     acc.init_trackers("exp")
     acc.end_training()
     assert os.listdir(tmp_path) == ["logs"]
+
+
+def _touches(project_dir, marker):
+    with open(marker, "w") as out:  # a rank started
+        out.write(str(project_dir))
+
+
+def test_a_launch_whose_argument_is_a_store_url_it_cannot_reach_is_refused_before_any_rank(
+    tmp_path, monkeypatch
+):
+    from nbaccel import notebook_launcher
+    from nbaccel.errors import StorageError
+    from nbaccel.runtime.process.state import reset_state
+
+    reset_state()  # an earlier test's Accelerator in this process
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    marker = tmp_path / "a-rank-started"
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # missing, whether or not it is installed
+    with pytest.raises(StorageError, match=r"args\[0\]='gs://bucket/run'.*pip install gcsfs"):
+        notebook_launcher(_touches, ("gs://bucket/run", str(marker)), num_processes=2)
+    # one level inside a dict too; without fsspec: both packages named, and the extra
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(StorageError, match=r"args\[0\]\['project_dir'\]='s3://b/run'") as caught:
+        notebook_launcher(_touches, ({"project_dir": "s3://b/run"}, str(marker)), num_processes=2)
+    assert "pip install fsspec s3fs (or pip install 'nbaccel[storage]')" in str(caught.value)
+    # another scheme may be anything the function handles itself: not refused
+    notebook_launcher(_touches, ("postgres://db/run", str(marker)), num_processes=2)
+    assert marker.read_text() == "postgres://db/run"
+    assert os.listdir(work) == []  # no local folder "gs:" or "s3:"

@@ -53,7 +53,7 @@ import pytest
 #: Ray replaces the literal loopback names (127.0.0.1, localhost) by the machine's primary
 #: address (ray._private.services.resolve_ip_for_localhost); other addresses of the loopback
 #: range are taken as they are: two "machines" on lo, and the kernel's driver on the head's
-HEAD_IP, NODE_B_IP = "127.0.0.2", "127.0.0.3"
+HEAD_IP, NODE_B_IP, NODE_C_IP = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 RAY_ENV = {
     "RAY_num_workers_soft_limit": "0",  # no idle worker kept for reuse
     "RAY_enable_worker_prestart": "0",
@@ -219,6 +219,17 @@ class LocalCluster:
         self._wait_answering()
         self._start_retried("b", NODE_B_IP, f"--address={self.address}")
         return self
+
+    def add_node(self, name: str, ip: str) -> None:
+        """Another node joining the running cluster as node b did (its own ``ray start`` on
+        ``ip``, custom resource ``node_<name>``), e.g. a replacement for a lost node; it
+        returns once Ray's start returned, or the node is listed alive after Ray's 30 s."""
+        self._start_retried(name, ip, f"--address={self.address}")
+
+    def end_node(self, name: str) -> None:
+        """End node ``name``'s processes (and reap them): a node a test added ends with the
+        test, not with the module (the per-test check for children left running)."""
+        self._end(self.processes(str(self.root / name)))
 
     def diagnosis(self) -> str:
         """What a failed start leaves to read: the last lines of every node's Ray logs so far,

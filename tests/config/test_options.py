@@ -92,7 +92,7 @@ def test_the_functions_take_the_options_they_should():
     call_fields = {f.name for f in dataclasses.fields(CallOptions)}
     assert launcher >= {f.name for f in dataclasses.fields(StartOptions)} | call_fields
     # a pool: the launcher's, less one call's, restarts and the debug wait of one launch
-    pool = launcher - call_fields - {"max_restarts", "debug_timeout"}
+    pool = launcher - call_fields - {"max_restarts", "replace_timeout", "debug_timeout"}
     assert set(_options(start_workers)) == pool
     assert set(_options(WorkerPool.call)) == call_fields | {"hang_after", "on_hang"}
     # the defaults are read from the definition, not written again

@@ -171,6 +171,24 @@ def fails_first_time(marker):
     return "second attempt"
 
 
+def resumes_after_failing_once(project_dir):
+    from nbaccel import Accelerator, ProjectConfiguration
+
+    acc = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=project_dir, automatic_checkpoint_naming=True
+        ),
+    )
+    acc.prepare(torch.nn.Linear(2, 2))
+    try:
+        return acc.load_state(), acc.step  # the second attempt
+    except FileNotFoundError:
+        acc.save_state()
+        acc.wait_for_everyone()
+        raise RuntimeError("first attempt fails after its checkpoint") from None
+
+
 def world_size_from_state():
     from nbaccel.config import launch_config
     from nbaccel.runtime.process.state import get_state
@@ -360,6 +378,18 @@ def test_max_restarts_starts_the_group_again(tmp_path):
     )
     assert value == "second attempt"
     assert "restarting, attempt 1 of 1" in err.getvalue()
+
+
+def test_a_restart_says_when_it_started_and_which_checkpoint_it_resumed_from(tmp_path):
+    err = io.StringIO()
+    where, _ = notebook_launcher(
+        resumes_after_failing_once, (f"file://{tmp_path}",), num_processes=2, max_restarts=1,
+        output=err,
+    )  # fmt: skip
+    assert where == str(tmp_path / "checkpoints" / "checkpoint_0")
+    said = err.getvalue()
+    assert "attempt 1 started, " in said and "s after the failure" in said, said
+    assert f"attempt 1 resumed from {where} (step 0), " in said, said
 
 
 # ---------------------------------------------------------------- pre-flight

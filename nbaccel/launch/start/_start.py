@@ -78,10 +78,15 @@ def start_group(
     persistent: bool = False,
     first_job: Job | None = None,
     output: Any = None,
+    say: Callable[[str], None] | None = None,
+    replace_wait: float | None = None,
 ) -> Supervisor:
     """Reserve the rendezvous, start one worker per local rank, return their supervisor.
     ``round_``: the restart attempt (agreement keys carry it); ``first_job`` reaches forked
-    workers through the fork, spawned ones as their first message."""
+    workers through the fork, spawned ones as their first message; ``say``: a line for the
+    launching cell while starting; ``replace_wait``: a cluster restart after a failure waits
+    that long for the cluster to hold the group again (else a request it cannot hold now is
+    refused at once)."""
     _kept.sweep()  # kept ranks whose time is over go before new workers start
     cfg = plan.config
     ranks = plan.ranks
@@ -90,7 +95,12 @@ def start_group(
         from .cluster._cluster import NodeWatch, start_cluster_group
 
         procs = start_cluster_group(
-            plan, round_=round_, persistent=persistent, rank_env=rank_environment
+            plan,
+            round_=round_,
+            persistent=persistent,
+            rank_env=rank_environment,
+            say=say,
+            replace_wait=replace_wait,
         )
         hooks.append(NodeWatch())  # a lost node is said as such
     else:

@@ -68,6 +68,7 @@ from ...checkpoint.rank_files import manifest_save_id, read_rank_file
 from ...checkpoint.store import as_local, basename, check, is_url, join, parent, scheme
 from ...checkpoint.weights import CheckpointError, read_weights, torch_load
 from ...errors import ConfigError
+from ...tracking import events
 from ..process import rank_check
 from ._checkpoint_collective import FIX, save_collective
 from ._checkpoint_write import save_replicated, suffix
@@ -251,6 +252,8 @@ def load_state(
     match = AUTO_NAME.fullmatch(basename(source) if isinstance(source, str) else source.name)
     if acc.project_configuration.automatic_checkpoint_naming and match:
         acc.project_configuration.iteration = int(match.group(1)) + 1
+    # the launcher says it in the cell when a restarted run resumes (no-op outside a launch)
+    events.publish("checkpoint_loaded", path=str(source), at_step=acc.step)
     return str(source)
 
 

@@ -165,10 +165,16 @@ def _lost_error(lost: list[RemoteWorker]) -> LaunchError:
     for proc in lost:
         by_node.setdefault(proc.placement.nodes.get(proc.rank, "a node"), []).append(proc.rank)
     said = "; ".join(f"{node} with rank(s) {sorted(ranks)}" for node, ranks in by_node.items())
+    # the first line is what a restart's announcement shows; the rest says what happens
     return LaunchError(
-        f"the Ray cluster lost {said}: those ranks are gone, and the launch was ended "
-        f"(Ray said: {lost[0].lost}). Fix: check the node (memory, preemption), then launch "
-        "again; max_restarts=... restarts the group on the nodes left."
+        f"the Ray cluster lost {said}\n"
+        f"Those ranks are gone (Ray said: {lost[0].lost}). With max_restarts=N the launch "
+        "re-places the whole group (on the nodes left when they can hold it, else on a node "
+        "that joins within replace_timeout) and runs the function again from its start: "
+        "it continues where it was only if it loads its latest checkpoint "
+        "(accelerator.load_state() under project_dir, on storage every node reaches, e.g. "
+        "s3:// or gs://). Without restarts left the launch ends here. Fix: check the node "
+        "(memory, preemption), then launch again, or pass max_restarts=..."
     )
 
 
@@ -213,9 +219,15 @@ def start_cluster_group(
     round_: int,
     persistent: bool,
     rank_env: RankEnv,
+    say: Callable[[str], None] | None = None,
+    replace_wait: float | None = None,
 ) -> list[WorkerProcess]:
     """Place and start every rank of ``plan`` on the cluster; their kernel-side views
     (``rank_env``: the torchrun-compatible rank variables, as the start step makes them).
+    ``replace_wait`` (a launch's restart after a failure: its ``replace_timeout``): seconds
+    to wait for the cluster to hold the group again (a lost node replaced), ``say`` telling
+    the cell what it waits for; without it a request the cluster cannot hold is refused at
+    once (a first start, a pool's restart).
     Whatever was placed is released before an exception propagates."""
     cfg = plan.config
     assert cfg.cluster is not None
@@ -223,7 +235,7 @@ def start_cluster_group(
     per_node = plan.num_processes or 1
     cpus, gpus = _cluster_place.resources_per_rank(cfg)
     needs = _cluster_place.Needs(cfg.num_nodes, per_node, cpus, gpus)
-    group = _cluster_place.reserve(ray, needs, cfg.timeout)
+    group = _cluster_place.reserve(ray, needs, cfg.timeout, replace_wait=replace_wait, say=say)
     placement = Placement(ray, group)
     procs: list[RemoteWorker] = []
     try:

@@ -24,6 +24,8 @@ import logging
 import os
 import socket
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,9 @@ from ....errors import ConfigError, LaunchError
 INSTALL = "pip install 'nbaccel[ray]'"
 #: seconds a feasible placement group may stay pending (held resources) when no timeout is set
 PLACE_WAIT = 120.0
+#: seconds a restart's placement may take before the cell is told what it waits for (a
+#: lost node that Ray has not yet declared dead still looks able to hold a bundle)
+SAY_WAITING_AFTER = 5.0
 #: seconds to wait for the cluster's address to answer before ray.init is tried
 REACH_WAIT = 10.0
 
@@ -135,26 +140,78 @@ def check_feasible(ray: Any, needs: Needs) -> None:
     )
 
 
-def reserve(ray: Any, needs: Needs, timeout: float | None) -> Any:
-    """A ready placement group for ``needs`` (removed again if it is not placed in time)."""
+def reserve(
+    ray: Any,
+    needs: Needs,
+    timeout: float | None,
+    *,
+    replace_wait: float | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Any:
+    """A ready placement group for ``needs`` (removed again if it is not placed in time).
+
+    ``replace_wait`` (a restart after a lost node: the launch's ``replace_timeout``): a
+    request the live nodes cannot hold now is not refused but asked of Ray all the same,
+    and waited for that long, ``say`` telling the cell what it waits for; a pending
+    placement group is what Ray's autoscaler adds nodes for, and a node that joins by hand
+    gets the bundles the GCS could not place. Ray places the group; nbaccel only waits."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    check_feasible(ray, needs)
-    group = placement_group([needs.bundle()] * needs.num_nodes, strategy="STRICT_SPREAD")
-    wait = timeout or PLACE_WAIT
+    short: LaunchError | None = None
     try:
-        ready, _ = ray.wait([group.ready()], timeout=wait)
+        check_feasible(ray, needs)
+    except LaunchError as err:
+        if replace_wait is None:
+            raise
+        short = err
+    group = placement_group([needs.bundle()] * needs.num_nodes, strategy="STRICT_SPREAD")
+    wait = replace_wait if replace_wait is not None else (timeout or PLACE_WAIT)
+    began = time.monotonic()
+    try:
+        if short is not None or replace_wait is None:
+            if short is not None and say is not None:
+                say(_waiting(needs, wait, short))
+            ready, _ = ray.wait([group.ready()], timeout=wait)
+        else:  # the live nodes can hold it (so Ray says): a dead node not yet seen as such
+            ready, _ = ray.wait([group.ready()], timeout=min(wait, SAY_WAITING_AFTER))
+            if not ready:
+                if say is not None:
+                    say(_waiting(needs, wait, None))
+                ready, _ = ray.wait([group.ready()], timeout=max(0.0, wait - SAY_WAITING_AFTER))
     except BaseException:
         remove_placement_group(group)
         raise
     if not ready:
         remove_placement_group(group)
+        if replace_wait is not None:
+            raise LaunchError(
+                f"no replacement came: the Ray cluster did not place {needs.num_nodes} node(s) "
+                f"x {needs.bundle()} within replace_timeout={wait:g}s after a lost node "
+                f"({time.monotonic() - began:.0f}s waited). Fix: add a node (`ray start "
+                "--address=...`, or let Ray's autoscaler add one), raise replace_timeout=..., "
+                "or launch again with a lower num_nodes; the run's checkpoints are where it "
+                "wrote them."
+            )
         raise LaunchError(
             f"the Ray cluster did not place {needs.num_nodes} node(s) x "
             f"{needs.bundle()} within {wait:g}s: its resources are held by other work. "
             "Fix: free them, or raise timeout=..."
         )
     return group
+
+
+def _waiting(needs: Needs, wait: float, short: LaunchError | None) -> str:
+    now = (
+        str(short).split(" [", 1)[0].split(", and ", 1)[-1]
+        if short is not None
+        else "Ray has not placed it yet (a lost node stays listed alive until Ray declares it dead)"
+    )
+    return (
+        f"nbaccel: waiting up to {wait:g}s (replace_timeout) for the Ray cluster to hold "
+        f"{needs.num_nodes} node(s) with {', '.join(f'{k}={v:g}' for k, v in needs.bundle().items())} "
+        f"each again: {now}. A node that joins (`ray start --address=...`, or Ray's "
+        "autoscaler) is used as soon as it is up.\n"
+    )
 
 
 def release(ray: Any, actors: list[Any], group: Any) -> None:
