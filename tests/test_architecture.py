@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -709,3 +711,24 @@ def test_the_launch_house_keeps_its_shape_and_the_pages_count_it() -> None:
         assert f"%%house {room}%%" in (docs / page).read_text(), page
     counted = _script("docs_hooks").house_counts("%%house launch%%")
     assert counted == f"{floors} floors, {arrows} arrows"
+
+
+def test_the_package_is_found_from_itself_never_from_a_modules_depth():
+    # issue 50's moves left two modules a folder deeper, and their "dirname(dirname(__file__))"
+    # then named nbaccel/launch: the cell showed nbaccel's frames, which it hides
+    import nbaccel
+    from nbaccel.launch.engine import _tidy
+    from nbaccel.platform.environment import package_dir, package_root
+
+    assert package_dir() == os.path.dirname(os.path.abspath(nbaccel.__file__))
+    assert package_root() == os.path.dirname(package_dir())
+    assert package_dir() == _tidy._PACKAGE
+    depth = re.compile(r"dirname\(\s*os\.path\.dirname\(|parents\[\d\]")
+    found = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if depth.search(path.read_text())
+    ]
+    assert not found, (
+        f"the package's folder found by a module's depth in {found}: use package_dir()"
+    )

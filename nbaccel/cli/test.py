@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..config import resolve_launch_config
 from ..errors import ConfigError
+from ..platform.environment import package_dir
 from ._options import overrides_from_args
 from .launch import add_launch_arguments, launch, processes_per_node
 
@@ -26,7 +27,7 @@ examples:
 """
 
 # the workload is runtime code; it runs as a script under the launcher
-_SELF_CHECK = Path(__file__).resolve().parents[1] / "runtime" / "facade" / "selfcheck.py"
+_SELF_CHECK = Path(package_dir()) / "runtime" / "facade" / "selfcheck.py"
 
 
 #: the line ``nbaccel --help`` lists this command by

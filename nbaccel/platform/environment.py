@@ -248,6 +248,25 @@ def summary() -> dict[str, Any]:
     }
 
 
+def package_dir() -> str:
+    """The ``nbaccel`` package's folder, found from the package itself (never from this
+    module's depth, which a move changes: issue 50's moves broke two such computations).
+
+    Example:
+        >>> os.path.basename(package_dir())
+        'nbaccel'
+    """
+    top = sys.modules[__name__.partition(".")[0]]
+    return os.path.dirname(os.path.abspath(str(top.__file__)))
+
+
+def package_root() -> str:
+    """The folder that holds the ``nbaccel`` package, for a worker's ``PYTHONPATH`` (not the
+    package itself: on the path, that one would shadow the standard library with
+    ``nbaccel/logging.py``)."""
+    return os.path.dirname(package_dir())
+
+
 __all__ = [
     "cpu_count",
     "cuda_initialized",
@@ -260,6 +279,8 @@ __all__ = [
     "is_loopback",
     "loopback_interface",
     "notebook_cell_sources",
+    "package_dir",
+    "package_root",
     "summary",
     "tpu_core_count",
     "tpu_present",

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ...errors import WorkerError, WorkerTimeoutError
+from ...platform.environment import package_dir
 from ..channel._wire import loads
 
 _SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
@@ -220,7 +221,7 @@ _FRAME = re.compile(r'^  File "([^"]+)", line \d+')
 HINT_START = "nbaccel: for pdb on the failing frame"
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE = package_dir()  # frames under it are nbaccel's, hidden from the cell
 
 
 def clean(err: BaseException) -> BaseException:

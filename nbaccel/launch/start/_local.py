@@ -14,7 +14,7 @@ predicted (:func:`~..engine._group.worker_imports`), so a launch that never trai
 pays it; only on CPU-only torch builds, where the import cannot touch the driver.
 
 Example:
-    >>> os.path.isdir(os.path.join(_package_root(), "nbaccel", "launch", "start"))
+    >>> os.path.isdir(os.path.join(package_root(), "nbaccel", "launch", "start"))
     True
 """
 
@@ -33,6 +33,7 @@ from typing import Any
 from ...config.fields import field_kind
 from ...errors import LaunchError
 from ...platform import cudafork, forksafe
+from ...platform.environment import package_root
 from ..channel._messages import Job
 from ..channel._wire import Channel
 from ..engine._group import (
@@ -186,13 +187,6 @@ def _interrupts_deferred() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
-def _package_root() -> str:
-    """The folder that holds the ``nbaccel`` package (not the package itself: on the path,
-    that one would shadow the standard library with ``nbaccel/logging.py``)."""
-    here = os.path.abspath(__file__)  # nbaccel/launch/start/_local.py
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(here))))
-
-
 def _from_server(spec: WorkerSpec, mine: dict[str, int]) -> _forkserver.ServerWorker:
     """A worker forked by the fork server; like a spawned one, its spec comes as Setup."""
     store = [spec.store_fd] if spec.store_fd is not None else []
@@ -219,9 +213,7 @@ def take_fork_server() -> None:
 
 def _spawn(spec: WorkerSpec, mine: dict[str, int]) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (env.get("PYTHONPATH", ""), _package_root()) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), package_root()) if p)
     new_session, spec.new_session = spec.new_session, False  # Popen does the setsid
     channel = mine["channel"]
     store = (spec.store_fd,) if spec.store_fd is not None else ()

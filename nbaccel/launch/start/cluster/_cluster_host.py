@@ -27,12 +27,8 @@ import subprocess
 import sys
 from typing import Any
 
+from ....platform.environment import package_root
 from ...channel import _cluster_wire
-
-
-def _package_root() -> str:
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.dirname(package)
 
 
 class RankHost:
@@ -92,7 +88,7 @@ class RankHost:
         os.set_inheritable(channel, True)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (env.get("PYTHONPATH", ""), _package_root()) if p
+            p for p in (env.get("PYTHONPATH", ""), package_root()) if p
         )
         store = (self._store.fileno(),) if self._store is not None else ()
         code = f"from nbaccel.launch.worker._worker import spawn_main; spawn_main({channel})"
