@@ -168,6 +168,9 @@ def questionnaire(path: Path, ask: Callable[[str], str] = input) -> LaunchConfig
         if name in _MULTI_NODE and current["num_nodes"] == 1:
             current[name] = field.default if name != "node_rank" else 0
             continue
+        if name == "cpus_per_rank" and not current["cluster"]:
+            current[name] = None  # a cluster's setting: this machine's threads follow its cores
+            continue
         if name == "gpu_ids" and not _may_use_gpus(current["compute_device"]):
             current[name] = None
             continue
