@@ -97,6 +97,8 @@ class WorkerError(LaunchError):
         exc_type: qualified name of the remote exception type.
         message: ``str()`` of the remote exception.
         remote_traceback: the formatted traceback text from the worker.
+        node: where the worker ran when that is another machine (a cluster launch:
+            ``"node <address> (<Ray node id>)"``); None on this machine.
 
     Attributes:
         exit_code: the worker's exit code (a script's own; 128 + N after signal N).
@@ -111,16 +113,23 @@ class WorkerError(LaunchError):
         exc_type: str,
         message: str,
         remote_traceback: str = "",
+        node: str | None = None,
     ) -> None:
         self.rank = rank
         self.pid = pid
         self.exc_type = exc_type
         self.message = message
         self.remote_traceback = remote_traceback
+        self.node = node
         super().__init__(self._render())
 
+    @property
+    def where(self) -> str:
+        """``pid 42``, or ``pid 42 on node 10.0.0.3 (1a2b3c4d)`` on a cluster."""
+        return f"pid {self.pid}" + (f" on {self.node}" if self.node else "")
+
     def _render(self) -> str:
-        head = f"rank {self.rank} (pid {self.pid}) failed with {self.exc_type}: {self.message}"
+        head = f"rank {self.rank} ({self.where}) failed with {self.exc_type}: {self.message}"
         if self.remote_traceback:
             return f"{head}\n\nRemote traceback (rank {self.rank}):\n{self.remote_traceback}"
         return head
@@ -128,7 +137,7 @@ class WorkerError(LaunchError):
     def __reduce__(self):  # keep picklable across process boundaries
         return (
             type(self),
-            (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback),
+            (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback, self.node),
         )
 
 
@@ -141,23 +150,32 @@ class WorkerTimeoutError(WorkerError):
     """
 
     def __init__(
-        self, stuck_ranks: list[int], stacks: dict[int, str], reason: str, pid: int | None = None
+        self,
+        stuck_ranks: list[int],
+        stacks: dict[int, str],
+        reason: str,
+        pid: int | None = None,
+        nodes: dict[int, str] | None = None,
     ) -> None:
         self.stuck_ranks = list(stuck_ranks)
         self.stacks = dict(stacks)
         self.reason = reason
+        self.nodes = dict(nodes or {})  # rank -> its node, on a cluster
         rank = self.stuck_ranks[0] if self.stuck_ranks else -1
-        super().__init__(rank, pid, "Timeout", reason, "")
+        super().__init__(rank, pid, "Timeout", reason, "", self.nodes.get(rank))
 
     def _render(self) -> str:
-        stuck = ", ".join(str(r) for r in self.stuck_ranks) or "none"
+        def named(rank: int) -> str:
+            return f"{rank} ({self.nodes[rank]})" if rank in self.nodes else str(rank)
+
+        stuck = ", ".join(named(r) for r in self.stuck_ranks) or "none"
         parts = [f"rank(s) {stuck} appear stuck: {self.reason}"]
         for rank in sorted(self.stacks):
-            parts.append(f"\n--- where rank {rank} was ---\n{self.stacks[rank].rstrip()}")
+            parts.append(f"\n--- where rank {named(rank)} was ---\n{self.stacks[rank].rstrip()}")
         return "\n".join(parts)
 
     def __reduce__(self):
-        return (type(self), (self.stuck_ranks, self.stacks, self.reason, self.pid))
+        return (type(self), (self.stuck_ranks, self.stacks, self.reason, self.pid, self.nodes))
 
 
 __all__ = [

@@ -42,6 +42,9 @@ arguments and NBACCEL_* environment variables take precedence over it.
 
 # Fields asked only when they can matter.
 _MULTI_NODE = ("node_rank", "master_addr", "master_port")
+#: threads per rank (this machine's follow its cores) and the wait for a lost node's
+#: replacement: a Ray cluster's settings
+_CLUSTER_ONLY = ("cpus_per_rank", "replace_timeout")
 
 
 #: the line ``nbaccel --help`` lists this command by
@@ -167,6 +170,9 @@ def questionnaire(path: Path, ask: Callable[[str], str] = input) -> LaunchConfig
         name = field.name
         if name in _MULTI_NODE and current["num_nodes"] == 1:
             current[name] = field.default if name != "node_rank" else 0
+            continue
+        if name in _CLUSTER_ONLY and not current["cluster"]:
+            current[name] = field.default  # a cluster's setting: nothing here reads it
             continue
         if name == "gpu_ids" and not _may_use_gpus(current["compute_device"]):
             current[name] = None

@@ -39,6 +39,7 @@ class EngineKeywords(TypedDict, total=False):
 
     start_method: StartMethodType | None
     cluster: str | None
+    cpus_per_rank: int | None
     timeout: float | None
     config: LaunchConfig | None
     hang_after: float | None

@@ -46,6 +46,7 @@ INT_MINIMUMS: dict[str, int] = {
     "node_rank": 0,
     "master_port": 1,
     "max_restarts": 0,
+    "cpus_per_rank": 1,
     "fsdp_min_num_params": 0,
     "deepspeed_zero_stage": 0,
 }
@@ -58,6 +59,7 @@ _FIXES: dict[str, str] = {
     "num_nodes": " Pass the number of machines taking part.",
     "node_rank": " Number the machines 0..num_nodes-1.",
     "max_restarts": " Pass 0 to never restart.",
+    "cpus_per_rank": " Use None for each node's usable cores / its ranks, or a positive int.",
 }
 
 
@@ -135,6 +137,14 @@ class LaunchConfig:
             "help": 'where the ranks run: ``None`` this machine; "ray" the Ray cluster this '
             'kernel is connected to (else RAY_ADDRESS, else "auto"), or a Ray address such '
             'as "ray://head:10001"; num_nodes machines x num_processes ranks each.'
+        },
+    )
+    cpus_per_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "with ``cluster``: CPUs each rank's Ray actor reserves and compute threads "
+            "it runs (``OMP_NUM_THREADS``); ``None`` means each node's usable cores divided by "
+            "its ranks, read on that node."
         },
     )
     start_method: StartMethodType = field(
@@ -323,6 +333,8 @@ class LaunchConfig:
             if self.master_port > MAX_PORT:
                 raise ConfigError(f"master_port={self.master_port} must be <= {MAX_PORT}.")
         _check_cluster(self.cluster)
+        if self.cpus_per_rank is not None:
+            _check_int("cpus_per_rank", self.cpus_per_rank, INT_MINIMUMS["cpus_per_rank"])
         if self.num_nodes > 1 and self.master_port is None and self.cluster is None:
             raise ConfigError(
                 "master_port=None with num_nodes > 1: every node must agree on one port; "

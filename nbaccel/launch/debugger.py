@@ -91,7 +91,10 @@ def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> 
 def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
     failure = job.failures.get(rank)
     what = failure.summary() if failure is not None else f"rank {rank}"
-    lines = [f"nbaccel: post-mortem of {what} (pid {group.procs[rank].pid})"]
+    proc = group.procs[rank]
+    named = failure is not None and failure.node  # the summary names the node already
+    where = f"pid {proc.pid}" + (f" on {proc.node}" if proc.node and not named else "")
+    lines = [f"nbaccel: post-mortem of {what} ({where})"]
     others = {r: text for r, text in sorted(job.others.items()) if r != rank}
     if rank != job.first and job.first in job.failures:
         others[job.first] = f"failed first ({job.failures[job.first].summary()})"

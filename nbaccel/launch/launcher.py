@@ -379,7 +379,7 @@ def _exit_code(error: BaseException) -> int:
             detail = f"exited with code {code}"
         else:  # the traceback is on stderr already, as python prints it
             detail = f"failed with {error.exc_type}: {error.message.splitlines()[0] if error.message else ''}"
-        print(f"nbaccel launch: rank {error.rank} (pid {error.pid}) {detail}", file=sys.stderr)
+        print(f"nbaccel launch: rank {error.rank} ({error.where}) {detail}", file=sys.stderr)
         return code
     print(f"nbaccel launch: {error}", file=sys.stderr)
     return 1

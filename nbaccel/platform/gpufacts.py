@@ -94,7 +94,14 @@ def gpu_facts() -> GpuFacts:
         >>> gpu_facts().count >= 0
         True
     """
-    if not any(os.path.exists(p) for p in environment._NVIDIA_DRIVER_FILES):
+    return read_gpu_facts(need_driver=True)
+
+
+def read_gpu_facts(*, need_driver: bool) -> GpuFacts:
+    """The machine's GPU facts, read now. ``need_driver``: none without the NVIDIA driver's
+    files (no ``nvidia-smi`` subprocess there: a launch pays nothing); False asks whatever
+    ``nvidia-smi`` the ``PATH`` finds (a cluster's node, read once per node)."""
+    if need_driver and not any(os.path.exists(p) for p in environment._NVIDIA_DRIVER_FILES):
         return GpuFacts(shm_bytes=shm_size())
     names, capabilities = [], []
     for line in _smi("--query-gpu=name,compute_cap", "--format=csv,noheader").splitlines():
@@ -146,4 +153,4 @@ def p2p_works(pairs: list[tuple[int, int]], timeout: float = 30.0) -> bool:
     return True
 
 
-__all__ = ["GpuFacts", "gpu_facts", "p2p_works", "parse_matrix", "shm_size"]
+__all__ = ["GpuFacts", "gpu_facts", "p2p_works", "parse_matrix", "read_gpu_facts", "shm_size"]

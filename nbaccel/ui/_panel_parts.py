@@ -79,6 +79,8 @@ def make_control(name: str, value: Any, *, hardware: Hardware | None = None) -> 
     if kind is int:
         minimum = INT_MINIMUMS.get(name, 0)
         maximum = _INT_MAXIMUMS.get(name, _SANE_MAX)
+        if name == "cpus_per_rank":  # 0 shown for None: each node's cores / its ranks
+            minimum, value = 0, value or 0
         if value is None:  # master_port: shown only for several nodes, where it is required
             value = 29500
         return widgets.BoundedIntText(value=value, min=minimum, max=maximum, **common)
@@ -90,11 +92,11 @@ def make_control(name: str, value: Any, *, hardware: Hardware | None = None) -> 
 
 def field_value(name: str, value: Any) -> Any:
     """A control's value as its LaunchConfig field takes it: for an optional field an
-    empty text, or 0 seconds, is None."""
+    empty text, 0 seconds, or 0 CPUs per rank, is None."""
     kind, choices = field_kind(name)
     if field_optional(name) and kind is str and not choices:
         return (value or "").strip() or None
-    return (value or None) if field_optional(name) and kind is float else value
+    return (value or None) if field_optional(name) and kind in (int, float) else value
 
 
 class OutputSink:

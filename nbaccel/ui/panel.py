@@ -246,6 +246,7 @@ class LaunchPanel(widgets.VBox):
         placed = bool(str(self.controls["cluster"].value).strip())  # the cluster meets itself
         for name in _MULTI_NODE:
             self.rows[name].layout.display = None if nodes > 1 and not placed else "none"
+        self.rows["cpus_per_rank"].layout.display = None if placed else "none"  # a cluster's
         uses_gpu = self.controls["compute_device"].value == "gpu" or (
             self.controls["compute_device"].value == "auto" and self.hardware.kind == "gpu"
         )

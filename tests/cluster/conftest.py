@@ -129,9 +129,15 @@ def _free_ports(count: int) -> list[int]:
 
 
 class LocalCluster:
-    """A head and a second node started with ``ray start``, on loopback only."""
+    """A head and a second node started with ``ray start``, on loopback only.
 
-    def __init__(self) -> None:
+    ``node_b_args`` (e.g. ``("--num-gpus=2",)``) and ``node_b_env`` (e.g. a ``PATH`` that
+    finds a stand-in ``nvidia-smi``) make node b unlike the head and the kernel's machine."""
+
+    def __init__(
+        self, node_b_args: tuple[str, ...] = (), node_b_env: dict[str, str] | None = None
+    ) -> None:
+        self.node_b_args, self.node_b_env = node_b_args, dict(node_b_env or {})
         self.root = Path(tempfile.mkdtemp(prefix="nbr", dir="/tmp"))  # Unix sockets: short
         self.port, self.dashboard, self.client = _free_ports(3)
         self.address = f"{HEAD_IP}:{self.port}"
@@ -140,6 +146,7 @@ class LocalCluster:
         self.late_nodes: list[str] = []  # nodes that joined after Ray's 30 s had passed
 
     def _start(self, name: str, ip: str, *args: str) -> None:
+        env = {**self.env, **(self.node_b_env if name == "b" else {})}
         agent, grpc, runtime_env, metrics, manager, objects = _free_ports(6)
         cmd = [
             self.ray, "start", f"--node-ip-address={ip}", "--num-cpus=2",
@@ -153,7 +160,7 @@ class LocalCluster:
         # its own process group: a test that kills "a node" kills only this one
         began = time.monotonic()
         done = subprocess.run(
-            cmd, env=self.env, capture_output=True, text=True, timeout=HANG_GUARD_S,
+            cmd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
             start_new_session=True,
             cwd=self.root,  # where a rank that lacks the kernel's directory would work: not the repo
         )  # fmt: skip
@@ -217,7 +224,7 @@ class LocalCluster:
             f"--ray-client-server-port={self.client}",  # not Ray's fixed 10001
         )  # fmt: skip
         self._wait_answering()
-        self._start_retried("b", NODE_B_IP, f"--address={self.address}")
+        self._start_retried("b", NODE_B_IP, f"--address={self.address}", *self.node_b_args)
         return self
 
     def add_node(self, name: str, ip: str) -> None:

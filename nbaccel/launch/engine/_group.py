@@ -92,6 +92,7 @@ class WorkerProcess:
     returncode: int | None = None
     exit_time: float | None = None
     killed_by_us: bool = False
+    node: str | None = None  # on another machine (a cluster's): "node <address> (<node id>)"
     # poll() may run in the kernel's thread and in a background reaper at once: one waitpid
     # at a time, so the exit status is read once and a reused pid is never waited for
     _reap_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

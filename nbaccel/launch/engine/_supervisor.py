@@ -219,7 +219,8 @@ class Supervisor:
 
     def _raised(self, rank: int, info: dict[str, Any]) -> Failure:
         """``rank`` raised (its report: ``info``): its state is "failed" from now on."""
-        failure = Failure(rank, self.procs[rank].pid, info.get("time", 0.0), "exception", info)
+        proc = self.procs[rank]
+        failure = Failure(rank, proc.pid, info.get("time", 0.0), "exception", info, node=proc.node)
         self.on_event(rank, "state", {"state": "failed", "error": failure.summary()})
         return failure
 
@@ -235,11 +236,21 @@ class Supervisor:
                 stack = fatal_stack(self.workers.tail(proc.rank))
                 code = -proc.returncode
                 out.append(
-                    Failure(proc.rank, proc.pid, proc.exit_time, "signal", code=code, stack=stack)
+                    Failure(
+                        proc.rank,
+                        proc.pid,
+                        proc.exit_time,
+                        "signal",
+                        code=code,
+                        stack=stack,
+                        node=proc.node,
+                    )
                 )
             elif not self.one_shot or proc.returncode > 0 or proc.rank not in self._done:
                 code = proc.returncode
-                out.append(Failure(proc.rank, proc.pid, proc.exit_time, "exit", code=code))
+                out.append(
+                    Failure(proc.rank, proc.pid, proc.exit_time, "exit", code=code, node=proc.node)
+                )
         return out
 
     def dead(self) -> Failure | None:
@@ -251,7 +262,12 @@ class Supervisor:
         while time.time() < deadline and not all(self.workers.exited(p) for p in gone):
             self.pump(0.05)
         found = [f for f in self.failures([]) if f.kind != "exception"] or self.failures([])
-        return pick_failure(found) if found else Failure(gone[0].rank, gone[0].pid, 0.0, "exit")
+        first = gone[0]
+        return (
+            pick_failure(found)
+            if found
+            else Failure(first.rank, first.pid, 0.0, "exit", node=first.node)
+        )
 
     def _failed(self, problems: list[Failure], procs: list[WorkerProcess]) -> None:
         chosen = pick_failure(problems)
@@ -299,7 +315,10 @@ class Supervisor:
     def hung(self, stuck: list[int], reason: str, stacks: dict[int, str]) -> NoReturn:
         """``stuck`` ranks hang: the job ends with their stacks now (over ``stacks``)."""
         found = self.stacks(stuck)
-        error = WorkerTimeoutError(stuck, {**stacks, **found}, reason, self.procs[stuck[0]].pid)
+        nodes = {r: p.node for r, p in self.procs.items() if p.node}  # a cluster's ranks
+        error = WorkerTimeoutError(
+            stuck, {**stacks, **found}, reason, self.procs[stuck[0]].pid, nodes
+        )
         self.end_early([], error, f"rank(s) {stuck} hung")
 
     def end_early(

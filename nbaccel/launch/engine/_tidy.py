@@ -76,6 +76,7 @@ class Failure:
     info: dict[str, Any] = field(default_factory=dict)
     code: int = 0
     stack: str = ""
+    node: str | None = None  # where the worker ran, when another machine (a cluster's node)
 
     @property
     def secondary(self) -> bool:
@@ -94,13 +95,15 @@ class Failure:
         )
 
     def summary(self) -> str:
-        """One line, e.g. ``"rank 0: DistBackendError: Connection closed by peer"``."""
+        """One line, e.g. ``"rank 0: DistBackendError: Connection closed by peer"`` (on a
+        cluster ``"rank 0 (node 10.0.0.2 (1a2b3c4d)): ..."``)."""
+        who = f"rank {self.rank}" + (f" ({self.node})" if self.node else "")
         if self.kind == "signal":
-            return f"rank {self.rank}: killed by {signal_name(self.code)}"
+            return f"{who}: killed by {signal_name(self.code)}"
         if self.kind == "exit":
-            return f"rank {self.rank}: exited with code {self.code}"
+            return f"{who}: exited with code {self.code}"
         first = (self.info.get("message") or "").strip().splitlines()[:1]
-        return f"rank {self.rank}: {self.info.get('type_qualname')}: {first[0] if first else ''}"
+        return f"{who}: {self.info.get('type_qualname')}: {first[0] if first else ''}"
 
 
 def signal_name(number: int) -> str:
@@ -132,7 +135,7 @@ def _locate(module: str, qualname: str) -> type | None:
 
 
 def _reduce(self: WorkerError) -> tuple[Any, ...]:
-    args = (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback)
+    args = (self.rank, self.pid, self.exc_type, self.message, self.remote_traceback, self.node)
     return (WorkerError, args)
 
 
@@ -165,16 +168,16 @@ def remote_exception(failure: Failure) -> WorkerError:
         name = signal_name(failure.code)
         hint = " (SIGKILL is often the out-of-memory killer)" if failure.code == 9 else ""
         message = f"the worker was killed by signal {name}{hint}"
-        err = WorkerError(rank, pid, name.split()[0], message, failure.stack)
+        err = WorkerError(rank, pid, name.split()[0], message, failure.stack, failure.node)
         err.exit_code = 128 + failure.code  # as a shell reports it
         return err
     if failure.kind == "exit":
         message = f"the worker exited with code {failure.code} before the function returned"
-        err = WorkerError(rank, pid, "ExitCode", message, failure.stack)
+        err = WorkerError(rank, pid, "ExitCode", message, failure.stack, failure.node)
         err.exit_code = failure.code
         return err
     qualname = info.get("type_qualname", "Exception")
-    args = (rank, pid, qualname, info.get("message", ""), info.get("traceback", ""))
+    args = (rank, pid, qualname, info.get("message", ""), info.get("traceback", ""), failure.node)
     original = _locate(info.get("type_module", ""), qualname)
     cls = _combined(original) if original is not None else None
     try:  # not the original __init__: it may need other args (OSError's __new__ is its own)
@@ -183,7 +186,7 @@ def remote_exception(failure: Failure) -> WorkerError:
         err = WorkerError(*args)
     if type(err) is not WorkerError:
         WorkerError.__init__(err, *args)
-        own = ("rank", "pid", "exc_type", "message")  # WorkerError's, set just now
+        own = ("rank", "pid", "exc_type", "message", "node")  # WorkerError's, set just now
         for name, data in (info.get("attributes") or {}).items():  # the remote one's (err.code)
             if not hasattr(WorkerError, name) and name not in own:
                 with contextlib.suppress(Exception):

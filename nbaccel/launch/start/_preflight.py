@@ -70,6 +70,17 @@ def check_gpus_per_process(cfg: LaunchConfig, nproc: int) -> None:
         raise too_few_gpus_error(nproc, gpus)
 
 
+def check_cluster_gpu_ids(cfg: LaunchConfig) -> None:
+    """``gpu_ids`` names this machine's GPUs; on a cluster Ray lends each node's."""
+    if cfg.gpu_ids and cfg.gpu_ids.strip().lower() != "all":
+        raise ConfigError(
+            f"gpu_ids={cfg.gpu_ids!r} picks GPUs of this machine, but cluster={cfg.cluster!r} "
+            "runs the ranks on the cluster's nodes, where Ray lends each node's GPUs to its "
+            "ranks. Fix: leave gpu_ids unset; choose a node's GPUs where it is started "
+            "(`CUDA_VISIBLE_DEVICES=0,1 ray start ... --num-gpus=2`)."
+        )
+
+
 def cuda_fork_error(state: cudafork.CudaForkState | None = None) -> CUDAInitializedError:
     """The error for start_method='fork' where a fork would break CUDA in the workers."""
     state = state or cudafork.CudaForkState(context=True)
@@ -357,8 +368,13 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
         in_kernel = nproc == 1 and cfg.num_nodes == 1 and plan.call.block and not cfg.cluster
         if not in_kernel:
             check_platform(cfg.start_method)  # the OS first: nothing else would help there
-        check_gpus_per_process(cfg, nproc)
-        if cfg.mixed_precision == "fp8" or not gpufacts.gpu_facts().capabilities:
+        if cfg.cluster is not None:  # the nodes' GPUs decide, read on each (_cluster_nodes)
+            check_cluster_gpu_ids(cfg)
+        else:
+            check_gpus_per_process(cfg, nproc)
+        if cfg.cluster is None and (
+            cfg.mixed_precision == "fp8" or not gpufacts.gpu_facts().capabilities
+        ):
             hardware.check_gpu_precision(cfg.mixed_precision, cfg.compute_device)  # by name
         if cfg.strategy == "fsdp" and nproc * cfg.num_nodes < 2:
             raise ConfigError(
@@ -368,7 +384,8 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
         _check_parallelism(cfg, nproc)
         if (nproc > 1 or cfg.num_nodes > 1) and not kernel_state_ok:  # workers drop it anyway
             check_no_state_in_kernel()
-        threads = None if in_kernel else worker_threads(nproc)
+        # a cluster's threads are each node's (its cores / its ranks, or cpus_per_rank)
+        threads = None if in_kernel or cfg.cluster is not None else worker_threads(nproc)
     method = "kernel" if in_kernel else choose_start_method(cfg.start_method)
     if cfg.cluster is not None:  # a fresh interpreter on each node, the spec its first frame
         method = "spawn"
@@ -382,9 +399,10 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
             "inside the function, or pass them through args as plain data",
         )
     env = process_env(cfg, threads)
-    if not on_tpu:  # bf16 on a T4, a broken P2P path, a small /dev/shm: one line each
+    local = cfg.cluster is None  # else decided per node from its own facts (_cluster_nodes)
+    if not on_tpu and local:  # bf16 on a T4, a broken P2P path, a small /dev/shm: one line each
         env.update(_freegpus.for_launch(cfg, nproc, plan.function, os.environ).env)
-    if not (in_kernel or on_tpu):
+    if not (in_kernel or on_tpu) and local:
         env.update(_accelerate_env(cfg))
     return dataclasses.replace(plan, num_processes=nproc, method=method, env=env,
                                threads=threads, payload=payload, tpu=on_tpu)  # fmt: skip
@@ -405,11 +423,17 @@ def plan_script(cfg: LaunchConfig) -> LaunchPlan:
     nproc = 1 if on_tpu else _count_processes(cfg)
     if cfg.cluster is not None:  # the nodes' processes, not this machine's devices
         check_cluster_installed(cfg.cluster)
+        check_cluster_gpu_ids(cfg)
         nproc = cfg.num_processes or 1
     check_platform(cfg.start_method)
-    check_gpus_per_process(cfg, nproc)
+    if cfg.cluster is None:
+        check_gpus_per_process(cfg, nproc)
     if not on_tpu:
         _check_parallelism(cfg, nproc)
+    if cfg.cluster is not None:  # threads, devices, GPUs: decided per node, from its facts
+        env = process_env(cfg, None)
+        return LaunchPlan(print, (), cfg, nproc, "spawn", env, None,
+                          start=StartOptions(log_line_prefix_template=""))  # fmt: skip
     threads = worker_threads(nproc)
     env = process_env(cfg, threads) | _accelerate_env(cfg)
     if on_tpu:

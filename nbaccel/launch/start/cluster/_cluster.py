@@ -39,7 +39,7 @@ from ...engine._supervisor import Hook, JobFailed, Supervisor
 from ...engine._tidy import Failure
 from ...worker._worker import WorkerSpec
 from .._preflight import LaunchPlan
-from . import _cluster_place
+from . import _cluster_nodes, _cluster_place
 
 #: where the nodes reach this kernel (default: the address Ray knows this machine by)
 HOST_VAR = "NBACCEL_CLUSTER_HOST"
@@ -233,13 +233,19 @@ def start_cluster_group(
     assert cfg.cluster is not None
     ray = _cluster_place.connect(cfg.cluster)
     per_node = plan.num_processes or 1
-    cpus, gpus = _cluster_place.resources_per_rank(cfg)
-    needs = _cluster_place.Needs(cfg.num_nodes, per_node, cpus, gpus)
-    group = _cluster_place.reserve(ray, needs, cfg.timeout, replace_wait=replace_wait, say=say)
+    wait = cfg.timeout or _cluster_place.PLACE_WAIT
+    # each node's facts, read there; each node's plan from its own (never this machine's)
+    if replace_wait is None:
+        nodes = _cluster_nodes.plan_nodes(ray, cfg, per_node, plan.function, wait)
+        group = _cluster_nodes.reserve(ray, nodes, wait)
+    else:
+        nodes, group = _cluster_nodes.replace(
+            ray, cfg, per_node, plan.function, wait, replace_wait=replace_wait, say=say
+        )
     placement = Placement(ray, group)
     procs: list[RemoteWorker] = []
     try:
-        procs = _start(ray, plan, placement, (per_node, cpus, gpus), round_, persistent, rank_env)
+        procs = _start(ray, plan, placement, nodes, round_, persistent, rank_env)
     except BaseException:
         for proc in procs:
             proc.close()
@@ -248,30 +254,30 @@ def start_cluster_group(
     return list(procs)
 
 
-def _actors(ray: Any, plan: LaunchPlan, placement: Placement, per_node: int,
-            resources: tuple[float, ...]) -> list[Any]:  # fmt: skip
+def _actors(ray: Any, plan: LaunchPlan, placement: Placement,
+            nodes: list[_cluster_nodes.NodePlan]) -> list[Any]:  # fmt: skip
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from ._cluster_host import RankHost
 
     host = ray.remote(RankHost)
     for rank in plan.ranks:
-        node, _ = node_of(rank=rank, per_node=per_node)
+        node, _ = node_of(rank=rank, per_node=nodes[0].ranks)
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=placement.group, placement_group_bundle_index=node
         )
         placement.actors.append(host.options(
-            num_cpus=resources[0], num_gpus=resources[1], scheduling_strategy=strategy,
+            num_cpus=nodes[node].cpus, num_gpus=nodes[node].gpus, scheduling_strategy=strategy,
             name=None, max_restarts=0,
         ).remote())  # fmt: skip
     return placement.actors
 
 
-def _start(ray: Any, plan: LaunchPlan, placement: Placement, shape: tuple[int, float, float],
-           round_: int, persistent: bool, rank_env: RankEnv) -> list[RemoteWorker]:  # fmt: skip
+def _start(ray: Any, plan: LaunchPlan, placement: Placement,
+           nodes: list[_cluster_nodes.NodePlan], round_: int, persistent: bool,
+           rank_env: RankEnv) -> list[RemoteWorker]:  # fmt: skip
     cfg = plan.config
-    per_node, resources = shape[0], shape[1:]
-    actors = _actors(ray, plan, placement, per_node, resources)
+    actors = _actors(ray, plan, placement, nodes)
     wait = cfg.timeout or _cluster_place.PLACE_WAIT
     workdir = os.getcwd()
     infos = ray.get(
@@ -286,7 +292,7 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement, shape: tuple[int, f
         placement.nodes[rank] = where
         _cluster_wire.check_versions(info, f"{where}, rank {rank}")
     _say_other_workdirs(workdir, infos, placement.nodes)
-    specs = _specs(plan, infos, per_node, round_, persistent, rank_env)
+    specs = _specs(plan, infos, nodes, round_, persistent, rank_env)
     listener = _cluster_wire.AuthListener(
         _kernel_host(), secret=secrets.token_bytes(32), timeout=wait
     )
@@ -312,6 +318,7 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement, shape: tuple[int, f
             keep_kernel_ends(*fds.values(), channel)  # the engine's, as for a local worker
             proc = RemoteWorker(rank, int(pids[rank]), fds, channel)
             proc.placement, proc.actor = placement, actor
+            proc.node = placement.nodes.get(rank)  # every message about the rank names it
             proc.waiting = actor.wait.remote()
             placement.opened()
             procs.append(proc)
@@ -363,13 +370,13 @@ def _accept(ray: Any, listener: _cluster_wire.AuthListener, launched: list[Any],
     return got
 
 
-def _specs(plan: LaunchPlan, infos: list[dict[str, Any]], per_node: int, round_: int,
-           persistent: bool, rank_env: RankEnv) -> list[WorkerSpec]:  # fmt: skip
-    cfg, world = plan.config, plan.world_size
+def _specs(plan: LaunchPlan, infos: list[dict[str, Any]], nodes: list[_cluster_nodes.NodePlan],
+           round_: int, persistent: bool, rank_env: RankEnv) -> list[WorkerSpec]:  # fmt: skip
+    """Each rank's spec from its node's plan: its node's threads, device (the config's
+    ``compute_device`` as decided there), NCCL settings and GPUs (every GPU lent to the
+    node's ranks, in order), never this kernel's machine's."""
+    cfg, world, per_node = plan.config, plan.world_size, nodes[0].ranks
     master = infos[0]["ip"]
-    # compute threads: the node's share, as Ray set it for the actor (OMP_NUM_THREADS =
-    # its CPUs), never this kernel's machine's cores / processes (9x slower steps measured
-    # with two local nodes on 2 cores: bench/cluster.py)
     env = {k: v for k, v in plan.env.items() if k != "OMP_NUM_THREADS"}
     shared = {**env, "MASTER_ADDR": master, "MASTER_PORT": str(infos[0]["store_port"])}
     if environment.is_loopback(master):  # gloo/NCCL would pick the host name's interface
@@ -377,14 +384,32 @@ def _specs(plan: LaunchPlan, infos: list[dict[str, Any]], per_node: int, round_:
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if iface:
                 shared.setdefault(var, iface)
+    lent = [
+        _cluster_nodes.gpu_env(
+            [i.get("gpu_ids", []) for i in infos[n * per_node : (n + 1) * per_node]]
+        )
+        for n in range(len(nodes))
+    ]
     specs = []
     for rank, info in enumerate(infos):
         node, local = node_of(rank=rank, per_node=per_node)
-        env = shared | rank_env(
-            rank, local, world_size=world, local_world_size=per_node, node_rank=node
+        there = nodes[node]
+        if info.get("node_id") and info["node_id"] != there.facts.node_id:
+            raise LaunchError(
+                f"rank {rank} was placed on node {info['ip']} ({info['node_id'][:8]}), not on "
+                f"{there.facts.where}, whose facts decided its plan. Fix: launch again."
+            )
+        env = (
+            shared
+            | there.env
+            | (lent[node] if there.gpus else {})
+            | rank_env(rank, local, world_size=world, local_world_size=per_node, node_rank=node)
+        )
+        config = (
+            cfg.replace(compute_device=there.device) if there.device != cfg.compute_device else cfg
         )
         spec = WorkerSpec(
-            rank, local, world, per_node, node, cfg, env, "spawn", round_, None,
+            rank, local, world, per_node, node, config, env, "spawn", round_, there.cpus,
             persistent, new_session=False, die_with_parent=True, parent_pid=int(info["pid"]),
             linger=plan.debug_timeout,
         )  # fmt: skip

@@ -52,12 +52,13 @@ class RankHost:
         ip = _cluster_wire.node_ip()
         here = os.path.isdir(workdir)
         self._workdir = workdir if here else None
-        node_id = ""
+        node_id, gpu_ids = "", []
         with contextlib.suppress(Exception):
             import ray
 
             if ray.is_initialized():  # in an actor; never start a Ray of its own elsewhere
                 node_id = ray.get_runtime_context().get_node_id()
+                gpu_ids = [str(i) for i in ray.get_gpu_ids()]  # lent to this rank's actor
         port = None
         if reserve_store:
             family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -69,6 +70,7 @@ class RankHost:
         return {
             "ip": ip,
             "node_id": node_id,
+            "gpu_ids": gpu_ids,
             "pid": os.getpid(),
             "store_fd": self._store.fileno() if self._store is not None else None,
             "store_port": port,
