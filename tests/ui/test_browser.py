@@ -192,7 +192,7 @@ def lab(tmp_path, ui):
         yield server
 
 
-def _stop_server(base: str, token: str, server: subprocess.Popen) -> None:
+def _stop_server(base: str, token: str, server: subprocess.Popen, log: Path) -> None:
     """Shut JupyterLab down the polite way (it stops its kernels), then wait for it.
 
     It stops every kernel first: on a loaded machine (CI at load 14) that took over 30 s,
@@ -205,9 +205,15 @@ def _stop_server(base: str, token: str, server: subprocess.Popen) -> None:
     try:
         server.wait(LONG / 1000)
     except subprocess.TimeoutExpired:
+        still = [p.info for p in psutil.process_iter(["pid", "ppid", "status", "cmdline"])
+                 if p.info["pid"] == server.pid or p.info["ppid"] == server.pid]  # fmt: skip
         server.kill()
         server.wait(10)
-        pytest.fail(f"JupyterLab did not exit within {LONG / 1000:.0f} s of /api/shutdown")
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+        pytest.fail(
+            f"JupyterLab did not exit within {LONG / 1000:.0f} s of /api/shutdown; it and its "
+            f"children then: {still}\nthe end of its log:\n{tail}"
+        )
 
 
 @pytest.mark.parametrize("ui", list(UIS))
@@ -280,7 +286,7 @@ def test_launch_panel_in_browser(lab, tmp_path, ui):
 
     # Everything the server started (kernel; the workers are gone already) must go with it.
     descendants = psutil.Process(server.pid).children(recursive=True)
-    _stop_server(base, token, server)
+    _stop_server(base, token, server, tmp_path / "lab.log")
     leftovers = []
     for proc in descendants:
         try:
@@ -385,4 +391,4 @@ def test_monitor_charts_live_and_output_stays_in_its_cell(lab, tmp_path, ui):
             _save_and_reopen_without_the_kernel(page, base, token, tmp_path / "root")
         finally:
             context.close()
-    _stop_server(base, token, server)
+    _stop_server(base, token, server, tmp_path / "lab.log")
