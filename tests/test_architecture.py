@@ -149,6 +149,15 @@ def dynamic_imports(name: str, package: str, tree: ast.Module) -> Iterator[tuple
                 yield spelled, node.lineno
 
 
+def imported_from(package: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` in ``package`` names (relative ones resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports_of(name: str, path: Path, known: set[str]) -> Iterator[tuple[str, int]]:
     """(imported nbaccel module, line) for every import in the file, at any depth: the
     import statements, and ``importlib.import_module``/``__import__`` of a spelled-out name."""
@@ -161,12 +170,7 @@ def imports_of(name: str, path: Path, known: set[str]) -> Iterator[tuple[str, in
                 if alias.name.startswith("nbaccel"):
                     yield alias.name, node.lineno
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = imported_from(package, node)
             if not target.startswith("nbaccel"):
                 continue
             for alias in node.names:  # `from pkg import module` imports the module
@@ -621,12 +625,7 @@ def private_reach_problems(sources: dict[str, tuple[Path, str]]) -> list[str]:
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = imported_from(package, node)
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 if sub in known:  # a module: what is used of it is checked below

@@ -27,35 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from ..errors import StorageError
+from ..platform.stores import PACKAGES, install_hint, scheme
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _LOCAL_SCHEMES = {"file", "local"}
-# the package that handles each well-known scheme (fsspec's registry names the same ones)
-PACKAGES = {
-    "s3": "s3fs",
-    "s3a": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
-    "adl": "adlfs",
-    "hf": "huggingface_hub",
-    "oci": "ocifs",
-}
 _CHUNK = 8 * 2**20
-
-
-def scheme(path: str | os.PathLike[str]) -> str | None:
-    """The URL scheme of ``path`` (lower case), or None for a plain path."""
-    # a Path cannot hold a URL (it folds "//"), so only strings are looked at
-    match = _SCHEME.match(path) if isinstance(path, str) else None
-    return match.group(1).lower() if match else None
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -87,12 +66,6 @@ def parent(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[0]
 
 
-def _install_hint(package: str) -> str:
-    return f"pip install {package}" + (
-        " (or pip install 'nbaccel[storage]')" if package in ("fsspec", "s3fs") else ""
-    )
-
-
 def filesystem(url: str) -> tuple[Any, str]:
     """Open the store of ``url``: ``(fsspec filesystem, path inside it)``.
 
@@ -107,7 +80,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     except ImportError:
         needed = "fsspec" if package is None else f"fsspec {package}"
         raise StorageError(
-            f"{url!r} is an object-storage URL, which needs fsspec: {_install_hint(needed)}. "
+            f"{url!r} is an object-storage URL, which needs fsspec: {install_hint(needed)}. "
             "Nothing was written."
         ) from None
     try:
@@ -116,7 +89,7 @@ def filesystem(url: str) -> tuple[Any, str]:
         name = package or (getattr(err, "name", None) or "the package for this scheme")
         raise StorageError(
             f"{url!r} needs the package {name!r} to reach its {found}:// store: "
-            f"{_install_hint(name)}. Nothing was written. ({err})"
+            f"{install_hint(name)}. Nothing was written. ({err})"
         ) from err
     except ValueError as err:
         raise StorageError(

@@ -19,6 +19,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from typing import Any
+
+from ..errors import StorageError
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 # the package that handles each well-known scheme (fsspec's registry names the same ones)
@@ -72,4 +75,38 @@ def _installed(name: str) -> bool:
         return False
 
 
-__all__ = ["PACKAGES", "install_hint", "missing_for", "scheme"]
+def check_args(args: Any) -> None:
+    """Refuse, before any rank starts, a launch argument that is a URL of a well-known store
+    (also one level inside a list, tuple or dict: ``({"project_dir": "s3://b/run"},)``) whose
+    package is not installed here: the ranks would fail at their first save (or, before
+    issue 52, write a local folder named ``s3:``). Other schemes are not looked at: they may
+    be anything the function handles itself (a database, an HTTP address).
+
+    Raises:
+        StorageError: naming the argument and the command that installs what is missing.
+
+    Example:
+        >>> check_args(("runs/a", {"lr": 0.1}, "postgres://db/x"))
+    """
+    for name, value in _named(args):
+        missing = missing_for(value)
+        if missing is not None:
+            raise StorageError(
+                f"{name}={value!r} is an object-storage URL, and this environment cannot "
+                f"reach it: {install_hint(missing)}, then launch again (on a cluster, on "
+                "every node). Nothing was started and nothing was written."
+            )
+
+
+def _named(args: Any) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for i, arg in enumerate(args if isinstance(args, list | tuple) else (args,)):
+        out.append((f"args[{i}]", arg))
+        if isinstance(arg, dict):
+            out += [(f"args[{i}][{k!r}]", v) for k, v in arg.items()]
+        elif isinstance(arg, list | tuple):
+            out += [(f"args[{i}][{j}]", v) for j, v in enumerate(arg)]
+    return out
+
+
+__all__ = ["PACKAGES", "check_args", "install_hint", "missing_for", "scheme"]

@@ -32,7 +32,7 @@ from typing import Any
 from ...config import LaunchConfig, resolve_launch_config
 from ...config.options import CALL, START, CallOptions, StartOptions, check_settings
 from ...errors import ConfigError, CUDAInitializedError, LaunchError, too_few_gpus_error
-from ...platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware
+from ...platform import cudafork, cudatrace, environment, forksafe, gpufacts, hardware, stores
 from ..channel._jobs import dill_for_workers
 from ..channel._rendezvous import check_rendezvous_args, elastic_meet, parse_endpoint
 from . import _forkserver, _freegpus
@@ -302,6 +302,7 @@ def plan_launch(
     """
     cudatrace.install()  # from now on a later CUDA initialisation in the kernel is recorded
     check_call(function, args)
+    stores.check_args(args)  # an s3:// argument this environment cannot reach: refused now
     take_fork_server()  # nbaccel's first use, while CUDA may still be untouched
     given = check_settings(dict(settings or {}))
     nodes: int = given.get("num_nodes") or (start.config.num_nodes if start.config else 1)
