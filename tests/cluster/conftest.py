@@ -78,6 +78,21 @@ NODE_PATIENCE = {
     "RAY_worker_register_timeout_seconds": str(HANG_GUARD_S),
     "RAY_gcs_rpc_server_reconnect_timeout_s": str(HANG_GUARD_S),
 }
+#: A starting node's session (its raylet, agents, GCS) runs at this autogroup nice value
+#: until it is up: a raylet aborts when its dashboard agent, a Python process importing much
+#: of Ray, has not written its port files within a fixed ~15 s per port (Ray's
+#: WaitForDashboardAgentPorts, which no setting changes: "Timed out waiting for file
+#: .../dashboard_agent_listen_port_...", in the slow-machine rehearsal of db146cd, twice).
+#: Linux shares the CPU between sessions first (autogroup), so the node gets head room
+#: whatever else runs; where the nice value cannot be lowered (no CAP_SYS_NICE) the node
+#: starts without it.
+HEAD_ROOM_NICE = -10
+_WITH_HEAD_ROOM = """\
+import contextlib, os, sys
+with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as f:
+    f.write(sys.argv[1])
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 #: Ray's own words when a node's raylet did not register within its fixed 30 s
 RAY_REGISTRATION_DEADLINE = "timed out during startup"
 
@@ -144,6 +159,7 @@ class LocalCluster:
         self.ray = str(Path(sys.executable).parent / "ray")
         self.env = {**os.environ, **RAY_ENV, **NODE_PATIENCE}
         self.late_nodes: list[str] = []  # nodes that joined after Ray's 30 s had passed
+        self.head_room: dict[str, int | None] = {}  # each node's session nice while it started
 
     def _start(self, name: str, ip: str, *args: str) -> None:
         env = {**self.env, **(self.node_b_env if name == "b" else {})}
@@ -157,20 +173,39 @@ class LocalCluster:
             f"--node-manager-port={manager}", f"--object-manager-port={objects}",
             *args,
         ]  # fmt: skip
-        # its own process group: a test that kills "a node" kills only this one
+        # its own process group: a test that kills "a node" kills only this one; and its own
+        # session, given head room while it starts (HEAD_ROOM_NICE)
         began = time.monotonic()
         done = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
+            [sys.executable, "-c", _WITH_HEAD_ROOM, str(HEAD_ROOM_NICE), *cmd],
+            env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
             start_new_session=True,
             cwd=self.root,  # where a rank that lacks the kernel's directory would work: not the repo
         )  # fmt: skip
+        self.head_room[name] = self._session_nice(name)
         late = done.returncode != 0 and RAY_REGISTRATION_DEADLINE in done.stdout + done.stderr
-        if done.returncode != 0 and not (late and self._joins(name, ip)):
+        joined = done.returncode == 0 or (late and self._joins(name, ip))
+        self._set_session_nice(name, 0)  # up (or gone): it competes as any other session
+        if not joined:
             raise RuntimeError(
                 f"{' '.join(cmd)} failed after {time.monotonic() - began:.1f} s:\n{done.stdout}\n"
                 f"{done.stderr}\n{self.diagnosis()}"
             )
         self.late_nodes += [name] if late else []
+
+    def _set_session_nice(self, name: str, nice: int) -> None:
+        for proc in self.processes(str(self.root / name)):
+            with contextlib.suppress(OSError):
+                Path(f"/proc/{proc.pid}/autogroup").write_text(str(nice))
+
+    def _session_nice(self, name: str) -> int | None:
+        """The autogroup nice value of node ``name``'s raylet's session (None: unknown)."""
+        for proc in self.processes(str(self.root / name)):
+            if _is_raylet(proc):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    text = Path(f"/proc/{proc.pid}/autogroup").read_text()
+                    return int(text.split("nice")[1])
+        return None
 
     def alive_nodes(self) -> list[str]:
         """The addresses of the nodes the cluster's state API lists alive (the head's

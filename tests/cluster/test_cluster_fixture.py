@@ -22,6 +22,7 @@ import pytest
 from conftest import (
     HANG_GUARD_S,
     HEAD_IP,
+    HEAD_ROOM_NICE,
     NODE_B_IP,
     LocalCluster,
     _ephemeral_ports,
@@ -65,6 +66,11 @@ def _hold_raylets_until_ray_start_gives_up(
     return held
 
 
+def _can_lower_session_nice() -> bool:
+    probe = "open('/proc/self/autogroup', 'w').write('-1')"
+    return subprocess.run([sys.executable, "-c", probe], start_new_session=True).returncode == 0
+
+
 def _runs_a_task_on_node_b(cluster: LocalCluster) -> str:
     """The address a task placed on node b reports (from a fresh process: this one never
     imports Ray)."""
@@ -97,6 +103,11 @@ def test_a_node_that_registers_after_rays_deadline_still_joins():
         holder.join()
         assert len(held) == 1, held  # one try: the late node was waited for, not restarted
         assert cluster.late_nodes == ["b"]
+        # each node started with head room (where Linux lets this process give it), and
+        # competes as any other session once up
+        if _can_lower_session_nice():
+            assert cluster.head_room == {"head": HEAD_ROOM_NICE, "b": HEAD_ROOM_NICE}
+        assert cluster._session_nice("head") == cluster._session_nice("b") == 0
         assert NODE_B_IP in cluster.alive_nodes()
         assert _runs_a_task_on_node_b(cluster) == NODE_B_IP  # a node, not only a listing
     finally:
