@@ -121,7 +121,7 @@ def _free_ports(count: int) -> list[int]:
     """
     ephemeral = _ephemeral_ports()
     pool = range(RAY_WORKER_PORTS.stop, ephemeral.start)
-    if len(pool) < 1000:  # an unusual range: above it, or else the old way
+    if len(pool) < 1000:  # an unusual ephemeral range: the ports above it instead
         pool = range(ephemeral.stop, 65536)
     if len(pool) < 1000:
         raise RuntimeError(
