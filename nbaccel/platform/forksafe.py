@@ -202,6 +202,32 @@ def unknown_threads() -> list[str]:
     return found
 
 
+def fork_breaks_this_process() -> str | None:
+    """Why forking would break this very process, not only its child (None: it would not).
+
+    A Ray driver (``ray.init()`` done here, ``ray://`` included): Ray's gRPC threads in this
+    process do not survive a fork of it. After a forked launch the kernel's next call to the
+    cluster (``ray.nodes()``, a placement group) waited for ever in a whole run of the suite;
+    Ray's own advice is to spawn (ray-project/ray#59661). Ray is never imported here.
+
+    Example:
+        >>> fork_breaks_this_process() is None  # no Ray connected in this process
+        True
+    """
+    ray = sys.modules.get("ray")
+    try:
+        connected = ray is not None and bool(ray.is_initialized())
+    except Exception:  # a half-imported or broken Ray: nothing connected through it
+        connected = False
+    if not connected:
+        return None
+    return (
+        "this kernel is connected to Ray (ray.init()), whose gRPC connection does not "
+        "survive a fork of the kernel: its next Ray call could wait for ever "
+        "(ray-project/ray#59661)"
+    )
+
+
 @dataclass(frozen=True)
 class ForkCheck:
     """nbaccel's verdict on forking workers from this process now.
@@ -271,6 +297,7 @@ __all__ = [
     "KNOWN_THREAD_PACKAGES",
     "ForkCheck",
     "check_fork",
+    "fork_breaks_this_process",
     "forking",
     "keep_forked_worker_single_threaded",
     "release_openmp_threads",

@@ -157,6 +157,32 @@ def test_the_first_error_names_its_rank_and_node(connected):
     assert "rank 1 (pid " in text and f"on node {NODE_B_IP} ({ids[NODE_B_IP][:8]})" in text, text
 
 
+def test_a_local_launch_in_a_ray_driver_spawns_and_ray_still_answers(connected):
+    # A fork of a kernel connected to Ray leaves Ray's gRPC connection in the kernel stuck:
+    # in a whole run the launch after a forked local one waited for ever in ray.nodes()
+    # (ray-project/ray#59661). 'auto' spawns there, said once; an explicit 'fork' is refused.
+    connected.run(
+        "def started_as():\n"
+        "    import psutil\n"
+        "    return 'spawned' if 'spawn_main' in ' '.join(psutil.Process().cmdline()) else 'forked'"
+    )
+    cell = connected.execute(
+        "how = notebook_launcher(started_as, num_processes=2, return_all_ranks=True)", timeout=600
+    )
+    assert cell.error is None, cell.error
+    assert connected.evaluate_json("how") == ["spawned", "spawned"]
+    said = "workers are spawned, not forked: this kernel is connected to Ray"
+    assert cell.stderr.count(said) == 1, cell.stderr
+    assert len(connected.evaluate_json("node_ids()", timeout=600)) == 2  # Ray answers
+    cell = connected.execute(
+        "notebook_launcher(started_as, num_processes=2, start_method='fork')", timeout=600
+    )
+    assert cell.error is not None and cell.error.ename == "ConfigError", cell.error
+    assert "start_method='fork'" in cell.error.evalue and "Ray" in cell.error.evalue
+    again = connected.execute("notebook_launcher(started_as, num_processes=2)", timeout=600)
+    assert again.error is None and said not in again.stderr, again.stderr  # once per kernel
+
+
 def test_two_nodes_of_two_ranks_train_bit_equal_to_four_local_processes(connected):
     connected.run(
         "local = notebook_launcher(train, (3,), num_processes=4, return_all_ranks=True)\n"

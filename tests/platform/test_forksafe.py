@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import pytest
 import torch
@@ -126,3 +127,29 @@ def test_opentelemetry_exporter_threads_are_known():
         assert "OtelPeriodicExportingMetricReader" not in forksafe.unknown_threads()
     finally:
         reader.shutdown()
+
+
+class _Ray:
+    """What nbaccel reads of an imported Ray: whether this process is connected."""
+
+    def __init__(self, connected: bool) -> None:
+        self.connected = connected
+
+    def is_initialized(self) -> bool:
+        return self.connected
+
+
+def test_a_ray_driver_is_never_forked_by_auto_and_an_explicit_fork_is_refused(monkeypatch):
+    # the whole-run hang: a forked local launch in a kernel connected to Ray, then the next
+    # ray.nodes() waited for ever (tests/cluster/test_cluster_nodes.py runs it for real)
+    from nbaccel.errors import ConfigError
+    from nbaccel.launch.start import _preflight
+
+    monkeypatch.setitem(sys.modules, "ray", _Ray(connected=False))
+    assert forksafe.fork_breaks_this_process() is None
+    assert _preflight.choose_start_method("auto") == "fork"  # Linux, no CUDA here
+    monkeypatch.setitem(sys.modules, "ray", _Ray(connected=True))
+    assert "connected to Ray" in (forksafe.fork_breaks_this_process() or "")
+    assert _preflight.choose_start_method("auto") == "spawn"
+    with pytest.raises(ConfigError, match=r"start_method='fork' cannot be used here.*Ray"):
+        _preflight.choose_start_method("fork")

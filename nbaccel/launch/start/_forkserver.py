@@ -230,6 +230,8 @@ def take() -> ForkServer | None:
         return _server
     if threading.current_thread() is not threading.main_thread() or not wanted():
         return None
+    if forksafe.fork_breaks_this_process():  # not now; perhaps once Ray is shut down
+        return None
     if (state := cudafork.fork_state()).broken:
         _missed.append(
             f"{state.what().split(' (')[0]} since before nbaccel was first used here, so no "

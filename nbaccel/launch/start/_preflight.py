@@ -144,6 +144,14 @@ def choose_start_method(requested: str) -> str:
             if _forkserver.usable():  # forked all the same, from the kernel's clean copy
                 return "forkserver"
             raise cuda_fork_error(state)
+        if why := forksafe.fork_breaks_this_process():
+            if _forkserver.usable():  # the server forks, not the kernel
+                return "forkserver"
+            raise ConfigError(
+                f"start_method='fork' cannot be used here: {why}. Fix: pass "
+                "start_method='auto' (or 'spawn'), which starts fresh worker processes, or "
+                "launch before ray.init()."
+            )
         return "fork"
     if requested == "spawn":
         return "spawn"
@@ -153,10 +161,22 @@ def choose_start_method(requested: str) -> str:
         _forkserver.say_why_not()
         _say_why_spawn(state)
         return "spawn"
+    if environment.fork_preferred() and (why := forksafe.fork_breaks_this_process()):
+        if _forkserver.usable():
+            return "forkserver"
+        _say_once(f"nbaccel: workers are spawned, not forked: {why}.")
+        return "spawn"
     return "fork" if environment.fork_preferred() else "spawn"
 
 
 _SAID_NO_SERVER: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """``line`` in the cell, once per kernel (a launch's choice made for it, not an error)."""
+    if line not in _SAID_NO_SERVER:
+        _SAID_NO_SERVER.add(line)
+        sys.stderr.write(line + "\n")
 
 
 def say_no_fork_server() -> None:
