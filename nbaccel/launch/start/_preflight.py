@@ -169,22 +169,14 @@ def choose_start_method(requested: str) -> str:
     return "fork" if environment.fork_preferred() else "spawn"
 
 
-_SAID_NO_SERVER: set[str] = set()
+_SAID: set[str] = set()
 
 
 def _say_once(line: str) -> None:
     """``line`` in the cell, once per kernel (a launch's choice made for it, not an error)."""
-    if line not in _SAID_NO_SERVER:
-        _SAID_NO_SERVER.add(line)
+    if line not in _SAID:
+        _SAID.add(line)
         sys.stderr.write(line + "\n")
-
-
-def say_no_fork_server() -> None:
-    """One line in the cell, once per reason: the fork server that was wanted cannot serve."""
-    if (why := _forkserver.why_not()) is None or why in _SAID_NO_SERVER:
-        return
-    _SAID_NO_SERVER.add(why)
-    sys.stderr.write(f"nbaccel: workers are spawned, not forked: {why}.\n")
 
 
 def fork_safe_threads(threads: int | None) -> int | None:
