@@ -3,9 +3,11 @@
 An S3 server on loopback (moto's server mode, started and stopped by each test on a free
 port) and s3fs as the client; credentials and endpoint come from the environment only
 (``AWS_*``), as they would for a user. Two real ranks over gloo save and load through
-``s3://`` and ``file://``; a save cut short by the store going away leaves the previous
-checkpoint loadable; a URL whose package is missing or whose scheme nothing handles is
-refused before anything is written; nothing named ``s3:`` ever appears in the cwd.
+``s3://`` and ``file://``; through ``s3://`` each rank writes on local disk only inside
+temporary folders of its own, never in one another rank reads (Python's audit events tell
+what each opens); a save cut short by the store going away leaves the previous checkpoint
+loadable; a URL whose package is missing or whose scheme nothing handles is refused before
+anything is written; nothing named ``s3:`` ever appears in the cwd.
 """
 
 from __future__ import annotations
@@ -202,11 +204,76 @@ def _two_rank_worker(base):
     }
 
 
+def _recording_local_files(fn, *args):
+    """``fn(*args)``, and what this rank did on local disk meanwhile, as Python's audit events
+    tell it: the temporary folders it made, every path it opened for writing (or made, or
+    renamed to), and the paths under the temporary directory it opened to read."""
+    import tempfile
+
+    seen = {"folders": [], "written": [], "read": []}
+    state = {"on": True, "inside": False}
+    tmp = os.path.realpath(tempfile.gettempdir()) + os.sep
+
+    def hook(event, args):
+        if not state["on"] or state["inside"] or event not in _FILE_EVENTS:
+            return
+        state["inside"] = True  # realpath's own calls are not this rank's files
+        try:
+            path = args[1] if event in ("os.rename", "os.replace") else args[0]
+            if isinstance(path, int):  # an open file descriptor: its file was seen opened
+                return
+            path = os.path.realpath(os.fsdecode(path))
+            if event == "tempfile.mkdtemp":
+                seen["folders"].append(path)
+            elif event != "open" or _opens_to_write(args):
+                seen["written"].append(path)
+            elif path.startswith(tmp):
+                seen["read"].append(path)
+        finally:
+            state["inside"] = False
+
+    sys.addaudithook(hook)  # this worker process ends with the launch: it goes with it
+    try:
+        result = fn(*args)
+    finally:
+        state["on"] = False
+    left = [f for f in seen["folders"] if os.path.exists(f)]
+    return {"result": result, **seen, "left": left}
+
+
+_FILE_EVENTS = {"open", "tempfile.mkdtemp", "os.mkdir", "os.rename", "os.replace"}
+
+
+def _opens_to_write(args):
+    """An "open" audit event's (path, mode, flags): open() gives a mode, os.open flags."""
+    _, mode, flags = args
+    if mode is None:
+        return bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    return bool(set(mode) & set("wax+"))
+
+
+def _inside(path, folders):
+    return any(path == f or path.startswith(f + os.sep) for f in folders)
+
+
 def test_two_ranks_save_and_load_through_s3(s3, tmp_path, monkeypatch):
     _, env = s3
     monkeypatch.chdir(tmp_path)  # the workers' cwd too: where the bug wrote a folder "s3:"
     base = f"s3://{BUCKET}/run1"
-    results = run_on_workers(_two_rank_worker, 2, args=(base,), env={**SHORT, **env})
+    recorded = run_on_workers(
+        _recording_local_files, 2, args=(_two_rank_worker, base), env={**SHORT, **env}
+    )
+    # no file of a save or a load touches a disk another rank could read (issue 52): each
+    # rank writes only inside temporary folders it made itself, reads no other rank's, and
+    # removes them; everything else goes to the store
+    for rank, mine in enumerate(recorded):
+        theirs = recorded[1 - rank]["folders"]
+        assert mine["folders"] and not set(mine["folders"]) & set(theirs), (rank, mine)
+        outside = [p for p in mine["written"] if not _inside(p, mine["folders"])]
+        assert outside == [], (rank, outside)
+        assert [p for p in mine["read"] if _inside(p, theirs)] == [], rank
+        assert mine["left"] == [], (rank, mine["left"])
+    results = [r["result"] for r in recorded]
     for rank, result in enumerate(results):
         assert result["path"] == result["loaded"] == f"{base}/ckpt", rank
         assert result["restored"] and result["from_model"], rank

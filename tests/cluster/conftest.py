@@ -317,6 +317,19 @@ class LocalCluster:
         lost as a machine is. Each node was started in its own session; the test's own
         process group is never one of them. Returns the pids that were there."""
         procs = self.processes(str(self.root / name))
+        # Ray's worker processes (the ranks' actors, and what they started) are process
+        # groups of their own, named by their title ("ray::RankHost"), not by the node's
+        # dir: without them a rank lived on, and trained, seconds after its node was
+        # "lost" (until its actor saw the raylet gone). They stay in the node's session.
+        sessions = set()
+        for proc in procs:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                sessions.add(os.getsid(proc.pid))
+        sessions.discard(os.getsid(0))
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if proc not in procs and os.getsid(proc.pid) in sessions:
+                    procs.append(proc)
         ours = os.getpgid(0)
         groups = set()
         for proc in procs:
