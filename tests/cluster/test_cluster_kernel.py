@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import HEAD_IP, RAY_ENV, LocalCluster, wait_until
+from conftest import HEAD_IP, NODE_B_IP, RAY_ENV, LocalCluster, wait_until
 from kernel_harness import KernelSession, isolated_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kernel, pytest.mark.integration]
@@ -74,6 +75,9 @@ def spin():
     print("spinning", flush=True)
     while True:
         time.sleep(0.05)
+
+def node_ids():
+    return {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 def left_on_cluster():
     from ray.util import placement_group_table
@@ -315,8 +319,24 @@ def test_the_hang_report_brings_every_remote_rank_stack_into_the_cell(kernel, tm
     flag.touch()  # rank 1 comes: nothing was killed, the launch completes
     cell = kernel.collect(msg, timeout=120).raise_for_error()
     assert "result 2.0" in cell.stdout
-    assert "rank 0: waiting in torch.distributed.all_reduce" in cell.stderr, cell.stderr
     assert "os.path.exists(flag)" in cell.stderr  # rank 1's Python stack, from its node
+    # every rank the report names, with its pid and node: the live line, the stuck ranks
+    # (or, were rank 1's polling judged work, the ranks that wait for it), each stack's header
+    zero, one = _named(kernel, 0, HEAD_IP), _named(kernel, 1, NODE_B_IP)
+    assert re.search(zero + r": waiting in torch\.distributed\.all_reduce", cell.stderr), (
+        cell.stderr
+    )
+    assert re.search(f"--- where {one} (was|is) ---", cell.stderr), cell.stderr
+    bare = [p.removeprefix(re.escape("rank ")) for p in (zero, one)]
+    stuck = f"rank\\(s\\) {bare[0]}, {bare[1]} appear stuck"
+    waits = f"rank\\(s\\) {bare[0]} wait for {one}, which is busy"
+    assert re.search(f"{stuck}|{waits}", cell.stderr), cell.stderr
+
+
+def _named(kernel: KernelSession, rank: int, ip: str) -> str:
+    """The pattern of ``rank`` as every message names a cluster rank: its pid and node."""
+    node_id = kernel.evaluate_json("node_ids()")[ip]
+    return re.escape(f"rank {rank} (pid ") + r"\d+" + re.escape(f" on node {ip} ({node_id[:8]}))")
 
 
 def test_pdb_on_a_failed_remote_rank_from_the_cell(kernel):
@@ -342,6 +362,11 @@ def test_pdb_on_a_failed_remote_rank_from_the_cell(kernel):
     cell, prompts = kernel.execute_answering("nbaccel.debug()", ["p x", "q"], timeout=120)
     cell.raise_for_error()
     assert prompts == ["(Pdb) "] * 2 and "41" in cell.stdout.splitlines(), cell.stdout
+    # the session's header names each rank with its pid and node: the failed one, and where
+    # the other one was when it failed
+    one, zero = _named(kernel, 1, NODE_B_IP), _named(kernel, 0, HEAD_IP)
+    assert re.search(f"post-mortem of {one}: ValueError: bad batch 11\n", cell.stdout), cell.stdout
+    assert re.search(f"The other ranks when {one} failed:\n--- {zero}:", cell.stdout), cell.stdout
 
 
 SAVES = """
