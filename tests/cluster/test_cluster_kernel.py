@@ -435,6 +435,107 @@ def test_nbaccel_launch_runs_a_script_on_the_cluster_with_the_failing_ranks_exit
     assert "nbaccel launch: rank 1 (pid " in done.stderr and "exited with code 3" in done.stderr
 
 
+# A failure injected at each step of a cluster start, in the kernel (nbaccel's own steps
+# replaced for one launch: never Ray's or torch's): whatever the start had opened is closed.
+INJECT = """
+import gc, threading
+from collections import Counter
+import nbaccel.launch.start.cluster._cluster as _cl
+
+class Injected(RuntimeError):
+    pass
+
+def _raise(*args, **kwargs):
+    raise Injected("injected")
+
+def _after(real):  # the step's own work done, then the failure
+    def step(*args, **kwargs):
+        real(*args, **kwargs)
+        raise Injected("injected")
+    return step
+
+def _on_call(real, n):  # the n-th call fails, before it does anything
+    calls = []
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise Injected("injected")
+        return real(*args, **kwargs)
+    return step
+
+STEPS = {  # step -> (owner, name, replacement)
+    "placement reserved": (_cl, "_actors", lambda real: _raise),
+    "actors created": (_cl, "_actors", _after),
+    "described": (_cl, "_say_other_workdirs", lambda real: _raise),
+    "listening": (_cl, "_accept", lambda real: _raise),
+    "mid-accept": (_cl._cluster_wire.AuthListener, "accept", lambda real: _on_call(real, 3)),
+    "after pids": (_cl, "Channel", lambda real: _raise),
+    "mid-workers": (_cl, "Channel", lambda real: _on_call(real, 2)),
+    "send_setups": (_cl, "send_setups", lambda real: _raise),
+}
+
+def opened():
+    gc.collect()  # what only a dropped traceback held is not a leak
+    return {"fds": os.listdir("/proc/self/fd"),
+            "threads": [t.name for t in threading.enumerate()], **left_on_cluster()}
+
+def grown(before):
+    # what is open now that was not before: fds (with what they are), threads, the
+    # cluster's actors and placement groups (empty everywhere: nothing was left)
+    now = opened()
+    fds = {}
+    for fd in set(now["fds"]) - set(before["fds"]):
+        try:
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own, closed again
+            pass
+    if len(now["fds"]) > len(before["fds"]) and not fds:  # a number reused by another
+        fds["count"] = f"{len(before['fds'])} -> {len(now['fds'])}"
+    threads = list((Counter(now["threads"]) - Counter(before["threads"])).elements())
+    return {"fds": fds, "threads": threads, "actors": now["actors"], "groups": now["groups"]}
+
+def start_failing_at(step):
+    owner, name, replace = STEPS[step]
+    real = getattr(owner, name)
+    setattr(owner, name, replace(real))
+    try:
+        notebook_launcher(train, (1,), num_processes=1, num_nodes=2, cluster="ray")
+    except Injected:
+        return "injected"
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        setattr(owner, name, real)
+    return "started"
+"""
+
+
+@pytest.fixture(scope="module")
+def injecting(kernel: KernelSession) -> KernelSession:
+    """The kernel with :data:`INJECT`, after one whole cluster launch: what Ray opens once
+    per driver (its connections to each node) is open before the first count."""
+    kernel.run(INJECT, timeout=60)
+    kernel.run("notebook_launcher(train, (1,), num_processes=1, num_nodes=2, cluster='ray')",
+               timeout=300)  # fmt: skip
+    return kernel
+
+
+@pytest.mark.parametrize(
+    "step",
+    ["placement reserved", "actors created", "described", "listening", "mid-accept",
+     "after pids", "mid-workers", "send_setups"],
+)  # fmt: skip
+def test_a_start_failing_at_any_step_leaves_nothing_open(injecting, step):
+    """The kernel's fds and threads come back to what they were, and the cluster holds no
+    actor or placement group of the launch (waited for: Ray ends a killed actor in its time)."""
+    before = injecting.evaluate_json("opened()")
+    assert before["actors"] == 0 and before["groups"] == 0, before
+    assert injecting.evaluate_json(f"start_failing_at({step!r})", timeout=300) == "injected"
+    nothing = {"fds": {}, "threads": [], "actors": 0, "groups": 0}
+    left = wait_until(lambda: injecting.evaluate_json(f"grown({before!r})") == nothing, 120)
+    assert left, injecting.evaluate_json(f"grown({before!r})")
+
+
 # Last in this module (one module: one pytest worker, one cluster): node b is gone after it.
 def test_a_lost_node_ends_the_launch_naming_the_node_and_its_ranks(kernel, ray_cluster):
     msg = kernel.submit("notebook_launcher(spin, num_processes=1, num_nodes=2, cluster='ray')")

@@ -243,9 +243,9 @@ def start_cluster_group(
             ray, cfg, per_node, plan.function, wait, replace_wait=replace_wait, say=say
         )
     placement = Placement(ray, group)
-    procs: list[RemoteWorker] = []
+    procs: list[RemoteWorker] = []  # filled as each rank's worker is made: closed on a failure
     try:
-        procs = _start(ray, plan, placement, nodes, round_, persistent, rank_env)
+        _start(ray, plan, placement, nodes, round_, persistent, rank_env, procs)
     except BaseException:
         for proc in procs:
             proc.close()
@@ -275,7 +275,10 @@ def _actors(ray: Any, plan: LaunchPlan, placement: Placement,
 
 def _start(ray: Any, plan: LaunchPlan, placement: Placement,
            nodes: list[_cluster_nodes.NodePlan], round_: int, persistent: bool,
-           rank_env: RankEnv) -> list[RemoteWorker]:  # fmt: skip
+           rank_env: RankEnv, procs: list[RemoteWorker]) -> None:  # fmt: skip
+    """Start every rank's worker, appending each to ``procs`` as soon as it holds anything of
+    the kernel's (its streams), so that the caller closes it if a later step fails; sockets
+    not handed to a worker yet are closed here."""
     cfg = plan.config
     actors = _actors(ray, plan, placement, nodes)
     wait = cfg.timeout or _cluster_place.PLACE_WAIT
@@ -304,30 +307,29 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement,
         streams = _accept(ray, listener, launched, len(actors), placement)
     finally:
         listener.close()
-    pids = ray.get(launched, timeout=wait)
-    procs: list[RemoteWorker] = []
     try:
+        pids = ray.get(launched, timeout=wait)
         for rank, actor in enumerate(actors):
-            got = streams.pop(rank)
-            fds = {}
-            for name in ("stdout", "stderr"):
-                fd = got[name].detach()
-                os.set_blocking(fd, False)
-                fds[name] = fd
-            channel = Channel(got["channel"])
-            keep_kernel_ends(*fds.values(), channel)  # the engine's, as for a local worker
-            proc = RemoteWorker(rank, int(pids[rank]), fds, channel)
+            got = streams[rank]  # each stream leaves it once the worker holds it
+            proc = RemoteWorker(rank, int(pids[rank]), {})
             proc.placement, proc.actor = placement, actor
             proc.node = placement.nodes.get(rank)  # every message about the rank names it
-            proc.waiting = actor.wait.remote()
             placement.opened()
             procs.append(proc)
+            for name in ("stdout", "stderr"):
+                proc.fds[name] = fd = got[name].detach()
+                del got[name]
+                keep_kernel_ends(fd)  # the engine's, as for a local worker (and its close)
+                os.set_blocking(fd, False)
+            proc.channel = Channel(got["channel"])
+            del got["channel"]
+            keep_kernel_ends(proc.channel)
+            proc.waiting = actor.wait.remote()
         send_setups(procs, specs)  # the engine's first message, as to a spawned worker
     finally:
         for left in streams.values():
             for sock in left.values():
                 sock.close()
-    return procs
 
 
 def _accept(ray: Any, listener: _cluster_wire.AuthListener, launched: list[Any], count: int,
