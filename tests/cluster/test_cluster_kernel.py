@@ -545,3 +545,5 @@ def test_a_lost_node_ends_the_launch_naming_the_node_and_its_ranks(kernel, ray_c
     assert cell.error is not None and cell.error.ename == "LaunchError", cell.error
     text = cell.error.evalue
     assert "lost node 127.0.0.3" in text and "with rank(s) [" in text, text
+    # what happens next, as it does: no restart was asked for, so the launch ends
+    assert "The launch ends here (max_restarts=0)." in text, text

@@ -1,5 +1,5 @@
-"""How messages name a cluster's ranks (no cluster: the formatting and the watchdog's
-report, from a scripted probe)."""
+"""How messages name a cluster's ranks, and what the lost-node error says happens next (no
+cluster: the formatting and the hooks' texts, from stand-ins for the remote workers)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from nbaccel.errors import WorkerTimeoutError, named_rank, named_ranks
 from nbaccel.launch.debug._watchdog import HangPolicy, Watchdog
+from nbaccel.launch.start.cluster._cluster import NodeWatch, Placement, RemoteWorker
 
 pytestmark = [pytest.mark.cluster]
 
@@ -51,3 +52,39 @@ def test_the_watchdogs_report_names_every_cluster_rank_with_its_node():
     assert f"  rank 0 (pid 7 on {A}): waiting in torch.distributed.all_reduce" in text, text
     assert f"  rank 1 (pid 8 on {B}): not in a torch.distributed call" in text, text
     assert f"--- where rank 1 (pid 8 on {B}) was ---" in text, text
+
+
+def _lost() -> list[RemoteWorker]:
+    placement = Placement(None, None)
+    placement.nodes = {2: B, 3: B}
+    procs = []
+    for rank in (2, 3):
+        proc = RemoteWorker(rank, 40 + rank, {})
+        proc.placement, proc.node, proc.lost = placement, B, "ActorDiedError: gone"
+        procs.append(proc)
+    return procs
+
+
+def test_the_lost_node_error_says_what_the_launch_does_next():
+    # the first line is what a restart's announcement shows
+    for watch in (NodeWatch(), NodeWatch(2, 1), NodeWatch(2, 0), NodeWatch(2, None)):
+        first = str(watch.error(_lost())).splitlines()[0]
+        assert first == f"the Ray cluster lost {B} with rank(s) [2, 3]", first
+    # no restart asked for: it ends; what max_restarts would do is what the launcher does
+    # (the whole group re-placed, waiting up to replace_timeout for a node that joins)
+    text = str(NodeWatch().error(_lost()))
+    assert "The launch ends here (max_restarts=0). With max_restarts=N a launch" in text, text
+    assert "replace_timeout" in text and "checkpoint" in text, text
+    assert "Without restarts left" not in text, text
+    # restarts used up / left
+    assert "The launch ends here (its max_restarts=2 restarts are used)" in str(
+        NodeWatch(2, 0).error(_lost())
+    )
+    text = str(NodeWatch(2, 1).error(_lost()))
+    assert "The launch restarts (max_restarts=2, 1 left)" in text, text
+    assert "ends here" not in text, text
+    # a pool's call: replaced at once, no waiting for nodes, no max_restarts in it
+    text = str(NodeWatch(2, None).error(_lost()))
+    assert "The pool ended every rank of this call and started new workers at once" in text
+    assert "without waiting for a node to join" in text and "max_restarts" not in text, text
+    assert "replace_timeout" not in text, text
