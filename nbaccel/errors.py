@@ -88,6 +88,37 @@ def too_few_gpus_error(processes: int, gpus: int) -> ConfigError:
     )
 
 
+def named_rank(
+    rank: int, pid: int | None = None, node: str | None = None, *, with_pid: bool = False
+) -> str:
+    """How every message names a rank: a rank on another machine (a cluster's node) with its
+    pid and node, one here by its number (``with_pid``: and its pid, as an error's headline).
+
+    Example:
+        >>> named_rank(1, 42, "node 10.0.0.3 (1a2b3c4d)")
+        'rank 1 (pid 42 on node 10.0.0.3 (1a2b3c4d))'
+        >>> named_rank(1, 42), named_rank(1, 42, with_pid=True)
+        ('rank 1', 'rank 1 (pid 42)')
+    """
+    if node:
+        return f"rank {rank} ({node})" if pid is None else f"rank {rank} (pid {pid} on {node})"
+    return f"rank {rank} (pid {pid})" if with_pid else f"rank {rank}"
+
+
+def named_ranks(
+    ranks: list[int], pids: dict[int, int] | None = None, nodes: dict[int, str] | None = None
+) -> str:
+    """Several ranks, each as :func:`named_rank` names it, after one ``rank(s)``.
+
+    Example:
+        >>> named_ranks([0, 1]), named_ranks([1], {1: 7}, {1: "node 10.0.0.3 (1a2b3c4d)"})
+        ('rank(s) 0, 1', 'rank(s) 1 (pid 7 on node 10.0.0.3 (1a2b3c4d))')
+    """
+    pids, nodes = pids or {}, nodes or {}
+    each = (named_rank(r, pids.get(r), nodes.get(r)).removeprefix("rank ") for r in ranks)
+    return "rank(s) " + (", ".join(each) or "none")
+
+
 class WorkerError(LaunchError):
     """A worker process failed; carries the remote rank, pid and traceback.
 
@@ -129,7 +160,8 @@ class WorkerError(LaunchError):
         return f"pid {self.pid}" + (f" on {self.node}" if self.node else "")
 
     def _render(self) -> str:
-        head = f"rank {self.rank} ({self.where}) failed with {self.exc_type}: {self.message}"
+        who = named_rank(self.rank, self.pid, self.node, with_pid=True)
+        head = f"{who} failed with {self.exc_type}: {self.message}"
         if self.remote_traceback:
             return f"{head}\n\nRemote traceback (rank {self.rank}):\n{self.remote_traceback}"
         return head
@@ -156,26 +188,27 @@ class WorkerTimeoutError(WorkerError):
         reason: str,
         pid: int | None = None,
         nodes: dict[int, str] | None = None,
+        pids: dict[int, int] | None = None,
     ) -> None:
         self.stuck_ranks = list(stuck_ranks)
         self.stacks = dict(stacks)
         self.reason = reason
         self.nodes = dict(nodes or {})  # rank -> its node, on a cluster
+        self.pids = dict(pids or {})  # rank -> its pid, said beside its node
         rank = self.stuck_ranks[0] if self.stuck_ranks else -1
         super().__init__(rank, pid, "Timeout", reason, "", self.nodes.get(rank))
 
     def _render(self) -> str:
-        def named(rank: int) -> str:
-            return f"{rank} ({self.nodes[rank]})" if rank in self.nodes else str(rank)
-
-        stuck = ", ".join(named(r) for r in self.stuck_ranks) or "none"
-        parts = [f"rank(s) {stuck} appear stuck: {self.reason}"]
+        stuck = named_ranks(self.stuck_ranks, self.pids, self.nodes)
+        parts = [f"{stuck} appear stuck: {self.reason}"]
         for rank in sorted(self.stacks):
-            parts.append(f"\n--- where rank {named(rank)} was ---\n{self.stacks[rank].rstrip()}")
+            who = named_rank(rank, self.pids.get(rank), self.nodes.get(rank))
+            parts.append(f"\n--- where {who} was ---\n{self.stacks[rank].rstrip()}")
         return "\n".join(parts)
 
     def __reduce__(self):
-        return (type(self), (self.stuck_ranks, self.stacks, self.reason, self.pid, self.nodes))
+        args = (self.stuck_ranks, self.stacks, self.reason, self.pid, self.nodes, self.pids)
+        return (type(self), args)
 
 
 __all__ = [
@@ -190,5 +223,7 @@ __all__ = [
     "StorageError",
     "WorkerError",
     "WorkerTimeoutError",
+    "named_rank",
+    "named_ranks",
     "too_few_gpus_error",
 ]

@@ -10,11 +10,19 @@
 #   bash scripts/gpu_check.sh --bench-only    #   10 minutes a command
 #   bash scripts/gpu_check.sh --mesh-only     # the sharded bench (bench/mesh_parallel.py:
 #                                             #   TP x FSDP2, HSDP, FSDP2 vs torch by hand)
+#   bash scripts/gpu_check.sh --cluster-only  # one loopback Ray node lending the GPU
+#                                             #   (--num-gpus=1), 1 node x 1 rank with
+#                                             #   compute_device "auto": the rank's plan is
+#                                             #   the GPU and it trains on cuda
+#                                             #   (scripts/gpu_cluster_check.py; needs Ray)
 #   bash scripts/gpu_check.sh --smoke         # on a CPU machine: plumbing only, no GPU
 #
+# The default run is tests + bench (250 s each, in the 10 minutes a command); the cluster
+# step (Ray's start alone takes 20-60 s) does not fit beside them, so it runs on its own.
 # Options also: --no-install. Environment: PYTHON (default python3, the image's torch),
 # GPU_TEST_BUDGET / GPU_BENCH_BUDGET (seconds; default 250 each, 480 for a part run alone),
 # GPU_MESH_BUDGET (seconds, default 480), GPU_MESH_STEPS (default 30),
+# GPU_CLUSTER_BUDGET (seconds, default 300),
 # PYTEST_ARGS, GPU_BENCH_ONLY (bench parts, e.g. "fp8,spawn"; default all: step,launch,fp8,spawn,pool,forkserver),
 # NBACCEL_COMMIT (the commit to name in the report where the copy has no .git),
 # GPU_CHECK_DIR (where the results go, default bench/gpu).
@@ -25,12 +33,13 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 DIR=${GPU_CHECK_DIR:-bench/gpu}
 WHEELS=.gpu-wheels
-TESTS=1 BENCH=1 INSTALL=1 SMOKE=0 MESH=0
+TESTS=1 BENCH=1 INSTALL=1 SMOKE=0 MESH=0 CLUSTER=0
 for arg in "$@"; do
   case "$arg" in
     --tests-only) BENCH=0 ;;
     --bench-only) TESTS=0 ;;
     --mesh-only) TESTS=0 BENCH=0 MESH=1 ;;
+    --cluster-only) TESTS=0 BENCH=0 CLUSTER=1 ;;
     --no-install) INSTALL=0 ;;
     --smoke) SMOKE=1 ;;
     *) echo "unknown option $arg (see the top of $0)" >&2; exit 2 ;;
@@ -114,11 +123,23 @@ if [ "$MESH" = 1 ]; then
   if [ "$code" = 0 ]; then step "mesh bench: ok"; else step "mesh bench: FAILED (exit $code)"; FAILED=1; fi
 fi
 
+if [ "$CLUSTER" = 1 ]; then
+  rm -f "$DIR/cluster_check.json"
+  cluster=(--out "$DIR")
+  [ "$SMOKE" = 1 ] && cluster+=(--smoke)
+  timeout -s INT -k 30 "${GPU_CLUSTER_BUDGET:-300}" "$PY" scripts/gpu_cluster_check.py "${cluster[@]}"
+  code=$?
+  said=$("$PY" -c "import json, sys; r = json.load(open(sys.argv[1]))
+print(r['status'] + (': ' + r['why'] if r.get('why') else ''))" "$DIR/cluster_check.json" 2>/dev/null)
+  if [ "$code" = 0 ]; then step "cluster: ${said:-ok}"
+  else step "cluster: FAILED (exit $code${said:+; $said})"; FAILED=1; fi
+fi
+
 "$PY" bench/gpu_report.py --dir "$DIR" || FAILED=1
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   for f in REPORT.md report.json gpu_bench.md gpu_bench.json gpu_tests.xml gpu_tests.log env.json \
-      mesh_bench.md; do
+      mesh_bench.md cluster_check.json; do
     [ -f "$DIR/$f" ] && cp "$DIR/$f" "$OUT/"
   done
 fi

@@ -110,3 +110,26 @@ def test_gpu_skips_fail_only_where_a_gpu_run_is_required(variable: str, fails: b
         assert "NBACCEL_REQUIRE_GPU=1 and this gpu test was skipped" in proc.stdout
     else:
         assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.cluster
+@pytest.mark.integration
+def test_gpu_check_cluster_step_smoke_plans_and_trains_one_rank_on_its_nodes_device(
+    tmp_path: Path,
+) -> None:
+    # the cluster step's plumbing on the CPU: a one-node loopback Ray cluster (no GPU lent),
+    # one rank, compute_device "auto": its plan and its training on the CPU, the GPU part
+    # skipped and said so; the cluster ends with the step (its own start and stop)
+    pytest.importorskip("ray", reason="needs the ray extra: pip install 'nbaccel[ray]'")
+    results, out = tmp_path / "results", tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DIR": str(results), "OUT": str(out)}
+    env.pop("RAY_ADDRESS", None)
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cluster-only", "--smoke"]
+    cmd += ["--no-install"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    result = json.loads((out / "cluster_check.json").read_text())
+    assert result["status"] == "ok" and result["gpus_lent"] == 0, result
+    assert result["rank"]["plan"] == "cpu" and result["rank"]["trained_on"] == "cpu", result
+    assert "the GPU part skipped" in result["why"], result
+    assert "cluster: ok: plumbing only (--smoke" in (out / "REPORT.md").read_text()

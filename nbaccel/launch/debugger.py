@@ -71,12 +71,12 @@ def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> 
         if (why := job.unavailable(target)) is not None:
             raise LaunchError(why)
         if not job.lock.acquire(blocking=False):
-            raise LaunchError(f"a debugging session on rank {target} is already open.")
+            raise LaunchError(f"a debugging session on {job.named(target)} is already open.")
         try:
             group = job.group
             why = job.unavailable(target)  # the kept workers may have left meanwhile
             if why is not None or group is None:
-                raise LaunchError(why or f"rank {target}'s worker is gone.")
+                raise LaunchError(why or f"{job.named(target)}: its worker is gone.")
             print(_header(job, target, group), end="", flush=True)
             try:
                 _session(group, target, None if commands is None else list(commands))
@@ -90,21 +90,20 @@ def debug(rank: int | None = None, *, commands: Sequence[str] | None = None) -> 
 
 def _header(job: _kept.FailedJob, rank: int, group: Supervisor) -> str:
     failure = job.failures.get(rank)
-    what = failure.summary() if failure is not None else f"rank {rank}"
     proc = group.procs[rank]
-    named = failure is not None and failure.node  # the summary names the node already
-    where = f"pid {proc.pid}" + (f" on {proc.node}" if proc.node and not named else "")
-    lines = [f"nbaccel: post-mortem of {what} ({where})"]
+    what = failure.summary() if failure is not None else proc.named
+    where = "" if proc.node else f" (pid {proc.pid})"  # on a cluster: named with its node
+    lines = [f"nbaccel: post-mortem of {what}{where}"]
     others = {r: text for r, text in sorted(job.others.items()) if r != rank}
     if rank != job.first and job.first in job.failures:
         others[job.first] = f"failed first ({job.failures[job.first].summary()})"
     if others:
-        lines.append(f"The other ranks when rank {job.first} failed:")
+        lines.append(f"The other ranks when {job.named(job.first)} failed:")
         for other, text in others.items():
             if "\n" in text or text.startswith("  File"):  # a stack: from the user's frames
-                lines += [f"--- rank {other}: ---", trim_stack(text)]
+                lines += [f"--- {job.named(other)}: ---", trim_stack(text)]
             else:
-                lines.append(f"--- rank {other}: {text}")
+                lines.append(f"--- {job.named(other)}: {text}")
     lines.append("q (or c) ends the session and releases the worker.")
     return "\n".join(lines) + "\n"
 
@@ -122,18 +121,18 @@ class _Inbox(Hook):
 
 def _session(group: Supervisor, rank: int, script: list[str] | None) -> None:
     """Drive one pdb session on ``rank``'s worker until pdb returns."""
-    sid = next(_sessions)
+    sid, who = next(_sessions), group.procs[rank].named
     inbox = _Inbox(rank, sid)  # in place of an earlier session's
     group.hooks[:] = [h for h in group.hooks if not isinstance(h, _Inbox)] + [inbox]
     try:
         group.send([rank], Debug(sid))
     except JobFailed as failed:
-        raise LaunchError(f"rank {rank}'s worker is gone ({failed.error})") from None
+        raise LaunchError(f"{who}: its worker is gone ({failed.error})") from None
     problem: BaseException | None = None
     while True:
         message = _next(group, inbox)
         if message.kind == "none":
-            raise LaunchError(f"no post-mortem session on rank {rank}: {message.text}.")
+            raise LaunchError(f"no post-mortem session on {who}: {message.text}.")
         print(message.text, end="", flush=True)
         if message.kind == "end":
             break
@@ -153,7 +152,7 @@ def _session(group: Supervisor, rank: int, script: list[str] | None) -> None:
         )
     if problem is not None:  # the interrupt button at the prompt: said plainly
         raise KeyboardInterrupt(
-            f"the debugging session on rank {rank} was interrupted; the worker was released"
+            f"the debugging session on {who} was interrupted; the worker was released"
         ) from None
 
 
@@ -173,14 +172,14 @@ def _next(group: Supervisor, inbox: _Inbox) -> PdbOutput:
     """The worker's next pdb message of session ``sid``; LaunchError if it dies. The
     interrupt button interrupts what pdb evaluates in the worker (it prompts again); a
     second press while the worker does not answer ends the session."""
-    rank, proc, interrupted = inbox.rank, group.procs[inbox.rank], False
+    proc, interrupted = group.procs[inbox.rank], False
     while True:
         try:
             while not inbox.messages:
                 if proc.poll() is not None:
                     group.drain()
                     raise LaunchError(
-                        f"rank {rank}'s worker exited (code {proc.returncode}) during the "
+                        f"{proc.named}: its worker exited (code {proc.returncode}) during the "
                         "debugging session; nothing more to debug there."
                     )
                 group.pump(WAIT_STEP)
@@ -192,7 +191,7 @@ def _next(group: Supervisor, inbox: _Inbox) -> PdbOutput:
                 raise
             interrupted = True
             proc.send_signal(signal.SIGINT)
-            print(f"(interrupting rank {rank}; press again to leave the session)", flush=True)
+            print(f"(interrupting {proc.named}; press again to leave the session)", flush=True)
 
 
 __all__ = ["debug"]

@@ -30,7 +30,7 @@ from ..config import LaunchConfig, install_launch_config, installed_launch_confi
 from ..config.choices import PrecisionType, RdzvBackendType
 from ..config.keywords import LaunchKeywords, documented, split
 from ..config.options import START
-from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
+from ..errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError, named_rank
 from ..platform import environment
 from ..platform.process_env import (
     EnvironmentSnapshot,
@@ -379,7 +379,8 @@ def _exit_code(error: BaseException) -> int:
             detail = f"exited with code {code}"
         else:  # the traceback is on stderr already, as python prints it
             detail = f"failed with {error.exc_type}: {error.message.splitlines()[0] if error.message else ''}"
-        print(f"nbaccel launch: rank {error.rank} ({error.where}) {detail}", file=sys.stderr)
+        who = named_rank(error.rank, error.pid, error.node, with_pid=True)
+        print(f"nbaccel launch: {who} {detail}", file=sys.stderr)
         return code
     print(f"nbaccel launch: {error}", file=sys.stderr)
     return 1

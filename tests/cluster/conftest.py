@@ -147,12 +147,17 @@ class LocalCluster:
     """A head and a second node started with ``ray start``, on loopback only.
 
     ``node_b_args`` (e.g. ``("--num-gpus=2",)``) and ``node_b_env`` (e.g. a ``PATH`` that
-    finds a stand-in ``nvidia-smi``) make node b unlike the head and the kernel's machine."""
+    finds a stand-in ``nvidia-smi``) make node b unlike the head and the kernel's machine;
+    ``head_args`` (e.g. ``("--num-gpus=1",)``: a GPU machine's one node) go to the head's."""
 
     def __init__(
-        self, node_b_args: tuple[str, ...] = (), node_b_env: dict[str, str] | None = None
+        self,
+        node_b_args: tuple[str, ...] = (),
+        node_b_env: dict[str, str] | None = None,
+        head_args: tuple[str, ...] = (),
     ) -> None:
         self.node_b_args, self.node_b_env = node_b_args, dict(node_b_env or {})
+        self.head_args = head_args
         self.root = Path(tempfile.mkdtemp(prefix="nbr", dir="/tmp"))  # Unix sockets: short
         self.port, self.dashboard, self.client = _free_ports(3)
         self.address = f"{HEAD_IP}:{self.port}"
@@ -252,14 +257,17 @@ class LocalCluster:
             self._end(self.processes(str(self.root / name)))
             self._start(name, ip, *args)
 
-    def start(self) -> LocalCluster:
+    def start(self, *, node_b: bool = True) -> LocalCluster:
+        """The head, then node b (``node_b=False``: the head alone, a one-node cluster)."""
         self._start_retried(
             "head", HEAD_IP, "--head", f"--port={self.port}", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard}", "--include-dashboard=true",
             f"--ray-client-server-port={self.client}",  # not Ray's fixed 10001
+            *self.head_args,
         )  # fmt: skip
         self._wait_answering()
-        self._start_retried("b", NODE_B_IP, f"--address={self.address}", *self.node_b_args)
+        if node_b:
+            self._start_retried("b", NODE_B_IP, f"--address={self.address}", *self.node_b_args)
         return self
 
     def add_node(self, name: str, ip: str) -> None:

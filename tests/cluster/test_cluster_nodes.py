@@ -48,9 +48,6 @@ def planned():
 def train_where(steps):
     return [train(steps).tolist(), os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"]]
 
-def node_ids():
-    return {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-
 def with_kernel_gpus(run):
     # this machine as a 4-GPU one with NVLink and a 64 MB /dev/shm: none of it may reach a node
     facts = GpuFacts(("A100",) * 4, ((8, 0),) * 4, ((True,) * 4,) * 4, ((True,) * 4,) * 4, 64 << 20)

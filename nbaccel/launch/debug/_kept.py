@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ...config.options import DEBUG_TIMEOUT  # a failed rank waits this long for debug()
+from ...errors import named_rank
 from ..engine import _lifetimes
 from ..engine._supervisor import Hook, Supervisor
 from ..engine._tidy import Failure, signal_name
@@ -46,52 +47,60 @@ class FailedJob:
     gone_ranks: set[int] = field(default_factory=set)  # ranks let go after their session
     lingering: list[int] = field(default_factory=list)  # the kept ranks, while held
 
+    def named(self, rank: int) -> str:
+        """``rank`` as messages name it (on a cluster: with its pid and node)."""
+        if (failure := self.failures.get(rank)) is not None:
+            return named_rank(rank, failure.pid, failure.node)
+        if (group := self.group) is not None and rank in group.procs:
+            return group.procs[rank].named
+        return named_rank(rank)
+
     def holding(self) -> list[int]:
         """Ranks whose worker kept a traceback (failed with an exception)."""
         return sorted(r for r, f in self.failures.items() if f.kind == "exception")
 
     def unavailable(self, rank: int) -> str | None:
         """Why no session on ``rank`` is possible (None: ask its worker)."""
-        failure = self.failures.get(rank)
+        failure, who = self.failures.get(rank), self.named(rank)
         if failure is not None and failure.kind == "signal":
             hint = " (often the out-of-memory killer)" if failure.code == 9 else ""
             return (
-                f"rank {rank} was killed by {signal_name(failure.code)}{hint}: a killed "
+                f"{who} was killed by {signal_name(failure.code)}{hint}: a killed "
                 "process keeps nothing, so there is no traceback to debug. Its error message "
                 "(and stack, for a fatal error) is all there is."
             )
         if failure is not None and failure.kind == "exit":
             return (
-                f"rank {rank} exited with code {failure.code} before its job ended: the "
+                f"{who} exited with code {failure.code} before its job ended: the "
                 "process is gone, so there is no traceback to debug."
             )
         if rank not in self.failures and rank not in self.others:
             ranks = sorted({*self.failures, *self.others})
-            return f"rank {rank} did not run the failed job (its ranks: {ranks})."
+            return f"{who} did not run the failed job (its ranks: {ranks})."
         if rank not in self.failures and self.others.get(rank) == FINISHED:
             return (
-                f"rank {rank} did not fail (it had finished the job), so it holds no "
+                f"{who} did not fail (it had finished the job), so it holds no "
                 f"traceback; rank(s) {self.holding()} did: try nbaccel.debug({self.first})."
             )
         if self.gone:
-            return f"no post-mortem session on rank {rank}: {self.gone}."
+            return f"no post-mortem session on {who}: {self.gone}."
         group = self.group
         if group is None or rank not in group.procs or not group.procs[rank].alive():
             if self.origin == "pool" and rank in self.gone_ranks:
                 return (
-                    f"rank {rank}'s session ended and its worker, kept only for debugging "
+                    f"{who}: its session ended and its worker, kept only for debugging "
                     "after the pool restarted, was let go."
                 )
             if self.origin == "pool":
-                return f"rank {rank}'s worker is gone."
+                return f"{who}: its worker is gone."
             if rank not in self.failures:
                 return (
-                    f"rank {rank} did not fail: notebook_launcher ended it when rank "
-                    f"{self.first} failed (only failed ranks stay for debugging). Try "
+                    f"{who} did not fail: notebook_launcher ended it when "
+                    f"{self.named(self.first)} failed (only failed ranks stay for debugging). Try "
                     f"nbaccel.debug({self.first})."
                 )
             return (
-                f"rank {rank}'s worker has left: its session was quit, or no debugger came "
+                f"{who}: its worker has left: its session was quit, or no debugger came "
                 "within debug_timeout seconds of the failure."
             )
         return None

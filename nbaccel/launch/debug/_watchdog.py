@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import LaunchConfig
-from ...errors import LaunchError, WorkerTimeoutError
+from ...errors import LaunchError, WorkerTimeoutError, named_rank, named_ranks
 from ..channel._messages import Done, Event
 from ..engine._supervisor import NO_ANSWER, Hook, JobFailed, Supervisor
 
@@ -75,14 +75,20 @@ class Hang:
     seconds: float
     next_report: float  # seconds until it is reported again
     busy: list[int] = field(default_factory=list)  # working ranks the others wait for
+    pids: dict[int, int] = field(default_factory=dict)  # said with the nodes, on a cluster
+    nodes: dict[int, str] = field(default_factory=dict)  # rank -> its node, on a cluster
 
     def text(self) -> str:
         """The report as the cell or terminal shows it."""
         if self.busy:
             return f"nbaccel: {self.reason}\n" + "".join(
-                f"--- where rank {r} is ---\n{self.stacks[r]}\n" for r in self.busy
+                f"--- where {named_rank(r, self.pids.get(r), self.nodes.get(r))} is ---\n"
+                f"{self.stacks[r]}\n"
+                for r in self.busy
             )
-        error = WorkerTimeoutError(self.ranks, self.stacks, self.reason)
+        error = WorkerTimeoutError(
+            self.ranks, self.stacks, self.reason, nodes=self.nodes, pids=self.pids
+        )
         return (
             f"nbaccel: {error}\n"
             f"nbaccel: the job keeps running (on_hang='report'); if nothing moves it is "
@@ -102,11 +108,16 @@ class Watchdog:
         probe: Callable[..., dict[int, dict[str, Any]]],  # (ranks, *, flight=False) -> answers
         now: float | None = None,
         cpu: Callable[[list[int]], dict[int, float | None]] | None = None,
+        *,
+        pids: Mapping[int, int] | None = None,
+        nodes: Mapping[int, str] | None = None,
     ) -> None:
         # cpu: each rank's CPU seconds read from the OS, so that a rank too busy to answer
         # the probe in time (a loaded machine, a long C call holding the GIL) still counts
-        # as working; without it, the answers' "cpu" is used.
+        # as working; without it, the answers' "cpu" is used. pids and nodes: where each
+        # rank runs, named in every line about it when that is another machine (a cluster)
         self.policy, self._probe, self._cpu_of = policy, probe, cpu
+        self._pids, self._nodes = dict(pids or {}), dict(nodes or {})
         self._next_look = (time.monotonic() if now is None else now) + policy.look_every
         self._seen: tuple[Any, ...] | None = None
         self._since = 0.0  # when the last progress was seen
@@ -169,20 +180,22 @@ class Watchdog:
         self._reports[kind] += 1
         again = self.policy.after * 2 ** self._reports[kind]
         stacks = {r: answers[r]["stack"] if r in answers else NO_ANSWER for r in working or busy}
+        name = self._named
         if working:  # the others wait for ranks that compute: reported, never ended
             where = ", ".join(
-                f"rank {r}, which is busy in {answers.get(r, {}).get('frame') or 'its code'}"
+                f"{name(r)}, which is busy in {answers.get(r, {}).get('frame') or 'its code'}"
                 for r in working
             )
             lines = [
-                f"rank(s) {', '.join(map(str, waiting))} wait for {where} (no progress for "
-                f"{idle:.0f}s, but its CPU time advances: it works, it is not stuck; the job "
-                "goes on whatever on_hang says)."
+                f"{named_ranks(waiting, self._pids, self._nodes)} wait for {where} (no "
+                f"progress for {idle:.0f}s, but its CPU time advances: it works, it is not "
+                "stuck; the job goes on whatever on_hang says)."
             ]
-            lines += [f"  rank {r}: waiting in {calls[r]}" for r in waiting if calls.get(r)]
+            lines += [f"  {name(r)}: waiting in {calls[r]}" for r in waiting if calls.get(r)]
             return Hang(
-                sorted(waiting + working), "\n".join(lines), stacks, calls, idle, again, working
-            )
+                sorted(waiting + working), "\n".join(lines), stacks, calls, idle, again, working,
+                self._pids, self._nodes,
+            )  # fmt: skip
         # torch's flight recorder: each rank's last collective (a dump: asked for only now)
         flights = {r: a.get("flight") for r, a in self._probe(busy, flight=True).items()}
         lines = [
@@ -204,8 +217,8 @@ class Watchdog:
                 state += f"; issued {known[rank]} collectives, others {ahead}"
             if last := flights.get(rank):
                 state += f"; last collective #{last['seq']}: {last['call']} of {last['sizes']}"
-            lines.append(f"  rank {rank}: {state}")
-        if differs := mismatch(flights):
+            lines.append(f"  {name(rank)}: {state}")
+        if differs := mismatch(flights, name):
             lines.append(differs)
         elif not waits:
             lines.append(
@@ -213,7 +226,12 @@ class Watchdog:
                 "a collective called differently on different ranks (shapes, or another "
                 "call)? debug_collectives=True makes torch name the mismatch."
             )
-        return Hang(sorted(busy), "\n".join(lines), stacks, calls, idle, again)
+        return Hang(
+            sorted(busy), "\n".join(lines), stacks, calls, idle, again, [], self._pids, self._nodes
+        )
+
+    def _named(self, rank: int) -> str:
+        return named_rank(rank, self._pids.get(rank), self._nodes.get(rank))
 
     def _working(self, cpu_seconds: Mapping[int, float | None], now: float) -> list[int]:
         """The ranks whose CPU time advanced by ``BUSY_SHARE`` of the last ``after`` seconds
@@ -247,7 +265,9 @@ class HangWatch(Hook):
         def cpu(ranks: list[int]) -> dict[int, float | None]:  # working or stuck? (psutil)
             return {r: sup.procs[r].cpu_seconds() for r in ranks}
 
-        self._dog = Watchdog(self.policy, sup.probe, cpu=cpu)
+        nodes = {r: p.node for r, p in sup.procs.items() if p.node}  # a cluster's ranks
+        pids = {r: p.pid for r, p in sup.procs.items()}
+        self._dog = Watchdog(self.policy, sup.probe, cpu=cpu, pids=pids, nodes=nodes)
 
     def message(self, sup: Supervisor, rank: int, message: object) -> None:
         self.activity += isinstance(message, (Event, Done))
@@ -289,26 +309,30 @@ class SubsetCheck(Hook):
             waiting = report.get("waiting") or {"ranks": []}
             missing = sorted(set(idle if waiting["ranks"] is None else waiting["ranks"]) & {*idle})
             if missing:
+                who = sup.procs[rank].named
                 return JobFailed(LaunchError(
-                    f"rank {rank} entered {waiting['call']} (a call that needs rank(s) {missing} "
+                    f"{who} entered {waiting['call']} (a call that needs rank(s) {missing} "
                     f"too) in a job run on rank(s) {self._ranks} only: rank(s) {missing} do not "
                     "run it, so it can never complete. Run the cell on every rank (without "
                     "--ranks), or keep collectives out of cells run on some ranks.\n--- where "
-                    f"rank {rank} was ---\n{report['stack']}"
+                    f"{who} was ---\n{report['stack']}"
                 ), None)  # fmt: skip
         return None
 
 
-def mismatch(flights: Mapping[int, dict[str, Any] | None]) -> str | None:
+def mismatch(
+    flights: Mapping[int, dict[str, Any] | None], name: Callable[[int], str] = named_rank
+) -> str | None:
     """Ranks at the same collective of a group (torch's flight recorder: its sequence
-    number) with different calls or sizes: the line saying so (None: none found)."""
+    number) with different calls or sizes: the line saying so (None: none found); ``name``
+    names a rank (on a cluster: with its node)."""
     at: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
     for rank, last in flights.items():
         if last:
             at.setdefault((last["group"], last["seq"]), {})[rank] = last
     for (group, seq), ranks in sorted(at.items()):
         if len({(last["call"], str(last["sizes"])) for last in ranks.values()}) > 1:
-            calls = ", ".join(f"rank {r}: {c['call']} of {c['sizes']}" for r, c in ranks.items())
+            calls = ", ".join(f"{name(r)}: {c['call']} of {c['sizes']}" for r, c in ranks.items())
             return (
                 f"  torch's flight recorder: collective #{seq} of {group} is called differently "
                 f"on different ranks ({calls}), so it can never complete."

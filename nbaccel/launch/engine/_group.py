@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ...errors import named_rank
 from ...platform import environment
 from ..cell._output import LineForwarder
 from ..channel._messages import Exit, Setup
@@ -99,6 +100,11 @@ class WorkerProcess:
 
     #: seconds to wait for a worker to vanish after SIGKILL before a thread takes over
     KILL_WAIT = 5.0
+
+    @property
+    def named(self) -> str:
+        """How messages name it: ``rank 1``, on a cluster ``rank 1 (pid 42 on node ...)``."""
+        return named_rank(self.rank, self.pid, self.node)
 
     def poll(self) -> int | None:
         """Reap without blocking; negative return codes are signals (as in subprocess)."""

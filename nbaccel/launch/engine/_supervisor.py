@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn, TypeVar
 
-from ...errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError
+from ...errors import LaunchError, RanksMissingError, Stopped, WorkerTimeoutError, named_ranks
 from ..cell._output import LineForwarder
 from ..channel._messages import Done, Event, Fatal, Hello, Imported, Probe, ProbeAnswer, Ready
 from ..channel._wire import loads
@@ -103,6 +103,14 @@ class Supervisor:
         self._fatal: dict[int, Failure] = {}
         self._answers: dict[int, dict[int, dict[str, Any]]] = {}
         self._reader: threading.Thread | None = None  # the thread in run_job, reading
+
+    def named(self, ranks: Iterable[int]) -> str:
+        """``ranks`` as messages name them (on a cluster: each one's pid and node)."""
+        procs = [self.procs[r] for r in ranks]
+        return named_ranks(
+            [p.rank for p in procs], {p.rank: p.pid for p in procs},
+            {p.rank: p.node for p in procs if p.node},
+        )  # fmt: skip
 
     def hook(self, kind: type[H]) -> H | None:
         return next((h for h in self.hooks if isinstance(h, kind)), None)
@@ -275,14 +283,15 @@ class Supervisor:
         stuck = [r for r in live if r not in {f.rank for f in problems}]
         if chosen.secondary and stuck:
             reason = (
-                f"{chosen.summary()} (timeout={self.timeout}s) while rank(s) {stuck} had not "
-                "reached that point"
+                f"{chosen.summary()} (timeout={self.timeout}s) while {self.named(stuck)} had "
+                "not reached that point"
             )
             tracebacks = {f.rank: f.info.get("traceback") or f.stack for f in problems}
             self.hung(stuck, reason, tracebacks)
         error = remote_exception(chosen)
         if others := [f.summary() for f in problems if f is not chosen]:
-            add_note(error, f"Also seen (after rank {chosen.rank} failed): " + "; ".join(others))
+            after = self.procs[chosen.rank].named if chosen.rank in self.procs else chosen.rank
+            add_note(error, f"Also seen (after {after} failed): " + "; ".join(others))
         if isinstance(error, RanksMissingError):  # who did not come, and what they do
             self._name_missing(error, chosen.rank, live)
         dead = [f for f in problems if f.kind != "exception"]
@@ -309,15 +318,16 @@ class Supervisor:
             for r in error.missing:
                 state = "finished the job" if r in done else "no longer running"
                 where = f"\n{answers[r]['stack'].rstrip()}" if r in answers else f" {state}"
-                lines.append(f"--- rank {r}:{where}")
+                lines.append(f"--- {self.procs[r].named}:{where}")
             add_note(error, "\n".join(lines))
 
     def hung(self, stuck: list[int], reason: str, stacks: dict[int, str]) -> NoReturn:
         """``stuck`` ranks hang: the job ends with their stacks now (over ``stacks``)."""
         found = self.stacks(stuck)
         nodes = {r: p.node for r, p in self.procs.items() if p.node}  # a cluster's ranks
+        pids = {r: p.pid for r, p in self.procs.items()}
         error = WorkerTimeoutError(
-            stuck, {**stacks, **found}, reason, self.procs[stuck[0]].pid, nodes
+            stuck, {**stacks, **found}, reason, self.procs[stuck[0]].pid, nodes, pids
         )
         self.end_early([], error, f"rank(s) {stuck} hung")
 
@@ -342,10 +352,11 @@ class Supervisor:
         stuck = [p.rank for p in busy if p.rank not in self._done]
         if stuck:
             failed = getattr(error, "rank", None)  # not the user's interrupt: say whose failure
-            why = "an interrupt" if failed is None else f"the interrupt after rank {failed} failed"
+            who = self.procs[failed].named if failed in self.procs else f"rank {failed}"
+            why = "an interrupt" if failed is None else f"the interrupt after {who} failed"
             broken = (
-                f"rank(s) {stuck} did not come back within {self.INTERRUPT_GRACE:g}s of {why} "
-                "(stuck in a collective?)"
+                f"{self.named(stuck)} did not come back within {self.INTERRUPT_GRACE:g}s of "
+                f"{why} (stuck in a collective?)"
             )
         else:
             seqs = {r: d.collectives for r, d in self._done.items() if d.collectives is not None}

@@ -39,7 +39,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from ...errors import WorkerError, WorkerTimeoutError
+from ...errors import WorkerError, WorkerTimeoutError, named_rank
 from ...platform.environment import package_dir
 from ..channel._wire import loads
 
@@ -96,8 +96,8 @@ class Failure:
 
     def summary(self) -> str:
         """One line, e.g. ``"rank 0: DistBackendError: Connection closed by peer"`` (on a
-        cluster ``"rank 0 (node 10.0.0.2 (1a2b3c4d)): ..."``)."""
-        who = f"rank {self.rank}" + (f" ({self.node})" if self.node else "")
+        cluster ``"rank 0 (pid 42 on node 10.0.0.2 (1a2b3c4d)): ..."``)."""
+        who = named_rank(self.rank, self.pid, self.node)
         if self.kind == "signal":
             return f"{who}: killed by {signal_name(self.code)}"
         if self.kind == "exit":
@@ -285,12 +285,13 @@ def add_hint(err: BaseException, *, kept: bool, pool: bool = False) -> None:
     ):
         return
     rank = getattr(err, "rank", 0)
+    who = named_rank(rank, getattr(err, "pid", None), getattr(err, "node", None))
     if kept:
         where = "until the pool's next call" if pool else f"while rank {rank} waits for it"
-        text = f"{HINT_START} of rank {rank}: run nbaccel.debug() in the next cell ({where})."
+        text = f"{HINT_START} of {who}: run nbaccel.debug() in the next cell ({where})."
     else:
         text = (
-            f"{HINT_START} of rank {rank}: launch again with notebook_launcher(..., "
+            f"{HINT_START} of {who}: launch again with notebook_launcher(..., "
             "debug=True), then run nbaccel.debug() in the next cell."
         )
     add_note(err, text)

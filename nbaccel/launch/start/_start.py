@@ -102,7 +102,8 @@ def start_group(
             say=say,
             replace_wait=replace_wait,
         )
-        hooks.append(NodeWatch())  # a lost node is said as such
+        left = None if persistent else cfg.max_restarts - round_  # None: a pool's
+        hooks.append(NodeWatch(cfg.max_restarts, left))  # a lost node is said as such
     else:
         procs = _start_here(plan, round_, persistent, first_job)
     if persistent or plan.debug_timeout is not None:  # a pool, debug=True: nbaccel.debug()

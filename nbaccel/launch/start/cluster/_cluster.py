@@ -142,9 +142,13 @@ class NodeWatch(Hook):
 
     WAIT = 30.0
 
+    def __init__(self, max_restarts: int = 0, restarts_left: int | None = 0) -> None:
+        # what follows the loss, for its message: a launch's restarts (None: a pool's call)
+        self.max_restarts, self.restarts_left = max_restarts, restarts_left
+
     def look(self, sup: Supervisor, busy: list[int], done: Mapping[int, Done]) -> JobFailed | None:
         lost = [p for p in sup.procs.values() if isinstance(p, RemoteWorker) and p.lost]
-        return JobFailed(_lost_error(lost), "a node was lost") if lost else None
+        return JobFailed(self.error(lost), "a node was lost") if lost else None
 
     def failed(
         self, sup: Supervisor, problems: list[Failure], chosen: Failure, finished: set[int]
@@ -157,25 +161,56 @@ class NodeWatch(Hook):
                 proc.poll()
             time.sleep(0.1)
         if lost := [p for p in remote if p.lost]:  # this error instead of the peers' one
-            sup.end_early([*sup.procs.values()], _lost_error(lost), "a node was lost")
+            sup.end_early([*sup.procs.values()], self.error(lost), "a node was lost")
 
+    def error(self, lost: list[RemoteWorker]) -> LaunchError:
+        """The lost node's error: which node, its ranks, and what happens next, as the
+        launcher's restart loop (:func:`._cluster_nodes.replace`) or the pool does it."""
+        by_node: dict[str, list[int]] = {}
+        for proc in lost:
+            by_node.setdefault(proc.placement.nodes.get(proc.rank, "a node"), []).append(proc.rank)
+        said = "; ".join(f"{node} with rank(s) {sorted(r)}" for node, r in by_node.items())
+        # the first line is what a restart's announcement shows; the rest says what happens
+        return LaunchError(
+            f"the Ray cluster lost {said}\n"
+            f"Those ranks are gone (Ray said: {lost[0].lost}). {self._next()}"
+        )
 
-def _lost_error(lost: list[RemoteWorker]) -> LaunchError:
-    by_node: dict[str, list[int]] = {}
-    for proc in lost:
-        by_node.setdefault(proc.placement.nodes.get(proc.rank, "a node"), []).append(proc.rank)
-    said = "; ".join(f"{node} with rank(s) {sorted(ranks)}" for node, ranks in by_node.items())
-    # the first line is what a restart's announcement shows; the rest says what happens
-    return LaunchError(
-        f"the Ray cluster lost {said}\n"
-        f"Those ranks are gone (Ray said: {lost[0].lost}). With max_restarts=N the launch "
-        "re-places the whole group (on the nodes left when they can hold it, else on a node "
-        "that joins within replace_timeout) and runs the function again from its start: "
-        "it continues where it was only if it loads its latest checkpoint "
-        "(accelerator.load_state() under project_dir, on storage every node reaches, e.g. "
-        "s3:// or gs://). Without restarts left the launch ends here. Fix: check the node "
-        "(memory, preemption), then launch again, or pass max_restarts=..."
-    )
+    def _next(self) -> str:
+        resume = (
+            "runs the function again from its start: it continues where it was only if it "
+            "loads its latest checkpoint (accelerator.load_state() with automatic checkpoint "
+            "naming under project_dir, on storage every node reaches, e.g. s3:// or gs://)"
+        )
+        replace = (
+            "ends every other rank and places the whole group again (the same num_nodes and "
+            "num_processes) on the nodes Ray lists alive when they can hold it, else waits up "
+            "to replace_timeout seconds for a node that joins"
+        )
+        if self.restarts_left is None:  # a pool's call: _replace, at once, no waiting
+            return (
+                "The pool ended every rank of this call and started new workers at once on "
+                "the nodes Ray lists alive, without waiting for a node to join (where the "
+                "cluster cannot hold them, that start's own error is raised instead): names "
+                "set with push or in %%distributed cells are gone. Fix: check the node "
+                "(memory, preemption), then call again (load your latest checkpoint to go on "
+                "where it was), or start a pool with the nodes left (num_nodes=...)."
+            )
+        if self.restarts_left > 0:
+            return (
+                f"The launch restarts (max_restarts={self.max_restarts}, "
+                f"{self.restarts_left} left): it {replace}, then {resume}."
+            )
+        used = (
+            f"its max_restarts={self.max_restarts} restarts are used"
+            if self.max_restarts
+            else "max_restarts=0"
+        )
+        return (
+            f"The launch ends here ({used}). With max_restarts=N a launch {replace}, then "
+            f"{resume}. Fix: check the node (memory, preemption), then launch again, or pass "
+            "max_restarts=..."
+        )
 
 
 #: (kernel directory, node) pairs already said in this kernel: said once, not every launch
@@ -243,9 +278,9 @@ def start_cluster_group(
             ray, cfg, per_node, plan.function, wait, replace_wait=replace_wait, say=say
         )
     placement = Placement(ray, group)
-    procs: list[RemoteWorker] = []
+    procs: list[RemoteWorker] = []  # filled as each rank's worker is made: closed on a failure
     try:
-        procs = _start(ray, plan, placement, nodes, round_, persistent, rank_env)
+        _start(ray, plan, placement, nodes, round_, persistent, rank_env, procs)
     except BaseException:
         for proc in procs:
             proc.close()
@@ -275,7 +310,10 @@ def _actors(ray: Any, plan: LaunchPlan, placement: Placement,
 
 def _start(ray: Any, plan: LaunchPlan, placement: Placement,
            nodes: list[_cluster_nodes.NodePlan], round_: int, persistent: bool,
-           rank_env: RankEnv) -> list[RemoteWorker]:  # fmt: skip
+           rank_env: RankEnv, procs: list[RemoteWorker]) -> None:  # fmt: skip
+    """Start every rank's worker, appending each to ``procs`` as soon as it holds anything of
+    the kernel's (its streams), so that the caller closes it if a later step fails; sockets
+    not handed to a worker yet are closed here."""
     cfg = plan.config
     actors = _actors(ray, plan, placement, nodes)
     wait = cfg.timeout or _cluster_place.PLACE_WAIT
@@ -304,30 +342,29 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement,
         streams = _accept(ray, listener, launched, len(actors), placement)
     finally:
         listener.close()
-    pids = ray.get(launched, timeout=wait)
-    procs: list[RemoteWorker] = []
     try:
+        pids = ray.get(launched, timeout=wait)
         for rank, actor in enumerate(actors):
-            got = streams.pop(rank)
-            fds = {}
-            for name in ("stdout", "stderr"):
-                fd = got[name].detach()
-                os.set_blocking(fd, False)
-                fds[name] = fd
-            channel = Channel(got["channel"])
-            keep_kernel_ends(*fds.values(), channel)  # the engine's, as for a local worker
-            proc = RemoteWorker(rank, int(pids[rank]), fds, channel)
+            got = streams[rank]  # each stream leaves it once the worker holds it
+            proc = RemoteWorker(rank, int(pids[rank]), {})
             proc.placement, proc.actor = placement, actor
             proc.node = placement.nodes.get(rank)  # every message about the rank names it
-            proc.waiting = actor.wait.remote()
             placement.opened()
             procs.append(proc)
+            for name in ("stdout", "stderr"):
+                proc.fds[name] = fd = got[name].detach()
+                del got[name]
+                keep_kernel_ends(fd)  # the engine's, as for a local worker (and its close)
+                os.set_blocking(fd, False)
+            proc.channel = Channel(got["channel"])
+            del got["channel"]
+            keep_kernel_ends(proc.channel)
+            proc.waiting = actor.wait.remote()
         send_setups(procs, specs)  # the engine's first message, as to a spawned worker
     finally:
         for left in streams.values():
             for sock in left.values():
                 sock.close()
-    return procs
 
 
 def _accept(ray: Any, listener: _cluster_wire.AuthListener, launched: list[Any], count: int,
