@@ -147,17 +147,23 @@ class LocalCluster:
     """A head and a second node started with ``ray start``, on loopback only.
 
     ``node_b_args`` (e.g. ``("--num-gpus=2",)``) and ``node_b_env`` (e.g. a ``PATH`` that
-    finds a stand-in ``nvidia-smi``) make node b unlike the head and the kernel's machine."""
+    finds a stand-in ``nvidia-smi``) make node b unlike the head and the kernel's machine;
+    ``node_env`` is every node's (e.g. a ``PYTHONPATH`` whose ``sitecustomize`` refuses
+    connections to the kernel's address). :attr:`client` is the head's Ray Client port
+    (``ray://127.0.0.2:<client>``)."""
 
     def __init__(
-        self, node_b_args: tuple[str, ...] = (), node_b_env: dict[str, str] | None = None
+        self,
+        node_b_args: tuple[str, ...] = (),
+        node_b_env: dict[str, str] | None = None,
+        node_env: dict[str, str] | None = None,
     ) -> None:
         self.node_b_args, self.node_b_env = node_b_args, dict(node_b_env or {})
         self.root = Path(tempfile.mkdtemp(prefix="nbr", dir="/tmp"))  # Unix sockets: short
         self.port, self.dashboard, self.client = _free_ports(3)
         self.address = f"{HEAD_IP}:{self.port}"
         self.ray = str(Path(sys.executable).parent / "ray")
-        self.env = {**os.environ, **RAY_ENV, **NODE_PATIENCE}
+        self.env = {**os.environ, **RAY_ENV, **NODE_PATIENCE, **(node_env or {})}
         self.late_nodes: list[str] = []  # nodes that joined after Ray's 30 s had passed
         self.head_room: dict[str, int | None] = {}  # each node's session nice while it started
 

@@ -325,6 +325,7 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement,
     listener = _cluster_wire.AuthListener(
         _kernel_host(), secret=secrets.token_bytes(32), timeout=wait
     )
+    host = listener.address[0]
     try:
         launched = [
             a.launch.remote(listener.address, listener.secret, rank)
@@ -338,7 +339,7 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement,
     procs: list[RemoteWorker] = []
     try:
         if unreachable:
-            _say_relayed(listener.address[0], unreachable, say)
+            _say_relayed(host, unreachable, say)
         for rank in unreachable:  # the same sockets, their bytes carried by the rank's actor
             relays[rank] = _ray_relay.KernelRelay(ray, actors[rank], rank=rank)
             streams[rank] = dict(relays[rank].ends)
