@@ -385,10 +385,10 @@ def _accept(ray: Any, listener: _cluster_wire.AuthListener, launched: list[Any],
     try:
         while waiting():
             done, _ = ray.wait(launched, num_returns=len(launched), timeout=0)
-            for rank in {launched.index(ref) for ref in done} - answered:
-                answered.add(rank)  # a rank that could not start: its error, as it is
-                if why := ray.get(launched[rank])["unreachable"]:
-                    unreachable[rank] = why
+            for index in {launched.index(ref) for ref in done} - answered:
+                answered.add(index)  # a rank that could not start: its error, as it is
+                if why := ray.get(launched[index])["unreachable"]:
+                    unreachable[index] = why
             if not waiting():
                 break
             try:
