@@ -224,3 +224,39 @@ def test_pdb_on_a_failed_rank_the_kernel_cannot_be_reached_from(kernel):
     cell.raise_for_error()
     assert prompts == ["(Pdb) "] * 2 and "41" in cell.stdout.splitlines(), cell.stdout
     assert "node 127.0.0.3" in cell.stdout, cell.stdout  # the header names where it runs
+
+
+def test_a_warm_pool_and_a_hang_report_over_the_relay(kernel, tmp_path):
+    # a pool's ranks across cells; then a launch whose rank 1 holds back its all_reduce:
+    # the hang report brings each rank's stack (a channel message) into the cell
+    cell = kernel.run(
+        "from nbaccel import start_workers\n"
+        "pool = start_workers(num_processes=1, num_nodes=2, cluster=CLUSTER)\n"
+        "a = pool.call(train, (2,), return_all_ranks=True)\n"
+        "b = pool.call(train, (2,), return_all_ranks=True)\n"
+        "pool.close()\n"
+        "print('POOL', len(b), all(torch.equal(x, y) for x, y in zip(a, b)))",
+        timeout=HANG_GUARD_S,
+    )
+    assert "POOL 2 True" in cell.stdout, cell.describe()
+    flag = tmp_path / "go"  # one machine's filesystem: both "nodes" see it
+    kernel.run(
+        "import torch.distributed as dist\n"
+        "def waits(flag):\n"
+        "    accelerator = Accelerator(cpu=True)\n"
+        "    value = torch.ones(1)\n"
+        "    if accelerator.process_index == 1:\n"
+        "        while not os.path.exists(flag): time.sleep(0.05)\n"
+        "    dist.all_reduce(value)\n"
+        "    return value.item()\n",
+        timeout=HANG_GUARD_S,
+    )
+    msg = kernel.submit(
+        f"print('result', notebook_launcher(waits, ({str(flag)!r},), num_processes=1,"
+        " num_nodes=2, cluster=CLUSTER, hang_after=2))"
+    )
+    kernel.wait_for_output(msg, "waiting in torch.distributed.all_reduce", timeout=HANG_GUARD_S)
+    flag.touch()  # rank 1 comes: nothing was killed, the launch completes
+    cell = kernel.collect(msg, timeout=HANG_GUARD_S).raise_for_error()
+    assert "result 2.0" in cell.stdout
+    assert "os.path.exists(flag)" in cell.stderr, cell.stderr  # rank 1's stack, from its node
