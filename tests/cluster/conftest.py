@@ -107,6 +107,11 @@ def _ephemeral_ports() -> range:
 
 #: Ray's worker processes take ports from 10002-19999 (its --min/max-worker-port defaults)
 RAY_WORKER_PORTS = range(10002, 20000)
+#: Ray Client's proxy on a head starts a server per client connection on a port of its own
+#: fixed range (MIN/MAX_SPECIFIC_SERVER_PORT in ray.util.client.server.proxier): a daemon of
+#: this or a neighbouring cluster given one of them fails a ray:// connection ("Starting Ray
+#: client server failed", seen once with two clusters on the machine)
+RAY_CLIENT_SERVER_PORTS = range(23000, 24000)
 
 
 def _free_ports(count: int) -> list[int]:
@@ -130,6 +135,8 @@ def _free_ports(count: int) -> list[int]:
         )
     found: list[int] = []
     for port in random.sample(pool, len(pool)):
+        if port in RAY_CLIENT_SERVER_PORTS:
+            continue
         probe = socket.socket()
         try:
             probe.bind(("0.0.0.0", port))  # any address: Ray's gRPC servers bind them all
