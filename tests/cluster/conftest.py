@@ -107,6 +107,11 @@ def _ephemeral_ports() -> range:
 
 #: Ray's worker processes take ports from 10002-19999 (its --min/max-worker-port defaults)
 RAY_WORKER_PORTS = range(10002, 20000)
+#: Ray Client's proxy on a head starts a server per client connection on a port of its own
+#: fixed range (MIN/MAX_SPECIFIC_SERVER_PORT in ray.util.client.server.proxier): a daemon of
+#: this or a neighbouring cluster given one of them fails a ray:// connection ("Starting Ray
+#: client server failed", seen once with two clusters on the machine)
+RAY_CLIENT_SERVER_PORTS = range(23000, 24000)
 
 
 def _free_ports(count: int) -> list[int]:
@@ -130,6 +135,8 @@ def _free_ports(count: int) -> list[int]:
         )
     found: list[int] = []
     for port in random.sample(pool, len(pool)):
+        if port in RAY_CLIENT_SERVER_PORTS:
+            continue
         probe = socket.socket()
         try:
             probe.bind(("0.0.0.0", port))  # any address: Ray's gRPC servers bind them all
@@ -148,13 +155,17 @@ class LocalCluster:
 
     ``node_b_args`` (e.g. ``("--num-gpus=2",)``) and ``node_b_env`` (e.g. a ``PATH`` that
     finds a stand-in ``nvidia-smi``) make node b unlike the head and the kernel's machine;
-    ``head_args`` (e.g. ``("--num-gpus=1",)``: a GPU machine's one node) go to the head's."""
+    ``head_args`` (e.g. ``("--num-gpus=1",)``: a GPU machine's one node) go to the head's;
+    ``node_env`` is every node's (e.g. a ``PYTHONPATH`` whose ``sitecustomize`` refuses
+    connections to the kernel's address). :attr:`client` is the head's Ray Client port
+    (``ray://127.0.0.2:<client>``)."""
 
     def __init__(
         self,
         node_b_args: tuple[str, ...] = (),
         node_b_env: dict[str, str] | None = None,
         head_args: tuple[str, ...] = (),
+        node_env: dict[str, str] | None = None,
     ) -> None:
         self.node_b_args, self.node_b_env = node_b_args, dict(node_b_env or {})
         self.head_args = head_args
@@ -162,7 +173,7 @@ class LocalCluster:
         self.port, self.dashboard, self.client = _free_ports(3)
         self.address = f"{HEAD_IP}:{self.port}"
         self.ray = str(Path(sys.executable).parent / "ray")
-        self.env = {**os.environ, **RAY_ENV, **NODE_PATIENCE}
+        self.env = {**os.environ, **RAY_ENV, **NODE_PATIENCE, **(node_env or {})}
         self.late_nodes: list[str] = []  # nodes that joined after Ray's 30 s had passed
         self.head_room: dict[str, int | None] = {}  # each node's session nice while it started
 

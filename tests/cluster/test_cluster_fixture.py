@@ -24,6 +24,7 @@ from conftest import (
     HEAD_IP,
     HEAD_ROOM_NICE,
     NODE_B_IP,
+    RAY_CLIENT_SERVER_PORTS,
     LocalCluster,
     _ephemeral_ports,
     _free_ports,
@@ -128,6 +129,7 @@ def test_the_clusters_ports_are_none_an_outgoing_connection_can_take():
         ports = _free_ports(9)
         assert len(set(ports)) == 9
         assert not [p for p in ports if p in _ephemeral_ports()], ports
+        assert not [p for p in ports if p in RAY_CLIENT_SERVER_PORTS], ports
         assert not held & set(ports)
         for port in ports:  # free on every address, as Ray's gRPC servers bind them
             with socket.socket() as probe:

@@ -155,3 +155,43 @@ def test_another_install_on_the_node_is_one_error_naming_both():
 def test_a_short_secret_is_refused():
     with pytest.raises(ValueError, match="16 random bytes"):
         _cluster_wire.AuthListener("127.0.0.1", secret=b"short", timeout=1)
+
+
+def _keepalive(sock: socket.socket) -> tuple[int, ...]:
+    """SO_KEEPALIVE and the idle, interval and count times, as the kernel reports them."""
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE)] + [
+        (socket.IPPROTO_TCP, getattr(socket, name))
+        for name in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")
+    ]
+    return tuple(sock.getsockopt(level, option) for level, option in options)
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_KEEPIDLE"), reason="Linux's keepalive options")
+def test_both_ends_of_a_rank_connection_keep_alive():
+    # a warm pool's channel may stay silent for hours: a NAT in between forgets it, or the
+    # peer vanishes without a word, unless the connection says it is alive
+    listener = _cluster_wire.AuthListener("127.0.0.1", secret=SECRET, timeout=120)
+    result: list = []
+    thread = threading.Thread(target=_rank_connects, args=(listener.address, SECRET, result))
+    thread.start()
+    try:
+        kernel_end, _ = listener.accept()
+        thread.join()
+        rank_end = result[0]
+        assert isinstance(rank_end, socket.socket), result
+        wanted = (1, *_cluster_wire.KEEPALIVE)
+        assert _keepalive(kernel_end) == wanted and _keepalive(rank_end) == wanted
+        assert wanted[1] <= 120 and wanted[1] + wanted[2] * wanted[3] <= 300  # minutes, not hours
+        kernel_end.close()
+        rank_end.close()
+    finally:
+        listener.close()
+
+
+def test_a_refused_connection_is_unreachable_at_once():
+    # nothing listens there: the node learns it from the refusal, not from a timeout
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = probe.getsockname()
+    with pytest.raises(_cluster_wire.Unreachable, match="ConnectionRefusedError"):
+        _cluster_wire.connect(address, SECRET, {"rank": 0, "stream": "channel"}, reach_wait=600)

@@ -7,6 +7,11 @@ HMAC challenge, both ways (:func:`deliver_challenge` then :func:`answer_challeng
 ``Listener``/``Client`` do). Then comes one JSON hello (never a pickle: which rank, which
 stream, and the node's nbaccel and torch versions, compared with the kernel's). Only then
 does the socket become a rank's :class:`~._wire.Channel` or one of its output streams.
+Every such connection, both ends, keeps TCP keepalive on (:func:`keepalive`): a warm pool's
+channel may stay silent for hours, and a NAT or firewall in between forgets an idle
+connection (then the next job would wait on a dead one), or a peer vanishes without a word.
+A node that cannot open the connection at all (:class:`Unreachable`: refused, no route, no
+answer within :data:`REACH_TRY`) is the caller's to route otherwise (:mod:`._ray_relay`).
 
 Example:
     >>> import threading
@@ -38,7 +43,31 @@ from ...errors import LaunchError
 
 #: seconds one connection has to pass the challenge: a stranger never stalls the launch long
 AUTH_TIMEOUT = 20.0
+#: seconds a node's first connection to the kernel may take to open (the TCP handshake
+#: only, done by the two machines' network stacks, not by a loaded process): a refused or
+#: unroutable connection fails at once, a firewall that drops the packets costs this much
+REACH_TRY = 5.0
+#: TCP keepalive: seconds idle before the first probe, seconds between probes, probes
+#: unanswered before the connection counts as dead (about two minutes in all)
+KEEPALIVE = (60, 15, 4)
 _MAX_HELLO = 1 << 16
+
+
+class Unreachable(ConnectionError):
+    """The connection to the kernel could not be opened (no byte was exchanged)."""
+
+
+def keepalive(sock: socket.socket) -> None:
+    """TCP keepalive on ``sock`` with :data:`KEEPALIVE`'s timings (where the platform has
+    each option: macOS names the idle time otherwise, and keeps its default)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in zip(
+        ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE, strict=True
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def versions() -> dict[str, str]:
@@ -133,11 +162,26 @@ def _recv_json(sock: socket.socket) -> dict[str, Any]:
     return value
 
 
-def connect(address: tuple[str, int], secret: bytes, hello: dict[str, Any]) -> socket.socket:
+def connect(
+    address: tuple[str, int],
+    secret: bytes,
+    hello: dict[str, Any],
+    *,
+    reach_wait: float = AUTH_TIMEOUT,
+) -> socket.socket:
     """The rank's side: connect, pass the challenge, say ``hello`` (plus this install's
-    versions); returns the connected socket, blocking, without timeouts."""
-    sock = socket.create_connection(address, timeout=AUTH_TIMEOUT)
+    versions); returns the connected socket, blocking, without timeouts, keepalive on.
+
+    Raises:
+        Unreachable: the connection could not be opened within ``reach_wait`` seconds
+            (refused, no route, or no answer): nothing was sent.
+    """
     try:
+        sock = socket.create_connection(address, timeout=reach_wait)
+    except OSError as err:
+        raise Unreachable(f"{type(err).__name__}: {err}") from err
+    try:
+        keepalive(sock)
         _authenticate(sock, secret, server=False)
         _send_json(sock, {**hello, **versions()})
         _untimed(sock)
@@ -190,6 +234,7 @@ class AuthListener:
 
     def _check(self, sock: socket.socket) -> None:
         try:
+            keepalive(sock)
             _authenticate(sock, self.secret, server=True)
             hello = _recv_json(sock)
             _untimed(sock)
@@ -227,4 +272,14 @@ class AuthListener:
             self._passed.get_nowait()[0].close()
 
 
-__all__ = ["AUTH_TIMEOUT", "AuthListener", "check_versions", "connect", "versions"]
+__all__ = [
+    "AUTH_TIMEOUT",
+    "KEEPALIVE",
+    "REACH_TRY",
+    "AuthListener",
+    "Unreachable",
+    "check_versions",
+    "connect",
+    "keepalive",
+    "versions",
+]

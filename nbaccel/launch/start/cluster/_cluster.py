@@ -8,7 +8,10 @@ rank 0's actor reserving torch's rendezvous socket on its node (``MASTER_ADDR`` 
 node's address); a per-launch secret and a listener on the address the nodes reach this
 kernel by; each actor connects its rank's channel and output streams, authenticated and
 version-checked (:mod:`...channel._cluster_wire`), and starts the worker; the kernel sends each its
-:class:`~...channel._messages.Setup`. A :class:`RemoteWorker` stands for a rank's process: its exit
+:class:`~...channel._messages.Setup`. A rank whose node cannot open a connection to this
+kernel (NAT, a firewall, Ray Client) starts its worker all the same, its streams relayed
+through its actor instead (:mod:`...channel._ray_relay`), said once in the cell: the rest
+sees the same sockets. A :class:`RemoteWorker` stands for a rank's process: its exit
 status comes from the actor, its signals go through it, and the last one closed ends the
 actors and removes the placement group, so nothing stays on the cluster.
 
@@ -24,6 +27,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -31,7 +35,7 @@ from typing import Any
 
 from ....errors import LaunchError
 from ....platform import environment
-from ...channel import _cluster_wire
+from ...channel import _cluster_wire, _ray_relay
 from ...channel._messages import Done
 from ...channel._wire import Channel
 from ...engine._group import WorkerProcess, keep_kernel_ends, send_setups
@@ -43,7 +47,7 @@ from . import _cluster_nodes, _cluster_place
 
 #: where the nodes reach this kernel (default: the address Ray knows this machine by)
 HOST_VAR = "NBACCEL_CLUSTER_HOST"
-_STREAMS = ("channel", "stdout", "stderr")
+_STREAMS = _ray_relay.STREAMS
 RankEnv = Callable[..., dict[str, str]]
 
 
@@ -83,6 +87,7 @@ class RemoteWorker(WorkerProcess):
     actor: Any = None
     waiting: Any = None  # the actor's wait() call: its exit status, or the actor's loss
     lost: str | None = None
+    relay: _ray_relay.KernelRelay | None = None  # its streams, when its node cannot reach us
 
     def poll(self) -> int | None:
         if self.returncode is not None or self.waiting is None:
@@ -130,6 +135,9 @@ class RemoteWorker(WorkerProcess):
     def close(self) -> None:
         had = bool(self.fds) or self.channel is not None
         super().close()
+        if self.relay is not None:  # its threads end before the actors do
+            self.relay.close()
+            self.relay = None
         if had:
             self.placement.closed()
 
@@ -215,6 +223,27 @@ class NodeWatch(Hook):
 
 #: (kernel directory, node) pairs already said in this kernel: said once, not every launch
 _SAID_WORKDIRS: set[tuple[str, str]] = set()
+#: kernel addresses the nodes could not reach, already said in this kernel
+_SAID_RELAYED: set[str] = set()
+
+
+def _say_relayed(host: str, why: Mapping[int, str], say: Callable[[str], None] | None) -> None:
+    """One line in the cell (once per kernel address): the ranks' streams go through Ray."""
+    if host in _SAID_RELAYED:
+        return
+    _SAID_RELAYED.add(host)
+    first = why[min(why)]
+    text = (
+        f"nbaccel: the cluster's nodes could not reach this kernel at {host} (rank "
+        f"{min(why)}: {first}), so the ranks' output and messages travel through Ray: "
+        f"slower, and fine. To connect directly, set {HOST_VAR} to an address of this "
+        "machine that the nodes reach.\n"
+    )
+    if say is not None:
+        say(text)
+    else:
+        with contextlib.suppress(Exception):
+            sys.stderr.write(text)
 
 
 def _say_other_workdirs(
@@ -280,7 +309,7 @@ def start_cluster_group(
     placement = Placement(ray, group)
     procs: list[RemoteWorker] = []  # filled as each rank's worker is made: closed on a failure
     try:
-        _start(ray, plan, placement, nodes, round_, persistent, rank_env, procs)
+        _start(ray, plan, placement, nodes, round_, persistent, rank_env, procs, say)
     except BaseException:
         for proc in procs:
             proc.close()
@@ -310,10 +339,11 @@ def _actors(ray: Any, plan: LaunchPlan, placement: Placement,
 
 def _start(ray: Any, plan: LaunchPlan, placement: Placement,
            nodes: list[_cluster_nodes.NodePlan], round_: int, persistent: bool,
-           rank_env: RankEnv, procs: list[RemoteWorker]) -> None:  # fmt: skip
+           rank_env: RankEnv, procs: list[RemoteWorker],
+           say: Callable[[str], None] | None) -> None:  # fmt: skip
     """Start every rank's worker, appending each to ``procs`` as soon as it holds anything of
-    the kernel's (its streams), so that the caller closes it if a later step fails; sockets
-    not handed to a worker yet are closed here."""
+    the kernel's (its streams, direct or relayed), so that the caller closes it if a later
+    step fails; sockets and relays not handed to a worker yet are closed here."""
     cfg = plan.config
     actors = _actors(ray, plan, placement, nodes)
     wait = cfg.timeout or _cluster_place.PLACE_WAIT
@@ -334,20 +364,28 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement,
     listener = _cluster_wire.AuthListener(
         _kernel_host(), secret=secrets.token_bytes(32), timeout=wait
     )
+    host = listener.address[0]
     try:
         launched = [
             a.launch.remote(listener.address, listener.secret, rank)
             for rank, a in enumerate(actors)
         ]
-        streams = _accept(ray, listener, launched, len(actors), placement)
+        streams, unreachable = _accept(ray, listener, launched, len(actors), placement)
     finally:
         listener.close()
+    relays: dict[int, _ray_relay.KernelRelay] = {}
     try:
-        pids = ray.get(launched, timeout=wait)
+        started = ray.get(launched, timeout=wait)
+        if unreachable:
+            _say_relayed(host, unreachable, say)
+        for rank in unreachable:  # the same sockets, their bytes carried by the rank's actor
+            relays[rank] = _ray_relay.KernelRelay(ray, actors[rank], rank=rank)
+            streams[rank] = dict(relays[rank].ends)
         for rank, actor in enumerate(actors):
             got = streams[rank]  # each stream leaves it once the worker holds it
-            proc = RemoteWorker(rank, int(pids[rank]), {})
+            proc = RemoteWorker(rank, int(started[rank]["pid"]), {})
             proc.placement, proc.actor = placement, actor
+            proc.relay = relays.pop(rank, None)
             proc.node = placement.nodes.get(rank)  # every message about the rank names it
             placement.opened()
             procs.append(proc)
@@ -365,26 +403,39 @@ def _start(ray: Any, plan: LaunchPlan, placement: Placement,
         for left in streams.values():
             for sock in left.values():
                 sock.close()
+        for relay in relays.values():  # a relay handed to a worker is closed with it
+            relay.close()
 
 
 def _accept(ray: Any, listener: _cluster_wire.AuthListener, launched: list[Any], count: int,
-            placement: Placement) -> dict[int, dict[str, socket.socket]]:  # fmt: skip
-    """Every rank's three authenticated streams (their node's versions checked)."""
+            placement: Placement) -> tuple[dict[int, dict[str, socket.socket]], dict[int, str]]:  # fmt: skip
+    """Every rank's three authenticated streams (their node's versions checked), and the
+    ranks whose node could not reach this kernel (why): their actors relay their streams."""
     got: dict[int, dict[str, socket.socket]] = {}
+    unreachable: dict[int, str] = {}
+    answered: set[int] = set()  # ranks whose launch() returned
     deadline = time.monotonic() + listener.timeout
+
+    def waiting() -> list[int]:
+        return [r for r in range(count) if len(got.get(r, {})) < len(_STREAMS)
+                and r not in unreachable]  # fmt: skip
+
     try:
-        while sum(len(s) for s in got.values()) < count * len(_STREAMS):
+        while waiting():
+            done, _ = ray.wait(launched, num_returns=len(launched), timeout=0)
+            for index in {launched.index(ref) for ref in done} - answered:
+                answered.add(index)  # a rank that could not start: its error, as it is
+                if why := ray.get(launched[index])["unreachable"]:
+                    unreachable[index] = why
+            if not waiting():
+                break
             try:
-                sock, hello = listener.accept(min(deadline, time.monotonic() + 1.0))
+                sock, hello = listener.accept(min(deadline, time.monotonic() + 0.25))
             except TimeoutError:
-                done, _ = ray.wait(launched, num_returns=len(launched), timeout=0)
-                for ref in done:
-                    ray.get(ref)  # a rank that could not connect: its error, as it is
                 if time.monotonic() >= deadline:
-                    missing = [r for r in range(count) if len(got.get(r, {})) < len(_STREAMS)]
                     raise LaunchError(
-                        f"rank(s) {missing} on the cluster did not connect back to this kernel "
-                        f"at {listener.address[0]}:{listener.address[1]} in "
+                        f"rank(s) {waiting()} on the cluster did not connect back to this "
+                        f"kernel at {listener.address[0]}:{listener.address[1]} in "
                         f"{listener.timeout:g}s. Fix: set {HOST_VAR} to an address of this "
                         "machine that the nodes reach (no firewall in between)."
                     ) from None
@@ -404,7 +455,7 @@ def _accept(ray: Any, listener: _cluster_wire.AuthListener, launched: list[Any],
             for sock in streams.values():
                 sock.close()
         raise
-    return got
+    return got, unreachable
 
 
 def _specs(plan: LaunchPlan, infos: list[dict[str, Any]], nodes: list[_cluster_nodes.NodePlan],

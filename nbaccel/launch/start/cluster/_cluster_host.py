@@ -10,6 +10,12 @@ shown once. The kernel reads the exit status with :meth:`RankHost.wait` and sign
 through :meth:`RankHost.signal`; when the actor dies (``ray.kill``, a lost node) the
 worker dies with it.
 
+A node that cannot open the first connection to the kernel (refused, no route, no answer
+within :data:`~...channel._cluster_wire.REACH_TRY`: NAT, a firewall, a kernel driving the
+cluster through Ray Client) starts the worker on socket pairs instead, which the kernel
+reads and writes through this actor (:meth:`RankHost.pull`, :meth:`RankHost.push`,
+:meth:`RankHost.end`; :mod:`...channel._ray_relay`).
+
 Example:
     >>> import asyncio
     >>> asyncio.run(RankHost().describe(reserve_store=False, workdir="/"))["workdir"]
@@ -28,7 +34,11 @@ import sys
 from typing import Any
 
 from ....platform.environment import package_root
-from ...channel import _cluster_wire
+from ...channel import _cluster_wire, _ray_relay
+
+#: seconds the exit status waits, after the worker exited, for the kernel to pull its last
+#: output and messages (a grandchild holding the worker's stdout would hold it for ever)
+DRAIN_WAIT = 30.0
 
 
 class RankHost:
@@ -37,8 +47,8 @@ class RankHost:
     def __init__(self) -> None:
         self._store: socket.socket | None = None
         self._popen: subprocess.Popen[bytes] | None = None
-        self._streams: list[socket.socket] = []
         self._workdir: str | None = None
+        self._relay: _ray_relay.NodeEnds | None = None
 
     async def describe(self, *, reserve_store: bool, workdir: str) -> dict[str, Any]:
         """Node id, ip, pid and versions; global rank 0 also binds the rendezvous socket
@@ -79,13 +89,38 @@ class RankHost:
             **_cluster_wire.versions(),
         }
 
-    async def launch(self, address: tuple[str, int], secret: bytes, rank: int) -> int:
-        """Connect the rank's three streams to the kernel and start its worker; its pid."""
-        streams = {}
-        for stream in ("channel", "stdout", "stderr"):
-            hello = {"rank": rank, "stream": stream, "pid": os.getpid()}
-            streams[stream] = _cluster_wire.connect(tuple(address), secret, hello)  # type: ignore[arg-type]
-        self._streams = list(streams.values())
+    async def launch(self, address: tuple[str, int], secret: bytes, rank: int) -> dict[str, Any]:
+        """Connect the rank's three streams to the kernel and start its worker: ``pid``;
+        ``unreachable`` (why) where the kernel could not be reached, the streams then
+        relayed through this actor."""
+        streams: dict[str, socket.socket] = {}
+        kernel = (str(address[0]), int(address[1]))  # a list, after Ray's serialization
+        try:
+            for stream in _ray_relay.STREAMS:
+                hello = {"rank": rank, "stream": stream, "pid": os.getpid()}
+                # the first connection is the try: a short bound on its opening alone
+                wait = _cluster_wire.REACH_TRY if not streams else _cluster_wire.AUTH_TIMEOUT
+                streams[stream] = _cluster_wire.connect(kernel, secret, hello, reach_wait=wait)
+        except _cluster_wire.Unreachable as err:
+            for sock in streams.values():
+                sock.close()
+            if streams:  # it reached the kernel once: not a network that forbids it
+                raise
+            self._relay = _ray_relay.NodeEnds()
+            pid = self._start(self._relay.worker)
+            self._relay.handed()
+            return {"pid": pid, "unreachable": f"{kernel[0]}:{kernel[1]}: {err}"}
+        except BaseException:
+            for sock in streams.values():
+                sock.close()
+            raise
+        pid = self._start(streams)
+        for sock in streams.values():
+            sock.close()  # the worker holds them now; the actor keeps no copy
+        return {"pid": pid, "unreachable": None}
+
+    def _start(self, streams: dict[str, socket.socket]) -> int:
+        """Start the worker on ``streams`` (its channel, fds 1 and 2), as spawn does."""
         channel = streams["channel"].fileno()
         os.set_inheritable(channel, True)
         env = dict(os.environ)
@@ -103,15 +138,37 @@ class RankHost:
             env=env,
             cwd=self._workdir,
         )
-        for sock in [*self._streams, *([self._store] if self._store else [])]:
-            sock.close()  # the worker holds them now; the actor keeps no copy
-        self._streams, self._store = [], None
+        if self._store is not None:
+            self._store.close()  # the worker's now
+            self._store = None
         return self._popen.pid
+
+    async def pull(self, stream: str, max_bytes: int) -> bytes | None:
+        """Relay: the worker's next bytes on ``stream`` (see :meth:`.NodeEnds.pull`)."""
+        return await self._relayed().pull(stream, max_bytes)
+
+    async def push(self, stream: str, data: bytes) -> None:
+        """Relay: ``data`` from the kernel, for the worker to read on ``stream``."""
+        await self._relayed().push(stream, data)
+
+    async def end(self, stream: str) -> None:
+        """Relay: the kernel closed its end of ``stream``."""
+        self._relayed().end(stream)
+
+    def _relayed(self) -> _ray_relay.NodeEnds:
+        if self._relay is None:
+            raise RuntimeError("this rank's streams are not relayed (it reached the kernel)")
+        return self._relay
 
     async def wait(self) -> int:
         """The worker's exit status once it exits (negative: a signal, as subprocess says)."""
         while self._popen is None or self._popen.poll() is None:
             await asyncio.sleep(0.05)
+        if self._relay is not None:  # its last words first: they precede its exit
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + DRAIN_WAIT
+            while not self._relay.drained() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
         return int(self._popen.returncode)
 
     async def signal(self, signum: int) -> None:
