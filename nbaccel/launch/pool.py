@@ -34,7 +34,7 @@ from ..config.choices import OnHangType
 from ..config.keywords import PoolKeywords, documented, split
 from ..config.options import CALL, CallOptions, OutputTarget, check_settings
 from ..errors import LaunchError, Stopped
-from ..platform import cudafork, environment
+from ..platform import cudafork, environment, forksafe
 from .cell._cell_output import CellOutput
 from .channel._jobs import check_syntax, dill_for_workers
 from .channel._messages import Job
@@ -99,7 +99,8 @@ class WorkerPool(Observed):
     def _start(self) -> None:
         self._sent = set()
         if self._plan.method == "fork" and _fork_unsafe_now():
-            # CUDA (or a process group) appeared in the kernel since the pool started:
+            # CUDA, a process group or a Ray connection appeared in the kernel since the
+            # pool started:
             # forking now would hand the new workers a broken copy: the fork server's
             # clean copy forks them, or they start fresh.
             server = _forkserver.usable()
@@ -110,7 +111,7 @@ class WorkerPool(Observed):
                 else "started with start_method='spawn'"
             )
             _say(
-                "nbaccel: CUDA or a process group is now initialised in the kernel, so the "
+                "nbaccel: CUDA, a process group or a Ray connection is now in the kernel, so the "
                 f"pool's workers are {how} from now on."
             )
         elif self._plan.method == "forkserver" and not _forkserver.usable():
@@ -474,6 +475,8 @@ def _debuggable_now(error: BaseException) -> bool:
 
 def _fork_unsafe_now() -> bool:
     if cudafork.fork_state().broken:  # CUDA or its driver initialised, by anyone
+        return True
+    if forksafe.fork_breaks_this_process():  # Ray connected since: a fork would stall it
         return True
     dist = sys.modules.get("torch.distributed")
     return bool(dist is not None and dist.is_available() and dist.is_initialized())

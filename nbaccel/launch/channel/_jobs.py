@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import json
 import linecache
 import os
 import runpy
 import sys
 import traceback
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._wire import dumps
@@ -164,6 +166,37 @@ def check_syntax(source: str) -> None:
         raise
 
 
+#: builtins that libraries replace in the kernel with functions of their own, and where each
+#: keeps the interpreter's: (module, attribute). Ray's driver swaps ``print`` for its tqdm's
+#: ``safe_print`` once a worker's log line has been shown (RAY_TQDM_PATCH_PRINT).
+_PATCHED_BUILTINS = {"print": ("ray.experimental.tqdm_ray", "_print")}
+
+
+@contextlib.contextmanager
+def _genuine_builtins() -> Iterator[None]:
+    """The interpreter's own builtins in place of the kernel's patched ones, for one dump.
+
+    dill (``recurse=True``) follows the builtins a function names into their globals, and
+    Ray's ``safe_print`` leads it round a cycle of Ray's functions until the recursion limit:
+    every function that prints failed to ship from a Ray driver once Ray had shown a log
+    line. A worker has its own builtins; what it gets must be the interpreter's print.
+    """
+    swapped = {}
+    for name, (module, attr) in _PATCHED_BUILTINS.items():
+        current = getattr(builtins, name, None)
+        genuine = getattr(sys.modules.get(module), attr, None)
+        if isinstance(current, types.FunctionType) and isinstance(
+            genuine, types.BuiltinFunctionType
+        ):
+            swapped[name] = current
+            setattr(builtins, name, genuine)
+    try:
+        yield
+    finally:
+        for name, current in swapped.items():
+            setattr(builtins, name, current)
+
+
 def dill_for_workers(
     value: Any, what: str, where: str = "e.g. inside the function or in a %%distributed cell"
 ) -> bytes:
@@ -172,7 +205,8 @@ def dill_for_workers(
     import dill
 
     try:
-        return bytes(dill.dumps(value, recurse=True))
+        with _genuine_builtins():
+            return bytes(dill.dumps(value, recurse=True))
     except Exception as err:
         raise TypeError(
             f"could not send {what} to the workers ({type(err).__name__}: {err}). They are "

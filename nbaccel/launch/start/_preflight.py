@@ -399,9 +399,12 @@ def _decide(plan: LaunchPlan, kernel_state_ok: bool) -> LaunchPlan:
             check_no_state_in_kernel()
         # a cluster's threads are each node's (its cores / its ranks, or cpus_per_rank)
         threads = None if in_kernel or cfg.cluster is not None else worker_threads(nproc)
-    method = "kernel" if in_kernel else choose_start_method(cfg.start_method)
-    if cfg.cluster is not None:  # a fresh interpreter on each node, the spec its first frame
+    if in_kernel:
+        method = "kernel"
+    elif cfg.cluster is not None:  # a fresh interpreter on each node, the spec its first frame
         method = "spawn"
+    else:  # the kernel starts the workers: fork or spawn is its choice, said where it matters
+        method = choose_start_method(cfg.start_method)
     if method == "fork" and not on_tpu:
         threads = fork_safe_threads(threads)
     payload = None
