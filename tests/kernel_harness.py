@@ -202,6 +202,20 @@ def wait_gone(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.
         time.sleep(0.05)
 
 
+#: a cell's function for the hang tests: rank 1 waits for the test's flag file while rank 0
+#: waits in ``all_reduce`` (the kernel needs os, time, torch and Accelerator imported)
+WAITS_FOR_FLAG = """
+def waits(flag):
+    import torch.distributed as dist
+    accelerator = Accelerator(cpu=True)
+    value = torch.ones(1)
+    if accelerator.process_index == 1:
+        while not os.path.exists(flag): time.sleep(0.05)
+    dist.all_reduce(value)
+    return value.item()
+"""
+
+
 def isolated_env(cache_dir: str | os.PathLike[str]) -> dict[str, str | None]:
     """``env`` overrides for a hermetic test kernel (pass to :class:`KernelSession`).
 

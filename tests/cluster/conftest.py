@@ -376,6 +376,18 @@ class LocalCluster:
         )  # fmt: skip
         return done.returncode == 0 and json.loads(done.stdout.splitlines()[-1]) == [0, 0]
 
+    def __enter__(self) -> LocalCluster:
+        """The cluster started (a fixture's ``with LocalCluster(...) as cluster: yield``)."""
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         self._end(self.processes())
         shutil.rmtree(self.root, ignore_errors=True)
@@ -402,6 +414,20 @@ class LocalCluster:
                     os.waitpid(child.pid, os.WNOHANG)
 
 
+def nbaccel_workers(root: str | Path) -> list[psutil.Process]:
+    """nbaccel worker processes started on the cluster whose temp dir is ``root``: spawned
+    workers an ancestor of which (a raylet) names it; other suites' workers are not."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(proc.info["cmdline"] or ())
+            if "spawn_main" not in cmd or "nbaccel.launch.worker._worker" not in cmd:
+                continue
+            if any(str(root) in " ".join(p.cmdline()) for p in proc.parents()):
+                found.append(proc)
+    return found
+
+
 def _is_raylet(proc: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error):
         return proc.name() == "raylet" and proc.status() != psutil.STATUS_ZOMBIE
@@ -415,12 +441,8 @@ def ray_cluster():
     module instead of idling beside every later file of its pytest-xdist worker (Ray's
     daemons use CPU while idle)."""
     pytest.importorskip("ray", reason="needs the ray extra: pip install 'nbaccel[ray]'")
-    cluster = LocalCluster()
-    try:
-        cluster.start()
+    with LocalCluster() as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def wait_until(predicate, timeout: float = 60.0, every: float = 0.2):

@@ -20,14 +20,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import HEAD_IP, NODE_B_IP, RAY_ENV, LocalCluster, wait_until
-from kernel_harness import KernelSession, isolated_env
+from conftest import HEAD_IP, NODE_B_IP, RAY_ENV, LocalCluster, nbaccel_workers, wait_until
+from kernel_harness import WAITS_FOR_FLAG, KernelSession, isolated_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kernel, pytest.mark.integration]
 
 # A kernel's set-up in two cells: IMPORTS while the cluster starts (the module's kernels start
 # beside `ray start`, which mostly waits), then CONNECT, as a user would, to the started cluster.
-IMPORTS = """
+IMPORTS = (
+    """
 import os, sys, time
 import ray, torch
 from torch import nn
@@ -86,6 +87,8 @@ def left_on_cluster():
     actors = list_actors(address=STATE, filters=[("state", "!=", "DEAD")])
     return {"groups": len(groups), "actors": len(actors)}
 """
+    + WAITS_FOR_FLAG
+)
 CONNECT = """
 CONTEXT = ray.init(address={address!r}, _node_ip_address={ip!r}, log_to_driver=True)
 STATE = "http://" + CONTEXT.dashboard_url
@@ -96,18 +99,8 @@ _CLUSTER_ROOT: list[str] = []  # the session cluster's temp dir, set by the kern
 
 
 def _workers() -> list[psutil.Process]:
-    """nbaccel worker processes started on this session's cluster: spawned workers whose
-    ancestors include one of its raylets (other suites' workers on the machine are not)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            cmd = " ".join(proc.info["cmdline"] or ())
-            if "spawn_main" not in cmd or "nbaccel.launch.worker._worker" not in cmd:
-                continue
-            lines = [" ".join(p.cmdline()) for p in proc.parents()]
-            if any(_CLUSTER_ROOT[0] in line for line in lines):
-                found.append(proc)
-    return found
+    """nbaccel workers started on this module's cluster."""
+    return nbaccel_workers(_CLUSTER_ROOT[0])
 
 
 def _importing_kernel(workdir: Path) -> tuple[KernelSession, str]:
@@ -300,17 +293,6 @@ def test_the_kernels_death_leaves_nothing_on_the_cluster(_kernels, ray_cluster):
 
 def test_the_hang_report_brings_every_remote_rank_stack_into_the_cell(kernel, tmp_path):
     flag = tmp_path / "go"  # one machine's filesystem: both "nodes" see it
-    kernel.run(
-        "import torch.distributed as dist\n"
-        "def waits(flag):\n"
-        "    accelerator = Accelerator(cpu=True)\n"
-        "    value = torch.ones(1)\n"
-        "    if accelerator.process_index == 1:\n"
-        "        while not os.path.exists(flag): time.sleep(0.05)\n"
-        "    dist.all_reduce(value)\n"
-        "    return value.item()\n",
-        timeout=30,
-    )
     msg = kernel.submit(
         f"print('result', notebook_launcher(waits, ({str(flag)!r},), num_processes=1,"
         " num_nodes=2, cluster='ray', hang_after=2))"

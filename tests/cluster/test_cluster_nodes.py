@@ -68,12 +68,8 @@ def gpu_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
     smi.write_text(STAND_IN_SMI)
     smi.chmod(0o755)
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    cluster = LocalCluster(node_b_args=("--num-gpus=2",), node_b_env=env)
-    try:
-        cluster.start()
+    with LocalCluster(node_b_args=("--num-gpus=2",), node_b_env=env) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,15 @@ nothing behind (no actor, placement group, worker, kernel child or relay thread)
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from collections.abc import Iterator
 
 import psutil
 import pytest
-from conftest import HANG_GUARD_S, HEAD_IP, RAY_ENV, LocalCluster, wait_until
+from conftest import HANG_GUARD_S, HEAD_IP, RAY_ENV, LocalCluster, nbaccel_workers, wait_until
 from kernel_harness import KernelSession, isolated_env
+from test_cluster_kernel import IMPORTS
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kernel, pytest.mark.integration]
 
@@ -54,31 +54,12 @@ if _HOSTS:
 '''
 SAID = "could not reach this kernel at 127.0.0.9"
 
-SETUP = """
-import os, sys, threading, time
-import torch
-from torch import nn
+# the cluster module's functions (train, node_ids, ...), then this module's own
+SETUP = (
+    IMPORTS
+    + """
+import threading
 import nbaccel
-from nbaccel import Accelerator, notebook_launcher
-
-def train(steps, fail_rank=None):
-    accelerator = Accelerator()
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    rank = accelerator.process_index
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        accelerator.backward(loss)
-        optimizer.step()
-    print(f"line-of-rank-{rank}-node-{os.environ['GROUP_RANK']}")
-    if rank == fail_rank:
-        raise ValueError(f"bad batch on rank {rank}")
-    return accelerator.unwrap_model(model).weight.detach().clone()
 
 def check(batch):
     x = batch * 41 // batch
@@ -94,6 +75,7 @@ def fails_on_one():
 def relay_threads():
     return [t.name for t in threading.enumerate() if t.name.startswith("nbaccel-relay")]
 """
+)
 #: how each kernel reaches the cluster: ray.init first, or Ray Client through nbaccel's
 #: own connect (what cluster="ray://..." calls; called here in the module's set-up because
 #: the client's first connection starts a server process of the head's, which the per-test
@@ -108,16 +90,8 @@ CONNECT = {
 
 
 def _workers(cluster: LocalCluster) -> list[psutil.Process]:
-    """nbaccel workers started on ``cluster`` (an ancestor of theirs names its temp dir)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            cmd = " ".join(proc.info["cmdline"] or ())
-            if "spawn_main" not in cmd or "nbaccel.launch.worker._worker" not in cmd:
-                continue
-            if any(str(cluster.root) in " ".join(p.cmdline()) for p in proc.parents()):
-                found.append(proc)
-    return found
+    """nbaccel workers started on ``cluster``."""
+    return nbaccel_workers(cluster.root)
 
 
 @pytest.fixture(scope="module")
@@ -144,12 +118,8 @@ def unreachable_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
     site = tmp_path_factory.mktemp("site")
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    cluster = LocalCluster(node_env={"PYTHONPATH": path, "UNREACHABLE_HOSTS": UNREACHABLE})
-    try:
-        cluster.start()
+    with LocalCluster(node_env={"PYTHONPATH": path, "UNREACHABLE_HOSTS": UNREACHABLE}) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -240,17 +210,6 @@ def test_a_warm_pool_and_a_hang_report_over_the_relay(kernel, tmp_path):
     )
     assert "POOL 2 True" in cell.stdout, cell.describe()
     flag = tmp_path / "go"  # one machine's filesystem: both "nodes" see it
-    kernel.run(
-        "import torch.distributed as dist\n"
-        "def waits(flag):\n"
-        "    accelerator = Accelerator(cpu=True)\n"
-        "    value = torch.ones(1)\n"
-        "    if accelerator.process_index == 1:\n"
-        "        while not os.path.exists(flag): time.sleep(0.05)\n"
-        "    dist.all_reduce(value)\n"
-        "    return value.item()\n",
-        timeout=HANG_GUARD_S,
-    )
     msg = kernel.submit(
         f"print('result', notebook_launcher(waits, ({str(flag)!r},), num_processes=1,"
         " num_nodes=2, cluster=CLUSTER, hang_after=2))"

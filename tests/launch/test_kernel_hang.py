@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kernel_harness import KernelSession, isolated_env
+from kernel_harness import WAITS_FOR_FLAG, KernelSession, isolated_env
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -18,17 +18,12 @@ import torch, torch.distributed as dist
 from nbaccel import Accelerator, LaunchConfig, notebook_launcher
 """
 
-HANG_CELL = """
-def train(flag):
-    accelerator = Accelerator(cpu=True)
-    value = torch.ones(1)
-    if accelerator.process_index == 1:
-        while not os.path.exists(flag): time.sleep(0.05)
-    dist.all_reduce(value)
-    return value.item()
-
-print("result", notebook_launcher(train, (FLAG,), num_processes=2, hang_after=2))
+HANG_CELL = (
+    WAITS_FOR_FLAG
+    + """
+print("result", notebook_launcher(waits, (FLAG,), num_processes=2, hang_after=2))
 """
+)
 
 MISMATCH_CELL = """
 def mismatched():
