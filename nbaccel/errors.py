@@ -211,6 +211,16 @@ class WorkerTimeoutError(WorkerError):
         return (type(self), args)
 
 
+class Unreachable(NbaccelError, ConnectionError):
+    """A cluster node could not open its connection to the kernel (no byte was exchanged):
+    the rank's streams then travel through Ray instead.
+
+    Example:
+        >>> issubclass(Unreachable, ConnectionError)
+        True
+    """
+
+
 __all__ = [
     "CUDAInitializedError",
     "CheckpointError",
@@ -221,6 +231,7 @@ __all__ = [
     "SavePretrainedError",
     "Stopped",
     "StorageError",
+    "Unreachable",
     "WorkerError",
     "WorkerTimeoutError",
     "named_rank",

@@ -39,7 +39,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from ...errors import LaunchError
+from ...errors import LaunchError, Unreachable
 
 #: seconds one connection has to pass the challenge: a stranger never stalls the launch long
 AUTH_TIMEOUT = 20.0
@@ -51,10 +51,6 @@ REACH_TRY = 5.0
 #: unanswered before the connection counts as dead (about two minutes in all)
 KEEPALIVE = (60, 15, 4)
 _MAX_HELLO = 1 << 16
-
-
-class Unreachable(ConnectionError):
-    """The connection to the kernel could not be opened (no byte was exchanged)."""
 
 
 def keepalive(sock: socket.socket) -> None:
