@@ -273,10 +273,25 @@ LONGEST_FIRST = (
 WAITS_FOR_A_LANE = ("tests/launch/test_xla.py",)
 
 
+def _hang_guard(config) -> float | None:
+    """pytest's per-test timeout from pyproject (pytest-timeout's ``timeout``), if any."""
+    try:
+        return float(config.getini("timeout") or 0) or None
+    except (ValueError, TypeError):  # pytest-timeout absent: nothing to lift
+        return None
+
+
 def pytest_collection_modifyitems(config, items):
+    guard = _hang_guard(config)
     for item in items:
         if item.nodeid.split("::", 1)[0] in MATRIX_MODULES:
             item.add_marker(pytest.mark.matrix)
+        # A test's own @pytest.mark.timeout(N) below the suite's hang guard is a speed bound
+        # that load can pass (120-500 s marks, written on an idle machine; issue 49): it is
+        # lifted to the guard, which still ends a real hang. Marks above it stay.
+        marker = item.get_closest_marker("timeout")
+        if guard and marker and marker.args and float(marker.args[0]) < guard:
+            item.add_marker(pytest.mark.timeout(guard), append=False)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST + WAITS_FOR_A_LANE)}
     # stable: the tests of a file keep their order, and so do the files not listed
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))

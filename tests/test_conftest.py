@@ -8,14 +8,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from waits import HANG_GUARD_S
 
 CONFTEST = Path(__file__).with_name("conftest.py")
 INI = "[pytest]\nmarkers =\n    integration: x\n    kernel: x\n    browser: x\n    xla: x\n    faults: x\n"
 
 
-def _pytest(tmp_path: Path, source: str, *args: str, require_all: bool = False, cpu_top: int = 0):
+def _pytest(
+    tmp_path: Path,
+    source: str,
+    *args: str,
+    require_all: bool = False,
+    cpu_top: int = 0,
+    ini: str = "",
+):
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
-    (tmp_path / "pytest.ini").write_text(INI)
+    (tmp_path / "pytest.ini").write_text(INI + ini)
     (tmp_path / "test_case.py").write_text(source)
     env = {
         k: v
@@ -29,7 +37,7 @@ def _pytest(tmp_path: Path, source: str, *args: str, require_all: bool = False, 
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
          *args, str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
 
 
@@ -56,6 +64,24 @@ def test_an_unwaited_zombie_is_a_leak(tmp_path):
     )
     assert out.returncode == 1, out.stdout
     assert "zombie" in out.stdout, out.stdout
+
+
+def test_a_tests_own_timeout_below_the_guard_is_lifted_to_it(tmp_path):
+    """A test's own timeout mark below the suite's guard was a speed bound (issue 49): it is
+    lifted to the guard, and the guard still ends a real hang."""
+    out = _pytest(
+        tmp_path,
+        "import pytest, time\n"
+        "@pytest.mark.timeout(1)\n"
+        "def test_slower_than_its_mark():\n"
+        "    time.sleep(2)\n"
+        "@pytest.mark.timeout(1)\n"
+        "def test_hangs():\n"
+        "    time.sleep(120)\n",
+        ini="timeout = 4\n",
+    )
+    assert "1 failed, 1 passed" in out.stdout, out.stdout
+    assert "test_hangs" in out.stdout and "Timeout (>4.0s)" in out.stdout, out.stdout
 
 
 def test_clean_tests_pass(tmp_path):
