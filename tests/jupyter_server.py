@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from waits import HANG_GUARD_S
 
 from nbaccel.launch.testing import find_free_port
 
@@ -83,7 +84,7 @@ def jupyter_lab(
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + HANG_GUARD_S  # its start is the event
         while True:
             with contextlib.suppress(OSError):
                 get(f"{base}/api/status", token)

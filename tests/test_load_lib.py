@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import psutil
+from waits import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +18,7 @@ def _script(body: str) -> list[str]:
     return ["bash", "-c", f"set -euo pipefail\ncd {ROOT}\nsource scripts/load_lib.sh\n{body}"]
 
 
-def _until(predicate, seconds: float = 60.0) -> bool:
+def _until(predicate, seconds: float = HANG_GUARD_S) -> bool:
     """Waits for an event; the bound is only there to end a broken test."""
     deadline = time.monotonic() + seconds
     while not predicate():

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch._dynamo  # optimizers import it lazily (~3 s): once here, not in every forked worker
 from torch.utils.data import DataLoader, TensorDataset
+from waits import HANG_GUARD_S
 
 from nbaccel.errors import ConfigError, WorkerError
 from nbaccel.launch.testing import run_on_workers
@@ -241,7 +242,7 @@ def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     )
     child.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_GUARD_S
         while not ready.exists() and child.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ready.exists(), f"the saving child never reached the stall (exit {child.exitcode})"

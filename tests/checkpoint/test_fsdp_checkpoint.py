@@ -149,7 +149,7 @@ def _load_latest_worker(root):
 
 def test_a_killed_sharded_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     with pytest.raises(WorkerError):
-        run_on_workers(_killed_save_worker, 2, args=(str(tmp_path),), timeout=90)
+        run_on_workers(_killed_save_worker, 2, args=(str(tmp_path),))
     names = sorted(os.listdir(tmp_path / "checkpoints"))
     assert "checkpoint_0" in names and "checkpoint_1" not in names  # never published
     (loaded, weights), _ = run_on_workers(_load_latest_worker, 2, args=(str(tmp_path),))
@@ -261,7 +261,7 @@ def _meta_worker(folder):
 def test_a_meta_model_loads_shard_by_shard_below_the_full_size_and_trains(tmp_path):
     folder = str(tmp_path / "weights")
     full_bytes = run_on_workers(_write_big_weights, 1, args=(folder,))[0]
-    results = run_on_workers(_meta_worker, 2, args=(folder,), timeout=240)
+    results = run_on_workers(_meta_worker, 2, args=(folder,))
     torch.manual_seed(7)
     expected = _big_model()[0].weight.detach()
     for peak, first, finite, changed in results:

@@ -118,9 +118,7 @@ def _resume_worker(root, pattern):
 def test_each_resume_pattern_sees_every_batch_once_and_ends_with_the_same_weights(
     tmp_path, pattern
 ):
-    for rank, result in enumerate(
-        run_on_workers(_resume_worker, 2, args=(str(tmp_path), pattern), timeout=300)
-    ):
+    for rank, result in enumerate(run_on_workers(_resume_worker, 2, args=(str(tmp_path), pattern))):
         assert result["same_batches"], (rank, result["seen"], result["expected"])
         flat = [i for batch in result["seen"][1] for i in batch]
         assert len(flat) == len(set(flat)) == 24  # this rank's half of epoch 1, once each

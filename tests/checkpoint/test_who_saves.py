@@ -232,7 +232,7 @@ def test_stateful_loader_resumes_when_each_rank_saves_to_its_own_directory():
 # -- operations every rank must enter --------------------------------------------------------
 
 
-def _busy_until(flag, limit=60.0):
+def _busy_until(flag, limit=600.0):  # a hang guard: the flag is the event
     """A rank doing something else (as a training step would) until rank 0 is done."""
     import time
 

@@ -445,9 +445,12 @@ def ray_cluster():
         yield cluster
 
 
-def wait_until(predicate, timeout: float = 60.0, every: float = 0.2):
-    """Poll ``predicate`` until truthy (its value) or ``timeout`` (its last value)."""
-    deadline = time.monotonic() + timeout
+def wait_until(predicate, every: float = 0.2):
+    """Poll ``predicate`` until truthy (its value) or the hang guard (its last value).
+
+    Every use waits for an event (actors gone, workers ended), so the bound is the guard,
+    never a speed: a real leak never ends and still fails, once the guard has passed."""
+    deadline = time.monotonic() + HANG_GUARD_S
     while True:
         value = predicate()
         if value or time.monotonic() > deadline:

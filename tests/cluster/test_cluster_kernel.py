@@ -140,7 +140,7 @@ def _nothing_left(kernel: KernelSession) -> None:
         left = kernel.evaluate_json("left_on_cluster()")
         return left == {"groups": 0, "actors": 0} and not _workers()
 
-    assert wait_until(clean, timeout=60), (
+    assert wait_until(clean), (
         kernel.evaluate_json("left_on_cluster()"),
         [p.cmdline() for p in _workers()],
     )
@@ -244,9 +244,9 @@ def test_the_state_api_sees_the_launch_while_it_runs(kernel):
         " block=False)",
         timeout=300,
     )
-    seen = wait_until(lambda: kernel.evaluate_json("left_on_cluster()")["actors"] == 2, 120)
+    seen = wait_until(lambda: kernel.evaluate_json("left_on_cluster()")["actors"] == 2)
     assert seen and kernel.evaluate_json("left_on_cluster()")["groups"] == 1
-    assert wait_until(lambda: len(_workers()) == 2, 120)
+    assert wait_until(lambda: len(_workers()) == 2)
     kernel.run("handle.stop()\ntry:\n    handle.result()\nexcept Exception as e:\n    print(type(e))",
                timeout=120)  # fmt: skip
 
@@ -281,14 +281,14 @@ def test_the_kernels_death_leaves_nothing_on_the_cluster(_kernels, ray_cluster):
             " block=False)",
             timeout=300,
         )
-        assert wait_until(lambda: len(_workers()) == 2, 120)
+        assert wait_until(lambda: len(_workers()) == 2)
         assert not ray_cluster.idle()  # the check below can fail: it sees the run now
         os.kill(session.pid, signal.SIGKILL)
     finally:
         with contextlib.suppress(Exception):
             session.stop()
-    assert wait_until(lambda: not _workers(), 120), [p.cmdline() for p in _workers()]
-    assert wait_until(lambda: ray_cluster.idle(), 120), "actors or groups left on the cluster"
+    assert wait_until(lambda: not _workers()), [p.cmdline() for p in _workers()]
+    assert wait_until(lambda: ray_cluster.idle()), "actors or groups left on the cluster"
 
 
 def test_the_hang_report_brings_every_remote_rank_stack_into_the_cell(kernel, tmp_path):
@@ -520,11 +520,11 @@ def test_a_start_failing_at_any_step_leaves_nothing_open(injecting, step):
     ray_workers = {p.pid for p in _ray_workers()}
     assert injecting.evaluate_json(f"start_failing_at({step!r})", timeout=300) == "injected"
     nothing = {"fds": [], "threads": [], "actors": 0, "groups": 0}
-    left = wait_until(lambda: injecting.evaluate_json(f"grown({before!r})") == nothing, 120)
+    left = wait_until(lambda: injecting.evaluate_json(f"grown({before!r})") == nothing)
     assert left, injecting.evaluate_json(f"grown({before!r})")
     # a worker process Ray started for an actor killed while it was being created idles
     # until Ray ends it (no idle worker kept: conftest), which the leak check waits for
-    assert wait_until(lambda: not [p for p in _ray_workers() if p.pid not in ray_workers], 120)
+    assert wait_until(lambda: not [p for p in _ray_workers() if p.pid not in ray_workers])
 
 
 def _ray_workers() -> list[psutil.Process]:

@@ -96,7 +96,7 @@ def _left_clean(connected: KernelSession) -> Iterator[None]:
     yield
     assert not connected.busy and connected.is_alive(), "the kernel was left busy or died"
     empty = {"groups": 0, "actors": 0}
-    assert wait_until(lambda: connected.evaluate_json("left_on_cluster()") == empty, 60)
+    assert wait_until(lambda: connected.evaluate_json("left_on_cluster()") == empty)
     connected.assert_no_descendants(timeout=5)
 
 

@@ -144,11 +144,11 @@ def kernel(request, kernels, unreachable_cluster) -> Iterator[KernelSession]:
     yield session
     if session.busy or not session.is_alive():
         pytest.fail("the kernel was left busy or died")
-    assert wait_until(lambda: not _workers(unreachable_cluster), HANG_GUARD_S), [
+    assert wait_until(lambda: not _workers(unreachable_cluster)), [
         p.cmdline() for p in _workers(unreachable_cluster)
     ]
-    assert wait_until(unreachable_cluster.idle, HANG_GUARD_S), "actors or groups left"
-    assert wait_until(lambda: session.evaluate_json("relay_threads()") == [], HANG_GUARD_S)
+    assert wait_until(unreachable_cluster.idle), "actors or groups left"
+    assert wait_until(lambda: session.evaluate_json("relay_threads()") == [])
     session.assert_no_descendants(timeout=HANG_GUARD_S)
 
 

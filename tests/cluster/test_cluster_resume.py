@@ -167,7 +167,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_s3_checkpoint(
         ray_cluster.add_node("c", NODE_C_IP)
         cell = kernel.collect(msg, timeout=HANG_GUARD_S).raise_for_error()
         # nothing of the launch is left on the cluster (its actors and placement groups)
-        assert wait_until(ray_cluster.idle, timeout=120), "actors or groups left on the cluster"
+        assert wait_until(ray_cluster.idle), "actors or groups left on the cluster"
     finally:
         ray_cluster.end_node("c")  # the test's own node ends with it
 

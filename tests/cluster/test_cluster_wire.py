@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from waits import HANG_GUARD_S
 
 from nbaccel.errors import LaunchError
 from nbaccel.launch.channel import _cluster_wire
@@ -36,7 +37,7 @@ def _refused(listener, count: int) -> bool:
     """Whether ``listener`` counted ``count`` refusals: each connection is checked in a
     thread of its own, so the rank's may pass and be taken before the stranger's thread
     has counted (a CI run on a loaded machine saw 0); waited for, never timed."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_GUARD_S
     while listener.refused < count and time.monotonic() < deadline:
         time.sleep(0.01)
     return listener.refused == count

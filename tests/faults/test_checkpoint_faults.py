@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
+from waits import HANG_GUARD_S
 
 import nbaccel.runtime.facade.accelerator  # noqa: F401  (likewise: forked children inherit it)
 from nbaccel.launch.testing import run_on_workers
@@ -94,7 +95,7 @@ def _fork(target, *args) -> mp.Process:
     return child
 
 
-def _wait_for(path: Path, child: mp.Process, seconds: float = 60) -> None:
+def _wait_for(path: Path, child: mp.Process, seconds: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + seconds
     while not path.exists() and child.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -141,7 +142,7 @@ def test_sigkill_at_random_points_of_training_and_save_state(tmp_path, record_pr
         names = os.listdir(root / "checkpoints")
         mid_save += any(".tmp-" in n or ".old-" in n for n in names)
         roots.append(str(root))
-    results = run_on_workers(_load_all, 1, args=(roots,), timeout=300)[0]
+    results = run_on_workers(_load_all, 1, args=(roots,))[0]
     for trial, result in enumerate(results):
         # the weights, the optimizer and the custom object all come from one save
         assert result["uniform"] and result["weights"] == [float(result["counter"])], (

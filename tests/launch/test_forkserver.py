@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from waits import HANG_GUARD_S
 
 from nbaccel.errors import WorkerError
 from nbaccel.launch.channel._jobs import dill_for_workers
@@ -103,7 +104,7 @@ def test_a_server_that_dies_at_the_request_means_this_launch_spawns(
 def _wait_gone(pid: int) -> bool:
     """Gone from the process table (a zombie is still there: it must be reaped by
     nbaccel's side, which this only watches)."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_GUARD_S
     while psutil.pid_exists(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not psutil.pid_exists(pid)

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 from kernel_harness import KernelSession, describe_processes, isolated_env, wait_gone
+from waits import HANG_GUARD_S
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -70,7 +71,8 @@ def server_of(kernel: KernelSession) -> int:
 
 
 def assert_only_server_left(kernel: KernelSession, server: int | None) -> None:
-    left = [p for p in kernel.wait_for_no_descendants(timeout=10) if p.pid != server]
+    spared = frozenset({server} if server is not None else ())  # the server stays: it is kept
+    left = kernel.wait_for_no_descendants(timeout=10, sparing=spared)
     assert not left, describe_processes(left)
     zombies = [p for p in psutil.Process(kernel.pid).children() if p.status() == "zombie"]
     assert not zombies, describe_processes(zombies)
@@ -124,7 +126,7 @@ def test_killing_the_kernel_ends_the_server_and_its_workers(tmp_path: Path) -> N
         assert {psutil.Process(pid).ppid() for pid in workers} == {server}
         procs = [psutil.Process(pid) for pid in (server, *workers)]
         os.kill(session.pid, signal.SIGKILL)
-        left = wait_gone(procs, timeout=30)
+        left = wait_gone(procs, timeout=HANG_GUARD_S)
         assert not left, describe_processes(left)
     finally:
         session.stop()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 from kernel_harness import KernelSession, describe_processes, module_kernel, wait_gone
+from waits import HANG_GUARD_S
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -202,7 +203,7 @@ def test_failure_in_rank1_surfaces_as_same_type_then_relaunch_works(kernel):
     assert 'raise ValueError(f"bad batch 17 at {time.time()!r}")' in full, full
     assert failure["latency"] is not None, f"the remote message is missing: {full}"
     assert len(seen) >= 2
-    assert_all_gone(seen, 30, "workers after a failure")
+    assert_all_gone(seen, HANG_GUARD_S, "workers after a failure")
 
     kernel.run(RELAUNCH_CELL, timeout=60)
     assert kernel.evaluate_json("relaunch") == 2

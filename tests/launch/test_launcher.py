@@ -24,6 +24,7 @@ import warnings
 import psutil
 import pytest
 import torch
+from waits import HANG_GUARD_S
 
 import nbaccel
 from nbaccel import LaunchHandle, debug_launcher, notebook_launcher
@@ -704,7 +705,7 @@ def test_block_false_handle_status_listeners_result():
 
 def test_block_false_stop_terminates_every_worker():
     handle = notebook_launcher(publish_steps, args=(10_000, 0.01), num_processes=2, block=False)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline and None in handle.pids.values():
         time.sleep(0.05)
     pids = [p for p in handle.pids.values() if p]

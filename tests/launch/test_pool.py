@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from waits import HANG_GUARD_S
 
 from nbaccel import WorkerPool, start_workers
 from nbaccel.errors import LaunchError, Stopped, WorkerError, WorkerTimeoutError
@@ -328,7 +329,7 @@ def test_stacks_of_a_background_call_from_another_thread(pool):
     assert pool.stacks() == {0: "(idle)", 1: "(idle)"}
     handle = pool.call(nap_on_rank_one, (30.0,), block=False)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_GUARD_S
         stacks: dict[int, str] = {}
         while "time.sleep(seconds)" not in stacks.get(1, "") and time.monotonic() < deadline:
             stacks = pool.stacks()

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 from kernel_harness import KernelSession, describe_processes, isolated_env, wait_gone
+from waits import HANG_GUARD_S
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -53,7 +54,7 @@ def _only_the_pool_is_left(kernel: KernelSession) -> Iterator[None]:
         kernel.restart()
         _start(kernel)
     expected = set(pool_pids(kernel).values())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_GUARD_S
     while True:
         extra = [p for p in kernel.descendants() if p.pid not in expected]
         if not extra or time.monotonic() > deadline:
@@ -252,7 +253,9 @@ def test_rank_killed_with_sigkill_restarts_the_pool_and_says_so(kernel):
     assert kernel.evaluate_json("pk.restarts") == 2
     with kernel.watch_descendants() as seen:
         kernel.run("pk.close()", timeout=60)
-    assert not wait_gone([p for pid, p in seen.items() if pid not in pool_pids(kernel).values()])
+    assert not wait_gone(
+        [p for pid, p in seen.items() if pid not in pool_pids(kernel).values()], HANG_GUARD_S
+    )
 
 
 REDEFINE_1 = """
@@ -306,7 +309,7 @@ def test_close_and_with_block_leave_no_process(kernel):
     grandchildren = kernel.evaluate_json("grandchildren")
     workers = kernel.evaluate_json("workers")
     assert len(grandchildren) == 4 and len(set(workers)) == 4, (grandchildren, workers)
-    alive = wait_gone(started, timeout=5)  # everything seen while the cell ran
+    alive = wait_gone(started, timeout=HANG_GUARD_S)  # everything seen while the cell ran
     assert not alive, f"left behind:\n{describe_processes(alive)}"
     for pid in grandchildren + workers:  # also those the 50 ms polling may have missed
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
@@ -420,5 +423,5 @@ def test_kernel_end_leaves_no_process(tmp_path, how):
             assert not leftovers, leftovers
         else:
             psutil.Process(session.pid).send_signal(signal.SIGKILL)
-        alive = wait_gone(procs, timeout=10)
+        alive = wait_gone(procs, timeout=HANG_GUARD_S)
         assert not alive, f"{how}: left behind\n{describe_processes(alive)}"

@@ -14,6 +14,7 @@ import time
 
 import psutil
 import pytest
+from waits import HANG_GUARD_S
 
 import nbaccel
 from nbaccel import notebook_launcher, start_workers
@@ -112,7 +113,7 @@ def test_launch_rank_leaves_after_debug_timeout():
     new = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("nbaccel")]
     assert [n for n in new if not n.startswith("nbaccel-reap-")] == [], new
     assert _kept.holding_any()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_GUARD_S
     while not all(_gone(p.pid) for p in me.children()) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = [p for p in me.children() if not _gone(p.pid)]

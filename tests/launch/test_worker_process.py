@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from waits import HANG_GUARD_S
 
 from nbaccel import notebook_launcher
 from nbaccel.launch.engine._group import WorkerProcess
@@ -53,7 +54,7 @@ def test_a_worker_that_outlives_the_wait_is_reaped_when_it_exits():
     proc.send_signal(signal.SIGTERM)
     assert proc.reap(0.2) is None  # still running: SIGTERM is ignored
     os.kill(pid, signal.SIGKILL)  # it exits later, with nobody in the launcher waiting
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_GUARD_S
     while _is_our_zombie_or_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _is_our_zombie_or_alive(pid), psutil.Process(pid).status()
@@ -65,7 +66,7 @@ def test_kill_reaps_even_with_no_time_to_wait():
     pid = _child_ignoring_sigterm()
     proc = WorkerProcess(rank=0, pid=pid, fds={})
     proc.kill(timeout=0.0)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_GUARD_S
     while proc.returncode is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.returncode == -signal.SIGKILL
@@ -87,7 +88,7 @@ def test_a_worker_whose_main_thread_ended_is_not_alive_before_it_can_be_reaped()
     os.close(read)
     proc = WorkerProcess(rank=0, pid=pid, fds={})
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_GUARD_S
         while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline
             time.sleep(0.02)
@@ -120,7 +121,7 @@ def test_an_interrupt_during_fork_does_not_lose_the_worker(monkeypatch, kernel_s
         with pytest.raises(KeyboardInterrupt):
             notebook_launcher(_never_runs, num_processes=2, start_method="fork")
         assert len(forked) == 1, "the interrupt was not raised right after the first fork"
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + HANG_GUARD_S
         while _is_our_zombie_or_alive(forked[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _is_our_zombie_or_alive(forked[0]), "the forked worker was left behind"

@@ -151,7 +151,7 @@ def reference():
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def layout(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param) / "ckpt"
-    results = run_on_workers(_train, 4, args=(LAYOUTS[request.param], str(directory)), timeout=240)
+    results = run_on_workers(_train, 4, args=(LAYOUTS[request.param], str(directory)))
     return request.param, results, directory
 
 
@@ -343,7 +343,7 @@ def _save_pretrained_fails_on_the_main_process(directory):
 def test_a_failed_save_pretrained_on_the_main_process_is_raised_on_every_rank(tmp_path):
     """The other ranks used to wait in a barrier until the process group timed out."""
     results = run_on_workers(
-        _save_pretrained_fails_on_the_main_process, 2, args=(str(tmp_path / "m"),), timeout=90
+        _save_pretrained_fails_on_the_main_process, 2, args=(str(tmp_path / "m"),)
     )
     (kind0, text0, _), (kind1, text1, seconds1) = results
     assert kind0 == "OSError" and "No space left on device" in text0  # its own error

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 from fake_cuda import build_fake_driver
 from kernel_harness import KernelSession, describe_processes, module_kernel
+from waits import HANG_GUARD_S
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
 
@@ -44,7 +45,7 @@ PYTHON_WARNING = "is multi-threaded, use of fork() may lead to deadlocks"
 def assert_no_workers_left(kernel: KernelSession) -> None:
     """No worker of nbaccel's is left. Python 3.14's default start method (forkserver) gives
     tqdm's multiprocessing lock a resource tracker process: the kernel's own, kept."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_GUARD_S
     while True:
         left = [p for p in kernel.descendants() if "resource_tracker" not in " ".join(p.cmdline())]
         if not left or time.monotonic() > deadline:

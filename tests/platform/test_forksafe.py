@@ -24,7 +24,7 @@ def _two_thread_matmul() -> int:
 def test_workers_run_multithreaded_ops_after_the_parent_used_openmp():
     a = torch.randn(256, 256)
     (a @ a).sum()  # start the parent's OpenMP pool, as any notebook cell would
-    assert run_on_workers(_two_thread_matmul, num_processes=2, timeout=60) == [256, 256]
+    assert run_on_workers(_two_thread_matmul, num_processes=2) == [256, 256]
 
 
 def test_release_reports_whether_a_runtime_was_paused():

@@ -183,7 +183,7 @@ def _uneven():
 
 
 def test_join_uneven_inputs_finishes():
-    results = run_on_workers(_uneven, 2, timeout=120)
+    results = run_on_workers(_uneven, 2)
     assert [r[0] for r in results] == [3, 2]
     assert [r[1] for r in results] == [3, 3] and [r[2] for r in results] == [3, 2]
 

@@ -211,27 +211,27 @@ def _assert_same_weights(single: dict, double: dict) -> None:
 
 
 def test_quick_tour_on_one_and_two_processes():
-    (single,) = run_on_workers(quick_tour, num_processes=1, timeout=300)
-    for result in run_on_workers(quick_tour, num_processes=2, timeout=300):
+    (single,) = run_on_workers(quick_tour, num_processes=1)
+    for result in run_on_workers(quick_tour, num_processes=2):
         _assert_same_weights(single["weights"], result["weights"])
         assert result["seen"] == single["seen"] == 13  # every sample exactly once
         assert result["correct"] == single["correct"]
 
 
 def test_gradient_accumulation_on_one_and_two_processes():
-    (single,) = run_on_workers(gradient_accumulation, num_processes=1, timeout=300)
-    for result in run_on_workers(gradient_accumulation, num_processes=2, timeout=300):
+    (single,) = run_on_workers(gradient_accumulation, num_processes=1)
+    for result in run_on_workers(gradient_accumulation, num_processes=2):
         _assert_same_weights(single["weights"], result["weights"])
         assert result["step"] == single["step"] == 2
         torch.testing.assert_close(result["norms"], single["norms"])
 
 
 def test_checkpointing_on_one_and_two_processes(tmp_path):
-    (single,) = run_on_workers(checkpointing, 1, args=(str(tmp_path / "one"),), timeout=300)
+    (single,) = run_on_workers(checkpointing, 1, args=(str(tmp_path / "one"),))
     _assert_same_weights(single["uninterrupted"], single["resumed"])
     assert single["restored_epochs"] == 1
     assert single["checkpoints"] == ["checkpoint_0", "checkpoint_1"]
-    for result in run_on_workers(checkpointing, 2, args=(str(tmp_path / "two"),), timeout=300):
+    for result in run_on_workers(checkpointing, 2, args=(str(tmp_path / "two"),)):
         _assert_same_weights(single["uninterrupted"], result["uninterrupted"])
         _assert_same_weights(single["resumed"], result["resumed"])
         assert result["restored_epochs"] == 1 and result["checkpoints"] == single["checkpoints"]
@@ -255,8 +255,8 @@ def test_tracking_on_one_and_two_processes(tmp_path):
         "MLFLOW_ALLOW_FILE_STORE": "true",
     }
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    (single,) = run_on_workers(tracking, 1, args=(one,), env=env, timeout=300)
-    double = run_on_workers(tracking, 2, args=(two,), env=env, timeout=300)
+    (single,) = run_on_workers(tracking, 1, args=(one,), env=env)
+    double = run_on_workers(tracking, 2, args=(two,), env=env)
     for result in double:
         _assert_same_weights(single["weights"], result["weights"])
     one, two = _logged_losses(tmp_path / "one"), _logged_losses(tmp_path / "two")

@@ -201,7 +201,7 @@ def results(tmp_path_factory):
     from nbaccel.launch.testing import run_on_workers
 
     directory = tmp_path_factory.mktemp("deepspeed")
-    return run_on_workers(_scenarios, 2, args=(str(directory),), timeout=600)
+    return run_on_workers(_scenarios, 2, args=(str(directory),))
 
 
 @deepspeed_missing
@@ -414,7 +414,7 @@ def test_the_hang_watchdog_sees_a_rank_stuck_inside_the_engine():
     # 12 s: far above any gap between the ranks while they start (both import DeepSpeed)
     env = {"NBACCEL_HANG_AFTER": "12", "NBACCEL_ON_HANG": "raise"}
     with pytest.raises(WorkerTimeoutError) as caught:
-        run_on_workers(_stall_in_rank_1, 2, env=env, timeout=240)
+        run_on_workers(_stall_in_rank_1, 2, env=env)
     message = str(caught.value)
     assert "rank 0: waiting in torch.distributed.all_reduce" in message
     # where rank 0 was: the user's line first, then nbaccel's strategy, then DeepSpeed's engine

@@ -57,7 +57,7 @@ def _mixed_dtypes() -> list[str]:
 
 
 def test_gather_every_dtype_combination_on_two_processes():
-    for failures in run_on_workers(_mixed_dtypes, num_processes=2, timeout=300):
+    for failures in run_on_workers(_mixed_dtypes, num_processes=2):
         assert failures == []
 
 
@@ -85,6 +85,6 @@ def _evaluation_loop() -> tuple[list[float], list[int]]:
 
 def test_gather_for_metrics_float_logits_int_labels_uneven_last_batch():
     expected_logits = [float(3 * i * 3 + 3) for i in range(7)]  # row sums of the features
-    for logits, labels in run_on_workers(_evaluation_loop, num_processes=2, timeout=300):
+    for logits, labels in run_on_workers(_evaluation_loop, num_processes=2):
         assert sorted(labels) == list(range(7))  # every sample once, the duplicates dropped
         assert sorted(logits) == expected_logits

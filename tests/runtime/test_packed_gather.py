@@ -84,7 +84,7 @@ def _counting_gathers() -> dict[str, Any]:
 
 
 def test_a_gather_costs_one_collective_once_the_group_has_gathered():
-    for out in run_on_workers(_counting_gathers, num_processes=2, timeout=180):
+    for out in run_on_workers(_counting_gathers, num_processes=2):
         assert out["wrong"] == []
         steps = dict(out["steps"])
         assert steps.pop("first") == 2  # shapes unknown: header round, then data

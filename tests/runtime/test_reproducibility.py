@@ -67,8 +67,8 @@ CASES = {
 @pytest.mark.integration
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_and_two_processes_train_identically(case):
-    (single,) = run_on_workers(_train, num_processes=1, args=(dict(CASES[case]),), timeout=300)
-    double = run_on_workers(_train, num_processes=2, args=(dict(CASES[case]),), timeout=300)
+    (single,) = run_on_workers(_train, num_processes=1, args=(dict(CASES[case]),))
+    double = run_on_workers(_train, num_processes=2, args=(dict(CASES[case]),))
     for rank, result in enumerate(double):
         # the same samples in the same global order (so each was read exactly once)
         assert sorted(result["seen"]) == sorted(single["seen"]), rank
@@ -97,7 +97,7 @@ def _unprepared_order() -> list:
 
 
 def test_prepared_loader_keeps_the_unprepared_global_order():
-    for plain, got in run_on_workers(_unprepared_order, num_processes=2, timeout=300):
+    for plain, got in run_on_workers(_unprepared_order, num_processes=2):
         flat_plain = [i for b in plain for i in b]
         # rank-major gather of batch pairs = the plain loader's order
         assert [i for b in got for i in b] == flat_plain

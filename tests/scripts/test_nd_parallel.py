@@ -45,7 +45,7 @@ def _launch(tmp, name, *args):
     argv = [*args, "--num-steps", str(STEPS), "--checkpoint-frequency", "2"]
     argv += ["--sequence-length", str(SEQ), "--model-name", str(tmp / "tiny-llama")]
     argv += ["--save-dir", str(tmp / name), "--out", str(out)]
-    run_on_workers(_run_script, 4, args=(argv,), env={"HF_HUB_OFFLINE": "1"}, timeout=300)
+    run_on_workers(_run_script, 4, args=(argv,), env={"HF_HUB_OFFLINE": "1"})
     result = json.loads(out.read_text())
     return {int(k): v for k, v in result["losses"].items()}, result["step"]
 
@@ -253,7 +253,7 @@ def _hsdp_by_hand(model_dir):
 
 def test_hsdp_losses_equal_the_same_parallelisation_written_by_hand(tmp, hsdp):
     by_hand = run_on_workers(
-        _hsdp_by_hand, 4, args=(str(tmp / "tiny-llama"),), env={"HF_HUB_OFFLINE": "1"}, timeout=300
+        _hsdp_by_hand, 4, args=(str(tmp / "tiny-llama"),), env={"HF_HUB_OFFLINE": "1"}
     )[0]
     assert hsdp[0] == pytest.approx(by_hand, rel=1e-6)
 

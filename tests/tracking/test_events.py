@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from waits import HANG_GUARD_S
 
 from nbaccel.tracking import events, steps
 
@@ -35,7 +36,7 @@ def test_events_are_batched_in_order_and_a_timer_sends_the_rest(sink):
     for step in range(50):
         events.publish("log", step=step, values={"loss": float(step)})
     assert len(sink) < 50  # queued, not one send per call
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_GUARD_S
     while len(sink) < 50 and time.monotonic() < deadline:
         time.sleep(0.02)  # nothing else is published: the timer flushes
     assert [data["step"] for _, data in sink] == list(range(50))

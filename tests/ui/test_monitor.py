@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+from waits import HANG_GUARD_S
 
 from nbaccel.monitor import RunMonitor, watch
 
@@ -158,7 +159,7 @@ def test_monitor_follows_a_real_non_blocking_launch():
     out = io.StringIO()
     monitor = watch(handle, widget=False, stream=out, interval=0)
     assert handle.result(timeout=120) == {"rank": 0, "steps": 20}
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_GUARD_S
     while not monitor.finished and time.monotonic() < deadline:
         time.sleep(0.05)
     rows = monitor.rows()
@@ -240,7 +241,7 @@ def test_block_false_keeps_the_kernel_responsive_and_returns_rank0_value(kernel)
 def test_stop_terminates_every_worker(kernel):
     kernel.run(
         "h = notebook_launcher(forever, num_processes=2, block=False)\n"
-        "deadline = time.monotonic() + 60\n"
+        "deadline = time.monotonic() + 600\n"  # a hang guard, as every wait here
         "while not all(h.pids.values()) and time.monotonic() < deadline:\n"
         "    time.sleep(0.05)",
         timeout=90,
@@ -255,7 +256,7 @@ def test_stop_terminates_every_worker(kernel):
     assert set(states) <= {"stopped", "terminated", "killed"}, states
     from kernel_harness import wait_gone
 
-    assert not wait_gone(workers, timeout=5)
+    assert not wait_gone(workers, timeout=HANG_GUARD_S)
     kernel.assert_no_descendants(timeout=5)
     # the handle reports why it ended
     assert "Stopped" in kernel.evaluate("type(h.exception()).__name__")
