@@ -161,9 +161,19 @@ class CellOutput:
                 del self._bars[key]
 
     def set_listener(self, listener: OutputListener | None) -> None:
-        """Send lines and redraws to ``listener`` instead of the cell (None: the cell again)."""
+        """Send lines and redraws to ``listener`` instead of the cell (None: the cell again).
+
+        A progress bar this cell drew before ``listener`` took over is blanked: the listener
+        (the live monitor) draws the bars from now on, and the cell's copy would stay at its
+        old state beside it (a loaded machine drew rank 0's bar before ``watch()`` ran).
+        """
         self.flush()
-        self._listener = listener
+        with self._lock:
+            if listener is not None:
+                for display_id in self._bars.values():
+                    self.update(display_id, {"text/plain": ""})
+                self._bars.clear()
+            self._listener = listener
 
     def streams(self) -> tuple[CellStream, CellStream]:
         """File-like ``(stdout, stderr)`` writing into this cell."""
