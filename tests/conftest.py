@@ -287,7 +287,7 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid.split("::", 1)[0] in MATRIX_MODULES:
             item.add_marker(pytest.mark.matrix)
         # A test's own @pytest.mark.timeout(N) below the suite's hang guard is a speed bound
-        # that load can pass (120-500 s marks, written on an idle machine; issue 49): it is
+        # that load can pass (120-700 s marks, written on an idle machine; issue 49): it is
         # lifted to the guard, which still ends a real hang. Marks above it stay.
         marker = item.get_closest_marker("timeout")
         if guard and marker and marker.args and float(marker.args[0]) < guard:
