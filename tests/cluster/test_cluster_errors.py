@@ -3,8 +3,10 @@ needed (nothing may be placed: these fail first)."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import socket
 import sys
+import types
 
 import pytest
 
@@ -44,3 +46,48 @@ def test_the_cluster_setting_needs_no_master_port_for_several_nodes():
     assert cfg.master_port is None and cfg.cluster == "ray"
     with pytest.raises(ConfigError, match="master_port"):
         LaunchConfig(num_nodes=2)  # without a cluster the nodes must agree on a port
+
+
+def _ray_whose_init_raises(monkeypatch, error: Exception) -> list[str]:
+    """A stand-in ``ray`` module (no cluster: what is tested is nbaccel's handling of what
+    ``ray.init`` raised) whose ``init`` raises ``error``; returns the addresses tried."""
+    tried: list[str] = []
+
+    def init(address: str, **_: object) -> None:
+        tried.append(address)
+        raise error
+
+    ray = types.ModuleType("ray")
+    ray.__spec__ = importlib.machinery.ModuleSpec("ray", None)
+    ray.is_initialized = lambda: False
+    ray.init = init
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    return tried
+
+
+def test_a_ray_client_server_dying_at_every_start_is_tried_three_times_and_said(monkeypatch):
+    from nbaccel.launch.start.cluster import _cluster_place
+
+    died = ConnectionAbortedError("Initialization failure from server:\nProxy failed")
+    tried = _ray_whose_init_raises(monkeypatch, died)
+    with socket.socket() as head:  # something answers the address: it is reachable
+        head.bind(("127.0.0.2", 0))
+        head.listen()
+        cluster = f"ray://127.0.0.2:{head.getsockname()[1]}"
+        with pytest.raises(LaunchError, match=r"tried 3 times.*ray-project/ray#63202"):
+            _cluster_place.connect(cluster)
+    assert tried == [cluster] * 3
+
+
+def test_any_other_ray_init_error_is_said_at_once(monkeypatch):
+    from nbaccel.launch.start.cluster import _cluster_place
+
+    tried = _ray_whose_init_raises(monkeypatch, ConnectionAbortedError("version mismatch"))
+    with socket.socket() as head:
+        head.bind(("127.0.0.2", 0))
+        head.listen()
+        cluster = f"ray://127.0.0.2:{head.getsockname()[1]}"
+        with pytest.raises(LaunchError, match="version mismatch") as said:
+            _cluster_place.connect(cluster)
+    assert "tried" not in str(said.value)
+    assert tried == [cluster]

@@ -28,6 +28,8 @@ INSTALL = "pip install 'nbaccel[ray]'"
 PLACE_WAIT = 120.0
 #: seconds to wait for the cluster's address to answer before ray.init is tried
 REACH_WAIT = 10.0
+#: connections tried when Ray Client's server for one dies as it starts (_client_server_died)
+CLIENT_TRIES = 3
 
 
 def check_cluster_installed(cluster: str) -> None:
@@ -63,16 +65,45 @@ def connect(cluster: str) -> Any:
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     _check_reachable(address, cluster)
     try:
-        # the ranks' lines come over nbaccel's own channel: Ray's copy of the actors'
-        # output would show each line twice (the actors themselves print nothing)
-        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+        _init(ray, address)
     except Exception as err:
+        said = (
+            f" (tried {CLIENT_TRIES} times: each time the head's Ray Client server for this "
+            "connection died as it started, a known Ray bug, ray-project/ray#63202)"
+            if _client_server_died(err)
+            else ""
+        )
         raise LaunchError(
             f"could not reach the Ray cluster at {address!r} (cluster={cluster!r}): "
-            f"{type(err).__name__}: {err}. Fix: start it (`ray start --head`), set "
+            f"{type(err).__name__}: {err}{said}. Fix: start it (`ray start --head`), set "
             "RAY_ADDRESS, pass cluster='ray://host:10001', or call ray.init() first."
         ) from err
     return ray
+
+
+def _init(ray: Any, address: str) -> None:
+    """``ray.init``, tried again (a new Ray Client connection, so a new server for it) while
+    the head's server for the connection dies as it starts."""
+    tries = CLIENT_TRIES if address.startswith("ray://") else 1
+    for attempt in range(1, tries + 1):
+        try:
+            # the ranks' lines come over nbaccel's own channel: Ray's copy of the actors'
+            # output would show each line twice (the actors themselves print nothing)
+            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+            return
+        except ConnectionAbortedError as err:
+            if attempt == tries or not _client_server_died(err):
+                raise
+
+
+def _client_server_died(err: BaseException) -> bool:
+    """Ray Client's first message failed because the server the head's proxy forked for this
+    connection died as it started: gRPC's state, forked from the proxy's threads, aborts it
+    in about 7% of starts (ray-project/ray#63202, open in Ray 2.60). The connection was
+    closed (Ray disconnects a failed one); a new one gets a new server."""
+    return isinstance(err, ConnectionAbortedError) and "Initialization failure from server" in str(
+        err
+    )
 
 
 def _check_reachable(address: str, cluster: str) -> None:
