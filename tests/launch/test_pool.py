@@ -27,6 +27,18 @@ def _rank() -> int:
 
 @pytest.fixture
 def pool() -> WorkerPool:
+    """Two forked workers without a straggler bound (``timeout=``): a rank that lags its peer
+    on a loaded machine is not a stuck one (the slow-machine rehearsal fc19 of 8f56880: after
+    a restart, a fresh rank 1 finished a trivial call more than 4 s after rank 0, and the
+    pool called it stuck)."""
+    with start_workers(num_processes=2, start_method="fork") as p:
+        yield p
+
+
+@pytest.fixture
+def stuck_pool() -> WorkerPool:
+    """Two forked workers with a 4 s straggler bound, for the tests of that bound: a rank
+    asleep for 60 s, a peer stuck in a collective, collectives out of step."""
     with start_workers(num_processes=2, timeout=4, start_method="fork") as p:
         yield p
 
@@ -41,7 +53,8 @@ def slow_rank_one() -> int:
 
 
 @pytest.mark.timeout(180)
-def test_hang_names_the_stuck_rank_with_its_stack_and_restarts(pool, capsys):
+def test_hang_names_the_stuck_rank_with_its_stack_and_restarts(stuck_pool, capsys):
+    pool = stuck_pool
     old = pool.pids
     with pytest.raises(WorkerTimeoutError) as info:
         pool.run(slow_rank_one)
@@ -67,7 +80,8 @@ def fails_while_peer_waits() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_real_error_first_when_a_peer_is_stuck_in_a_collective(pool, capsys):
+def test_real_error_first_when_a_peer_is_stuck_in_a_collective(stuck_pool, capsys):
+    pool = stuck_pool
     with pytest.raises(ValueError, match="rank one gives up") as info:
         pool.run(fails_while_peer_waits)  # before the peer's collective timed out (timeout=4)
     assert isinstance(info.value, WorkerError) and info.value.rank == 1
@@ -93,7 +107,8 @@ def extra_collective_then_fail() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_collectives_out_of_step_after_a_failure_restart_the_pool(pool, capsys):
+def test_collectives_out_of_step_after_a_failure_restart_the_pool(stuck_pool, capsys):
+    pool = stuck_pool
     with pytest.raises(KeyError, match="rank 1 left early"):
         pool.run(extra_collective_then_fail)
     assert "out of step" in capsys.readouterr().err
